@@ -1,0 +1,236 @@
+"""DAPO dynamic sampling: drop prompt groups whose responses all got the same reward, accumulate generation
+batches until a training batch is full (verl ``recipe/dapo/dapo_ray_trainer.py`` semantics).
+
+Pure Python/PyTorch; no process groups (every rank holding the same batch gets the same answer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_dapo.algo.advantages import GroupIds, group_index
+
+Batch = dict[str, Any]  # values: tensors / arrays with a leading [B] dimension, or lists of length B
+
+__all__ = ["DynamicSamplingAccumulator", "concat_batches", "filter_groups", "select_rows"]
+
+
+def _to_float64(values: torch.Tensor | np.ndarray | Sequence[Any]) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.float64).reshape(-1)
+    return torch.as_tensor(np.asarray(values, dtype=np.float64).reshape(-1))
+
+
+def filter_groups(metric_values: torch.Tensor | np.ndarray | Sequence[float], group_ids: GroupIds) -> torch.Tensor:
+    """Which responses to keep: those whose group has a non-zero metric spread, or is a group of one.
+
+    Args:
+        metric_values: ``[B]`` per-response metric (``acc``, ``score``, ``seq_reward``, ``seq_final_reward``).
+        group_ids: ``[B]`` prompt ids (any hashables).
+
+    Returns:
+        ``keep[B]`` bool tensor. A group is kept iff its metric values are not all equal (verl: ``np.std > 0``)
+        **or it has a single response** (verl keeps groups of one: ``std > 0 or len(vals) == 1``). A group with a
+        NaN metric is dropped unless it is a group of one (verl: ``nan > 0`` is False).
+
+    "Not all equal" is tested exactly (``max > min``). verl's ``np.std`` can be a rounding-level positive number
+    for identical values that are not exactly representable (e.g. ``np.std([0.1] * 3) = 1.4e-17``), in which case
+    verl keeps a constant group; we drop it, which is what the filter is for. For the usual metrics (``acc``,
+    +-1 scores) the two agree.
+    """
+    values = _to_float64(metric_values)
+    if values.shape[0] != len(group_ids):
+        raise ValueError(f"metric_values has {values.shape[0]} entries, group_ids has {len(group_ids)}")
+    if values.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    index, num_groups = group_index(group_ids)
+    counts = torch.bincount(index, minlength=num_groups)
+    hi = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, index, values, "amax")
+    lo = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, index, values, "amin")
+    has_nan = torch.zeros(num_groups, dtype=torch.bool).index_put_((index,), values.isnan(), accumulate=True)
+    keep_group = ((hi > lo) & ~has_nan) | (counts == 1)
+    return keep_group[index]
+
+
+def _length(value: Any) -> int:
+    return int(value.shape[0]) if isinstance(value, (torch.Tensor, np.ndarray)) else len(value)
+
+
+def select_rows(batch: Batch, rows: Sequence[int]) -> Batch:
+    """Rows ``rows`` (in that order) of every entry of ``batch``."""
+    out: Batch = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = value[torch.as_tensor(list(rows), dtype=torch.long, device=value.device)]
+        elif isinstance(value, np.ndarray):
+            out[key] = value[np.asarray(rows, dtype=np.int64)]
+        else:
+            out[key] = [value[i] for i in rows]
+    return out
+
+
+def concat_batches(batches: Sequence[Batch]) -> Batch:
+    """Concatenate batches with the same keys along the first dimension (tensors: ``torch.cat``; arrays:
+    ``np.concatenate``; lists: list concatenation). Tensors must agree on trailing dims (pad before adding)."""
+    if not batches:
+        return {}
+    keys = list(batches[0])
+    out: Batch = {}
+    for key in keys:
+        parts = [b[key] for b in batches]
+        first = parts[0]
+        if isinstance(first, torch.Tensor):
+            out[key] = torch.cat(parts, dim=0)
+        elif isinstance(first, np.ndarray):
+            out[key] = np.concatenate(parts, axis=0)
+        else:
+            out[key] = [x for p in parts for x in p]
+    return out
+
+
+class DynamicSamplingAccumulator:
+    """Collects kept prompt groups over generation batches until ``train_batch_size`` prompts are available.
+
+    Usage per training step::
+
+        acc = DynamicSamplingAccumulator(train_batch_size, n)
+        while not acc.is_full():
+            batch = generate_and_score(...)
+            acc.add(batch, group_ids, metric_values)
+            acc.check_budget(cfg.algorithm.filter_groups.max_num_gen_batches)   # raises if over budget
+        train_batch = acc.take()    # exactly train_batch_size * n trajectories
+
+    Group ids are scoped to one ``add`` call (ids may repeat across generation batches). Groups are kept whole and
+    in arrival order (order of first appearance); the trajectories of a group keep their relative order.
+    ``take`` returns the first ``train_batch_size`` kept groups and discards the surplus (verl trims to
+    ``train_batch_size * n`` trajectories and drops the rest), then resets the counters for the next step.
+
+    With ``enable=False`` every group is kept (verl's behaviour without ``filter_groups``).
+    """
+
+    def __init__(self, train_batch_size: int, n: int, enable: bool = True) -> None:
+        if train_batch_size <= 0 or n <= 0:
+            raise ValueError(f"train_batch_size ({train_batch_size}) and n ({n}) must be positive")
+        self.train_batch_size = train_batch_size
+        self.n = n
+        self.enable = enable
+        self._reset()
+
+    def _reset(self) -> None:
+        self._groups: list[tuple[int, list[int]]] = []  # (part index, rows) per kept group, arrival order
+        self._parts: list[Batch] = []
+        self._part_group_ids: list[list[Hashable]] = []
+        self.num_gen_batches = 0
+        self.num_prompts_generated = 0
+        self.num_trajectories_generated = 0
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def num_prompts_kept(self) -> int:
+        """Kept prompt groups so far (may exceed ``train_batch_size`` before ``take``)."""
+        return len(self._groups)
+
+    @property
+    def kept_ratio(self) -> float:
+        """Kept prompts / generated prompts since the last ``take`` (0.0 before anything was generated)."""
+        return self.num_prompts_kept / self.num_prompts_generated if self.num_prompts_generated else 0.0
+
+    def is_full(self) -> bool:
+        return self.num_prompts_kept >= self.train_batch_size
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "train/num_gen_batches": float(self.num_gen_batches),
+            "train/num_prompts_kept": float(self.num_prompts_kept),
+            "train/num_prompts_generated": float(self.num_prompts_generated),
+            "train/kept_prompt_ratio": self.kept_ratio,
+        }
+
+    # ------------------------------------------------------------------ operations
+
+    def add(
+        self,
+        batch: Batch,
+        group_ids: GroupIds,
+        metric_values: torch.Tensor | np.ndarray | Sequence[float] | None = None,
+    ) -> None:
+        """Add one generation batch (``B`` trajectories; ``B`` may be 0) and keep its informative groups.
+
+        Args:
+            batch: dict of tensors/arrays/lists, each with leading length ``B``.
+            group_ids: ``[B]`` prompt ids.
+            metric_values: ``[B]`` filter metric; ignored (may be None) when filtering is disabled.
+        """
+        size = len(group_ids)
+        for key, value in batch.items():
+            if _length(value) != size:
+                raise ValueError(f"batch[{key!r}] has {_length(value)} rows, group_ids has {size}")
+        self.num_gen_batches += 1
+        self.num_trajectories_generated += size
+        if size == 0:
+            return
+        index, num_groups = group_index(group_ids)
+        self.num_prompts_generated += num_groups
+        if self.enable:
+            if metric_values is None:
+                raise ValueError("metric_values are required when dynamic sampling (filter_groups) is enabled")
+            keep = filter_groups(metric_values, group_ids).tolist()
+        else:
+            keep = [True] * size
+        rows_of: list[list[int]] = [[] for _ in range(num_groups)]
+        for row, g in enumerate(index.tolist()):
+            rows_of[g].append(row)
+        part = len(self._parts)
+        self._parts.append(batch)
+        self._part_group_ids.append(list(group_ids.tolist() if hasattr(group_ids, "tolist") else group_ids))
+        for rows in rows_of:
+            if keep[rows[0]]:
+                self._groups.append((part, rows))
+
+    def check_budget(self, max_num_gen_batches: int) -> None:
+        """Raise ``RuntimeError`` if the batch is not full and ``max_num_gen_batches`` (> 0) batches were generated.
+
+        ``max_num_gen_batches <= 0`` means unlimited (never raises).
+        """
+        if self.is_full() or max_num_gen_batches <= 0 or self.num_gen_batches < max_num_gen_batches:
+            return
+        raise RuntimeError(
+            f"dynamic sampling kept {self.num_prompts_kept} of {self.num_prompts_generated} generated prompts "
+            f"({self.num_trajectories_generated} trajectories) after {self.num_gen_batches} generation batches, "
+            f"but a training step needs {self.train_batch_size} prompts with a non-zero reward spread "
+            f"(algorithm.filter_groups.max_num_gen_batches={max_num_gen_batches}). Raise "
+            "algorithm.filter_groups.max_num_gen_batches (0 = unlimited) or data.gen_batch_size, or check the "
+            "rewards: most groups got identical rewards (data too easy/too hard, or a broken reward function)."
+        )
+
+    def take(self, return_group_ids: bool = False) -> Batch | tuple[Batch, list[Hashable]]:
+        """The training batch: the first ``train_batch_size`` kept groups, concatenated (``train_batch_size * n``
+        trajectories when every group has ``n`` responses). Resets the accumulator.
+
+        With ``return_group_ids`` also returns the ``[train_batch_size * n]`` group ids, made unique across
+        generation batches as ``(gen_batch_index, original_id)`` tuples.
+        """
+        if not self.is_full():
+            raise RuntimeError(
+                f"take() before the batch is full: {self.num_prompts_kept} of {self.train_batch_size} prompts kept"
+            )
+        chosen = self._groups[: self.train_batch_size]
+        pieces: list[Batch] = []
+        ids: list[Hashable] = []
+        # consecutive groups from the same generation batch are selected in one go
+        run_part, run_rows = chosen[0][0], list(chosen[0][1])
+        for part, rows in chosen[1:] + [(-1, [])]:
+            if part == run_part:
+                run_rows.extend(rows)
+                continue
+            pieces.append(select_rows(self._parts[run_part], run_rows))
+            ids.extend((run_part, self._part_group_ids[run_part][r]) for r in run_rows)
+            run_part, run_rows = part, list(rows)
+        out = concat_batches(pieces)
+        self._reset()
+        return (out, ids) if return_group_ids else out

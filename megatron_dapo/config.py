@@ -1,0 +1,393 @@
+"""Experiment configuration: typed dataclass sections, YAML files and dotted command-line overrides.
+
+The config is read once (``load_config``) into an ``ExperimentConfig`` and passed down; no module reads YAML or
+environment variables on its own. Errors name the offending key and say what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or inconsistent with another value."""
+
+
+# --------------------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    """Which model and in which precision. The architecture comes from the HF ``config.json``."""
+
+    hf_config_dir: Optional[str] = None  # directory holding config.json (+ tokenizer files)
+    tokenizer_dir: Optional[str] = None  # defaults to hf_config_dir
+    params_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    make_vocab_size_divisible_by: int = 128
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    platform: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    timeout_minutes: int = 30
+
+
+@dataclass
+class CheckpointConfig:
+    load_dir: Optional[str] = None  # converter output (``megatron-dapo convert hf-to-mcore``) for the initial weights
+    ref_load_dir: Optional[str] = None  # reference model weights; defaults to load_dir
+    save_dir: Optional[str] = None  # training checkpoints (dist_checkpointing); defaults to <output_dir>/checkpoints
+    save_freq: int = -1  # steps; -1 = only at the end
+    resume_mode: str = "auto"  # auto | disable | <path to a step directory>
+    max_ckpt_to_keep: Optional[int] = None
+    save_optimizer: bool = True
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 8  # prompts per training step
+    gen_batch_size: Optional[int] = None  # prompts per generation batch; defaults to train_batch_size
+    val_batch_size: Optional[int] = None
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    filter_overlong_prompts: bool = False
+    shuffle: bool = True
+    seed: int = 1
+    apply_chat_template: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_warmup_steps_ratio: float = 0.0
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 8  # prompts per mini-batch (x n responses)
+    ppo_micro_batch_size_per_gpu: int = 4  # sequences per micro-batch
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 10.0
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    log_prob_micro_batch_size_per_gpu: int = 8
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class ValKwargs:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = False
+    n: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    tensor_model_parallel_size: int = 1
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 0
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto = model.params_dtype
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_mb: int = 256  # CPU: the KV cache size must be given explicitly
+    max_num_seqs: int = 256
+    enforce_eager: bool = True
+    free_cache_engine: bool = True  # sleep/wake between phases where the platform supports it
+    weight_sync_bucket_mb: int = 512
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "acc"
+    max_num_gen_batches: int = 0  # 0 = unlimited
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_is_threshold: Optional[float] = None  # truncated importance-sampling correction (train vs rollout)
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    len: int = 4096
+    penalty_factor: float = 1.0
+    log: bool = False
+
+
+@dataclass
+class CustomFunctionConfig:
+    path: Optional[str] = None
+    name: str = "compute_score"
+    weight: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    custom_function: CustomFunctionConfig = field(default_factory=CustomFunctionConfig)
+    extra_functions: list[dict] = field(default_factory=list)  # [{path, name, weight}] combined with weights
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    overlong_filter: bool = False  # mask truncated responses out of the loss
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    error_score: float = 0.0
+    max_logged_errors: int = 3
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "megatron-dapo"
+    experiment_name: str = "run"
+    output_dir: str = "outputs/run"
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None
+    test_freq: int = -1
+    val_before_train: bool = True
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    rollout_data_dir: Optional[str] = None
+    seed: int = 1
+    progress_bar: bool = True
+
+
+@dataclass
+class ExperimentConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> ExperimentConfig:
+    """Read a YAML file (optional), apply ``a.b.c=value`` overrides and build a checked ``ExperimentConfig``."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        with open(path) as f:
+            loaded = yaml.safe_load(f)
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}")
+        raw = loaded or {}
+    for item in overrides or []:
+        apply_override(raw, item)
+    return from_dict(ExperimentConfig, raw)
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Apply one ``dotted.key=value`` override to a raw config dict (value parsed as YAML)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected the form section.key=value")
+    key, value_text = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r}: empty key component in {key!r}")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(value_text) if value_text.strip() != "" else None
+
+
+def from_dict(cls: type, data: Any, where: str = "") -> Any:
+    """Build dataclass ``cls`` from a raw mapping, checking names and types recursively."""
+    label = where or "<top level>"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{label}: expected a section (mapping), got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            nearest = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
+            raise ConfigError(
+                f"unknown config key {dotted!r}{hint} Valid keys in {label}: {', '.join(sorted(fields))}"
+            )
+        kwargs[key] = _coerce(hints[key], value, dotted)
+    return cls(**kwargs)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is not None:
+        return str(tp).replace("typing.", "")
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+
+    def fail() -> ConfigError:
+        return ConfigError(f"config key {key!r}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError:
+                continue
+        raise fail()
+    if origin is Literal:
+        if value in args:
+            return value
+        raise fail()
+    if origin is list:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and args and args[0] is str:
+            return [str(value)]  # a single path given where a list is expected
+        if not isinstance(value, (list, tuple)):
+            raise fail()
+        return [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise fail()
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise fail()
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise fail()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise fail() from None
+        raise fail()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise fail()
+    if tp is Any:
+        return value
+    raise ConfigError(f"config key {key!r}: unsupported field type {tp}")
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain-dict view (for saving the resolved config next to checkpoints and logs)."""
+    return dataclasses.asdict(cfg)
+
+
+def validate_parallel_layout(
+    parallel: ParallelConfig,
+    world_size: int,
+    num_layers: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+) -> int:
+    """Check that the parallel sizes fit the world and the model; returns the data-parallel size."""
+    tp = parallel.tensor_model_parallel_size
+    pp = parallel.pipeline_model_parallel_size
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"parallel.tensor_model_parallel_size={tp} and pipeline_model_parallel_size={pp} must be >= 1")
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size"
+            f" = {tp} x {pp} = {tp * pp}"
+        )
+    if num_attention_heads % tp != 0:
+        raise ConfigError(
+            f"num_attention_heads={num_attention_heads} is not divisible by tensor_model_parallel_size={tp}"
+        )
+    if num_query_groups % tp != 0:
+        raise ConfigError(
+            f"num_key_value_heads (query groups)={num_query_groups} is not divisible by tensor_model_parallel_size={tp}"
+        )
+    stages = pp * (vpp or 1)
+    if num_layers % stages != 0:
+        raise ConfigError(
+            f"num_hidden_layers={num_layers} is not divisible by pipeline_model_parallel_size x virtual size"
+            f" = {pp} x {vpp or 1} = {stages}"
+        )
+    if vpp is not None and pp < 2:
+        raise ConfigError(f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2")
+    if parallel.sequence_parallel and tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
+    return world_size // (tp * pp)

@@ -1,0 +1,200 @@
+"""Build megatron-core ``GPTModel`` chunks (actor: trainable, DDP-wrapped; reference: frozen) from ``ModelArch``."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_dapo.config import ExperimentConfig, ModelConfig, ParallelConfig
+from megatron_dapo.models.families import ModelArch
+from megatron_dapo.platform import get_platform
+from megatron_dapo.weights.layout import padded_vocab_size
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm computed as HF does (fp32 statistics, weight applied in the input dtype).
+
+    The weight carries ``sequence_parallel`` so megatron-core's ``finalize_model_grads`` all-reduces its gradient
+    over TP when sequence parallelism splits the tokens (torch's own norm refuses SP in megatron-core's local spec).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class QKRMSNorm(RMSNorm):
+    """Per-head q/k norm: acts on TP-split heads, so it is not sequence-parallel (grads reduced by name)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(config, hidden_size, eps)
+        self.weight.sequence_parallel = False
+
+
+def transformer_config(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig):
+    """``TransformerConfig`` for ``arch`` under ``parallel``; CPU-safe choices where megatron-core offers them."""
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = DTYPES[model.params_dtype]
+    on_cpu = get_platform().name == "cpu"
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=on_cpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        # Responses differ in length from step to step; p2p shapes are exchanged per micro-batch.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # avoids a MoE-only check that variable_seq_lengths trips
+        batch_p2p_sync=not on_cpu,
+        init_method_std=0.02,
+    )
+
+
+def layer_spec(arch: ModelArch, config, vp_stage: Optional[int] = None):
+    """TransformerEngine spec where TE is usable; otherwise megatron-core's local spec with SP-aware RMSNorms."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if get_platform().use_transformer_engine():
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    sub = spec.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    if arch.qk_layernorm:
+        sub.self_attention.submodules.q_layernorm = QKRMSNorm
+        sub.self_attention.submodules.k_layernorm = QKRMSNorm
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=RMSNorm)
+
+
+def llama3_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """Llama-3 rope frequencies with all four scaling parameters (megatron-core fixes three of them)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig) -> list:
+    """One ``GPTModel`` per virtual pipeline stage on this rank (a single chunk without VPP)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(arch, cfg.parallel, cfg.model)
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+    vocab = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(arch, config, stage),
+            vocab_size=vocab,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+            vp_stage=stage,
+        )
+        if arch.llama3_rope_scaling is not None:
+            model.rotary_pos_emb.inv_freq = llama3_inv_freq(arch.head_dim, arch.rope_theta, arch.llama3_rope_scaling).to(
+                model.rotary_pos_emb.inv_freq.device
+            )
+        model.to(get_platform().device())
+        chunks.append(model)
+    return chunks
+
+
+def wrap_for_training(chunks: list, cfg: ExperimentConfig) -> list:
+    """Float16Module (bf16/fp16) + megatron-core DDP, as Megatron-LM's ``get_model`` does."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    config = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    wrapped = []
+    for i, model in enumerate(chunks):
+        if config.bf16 or config.fp16:
+            model = Float16Module(config, model)
+        wrapped.append(
+            DistributedDataParallel(
+                config=config,
+                ddp_config=ddp_config,
+                module=model,
+                disable_bucketing=i > 0,
+            )
+        )
+    return wrapped
+
+
+def freeze(chunks: list) -> list:
+    """Reference model: no gradients, no optimizer state, eval mode."""
+    for model in chunks:
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return chunks
+
+
+def unwrap(model):
+    """DDP / Float16Module → the GPTModel inside."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

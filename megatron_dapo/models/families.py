@@ -1,0 +1,230 @@
+"""Supported model families: HF ``config.json`` → architecture facts, and the HF⇄Megatron parameter name map.
+
+The config mapping and the name map sit together so that adding a family touches one table. Tensor *layout*
+transforms (QKV interleave, gate/up fuse, vocab padding, TP split) live in ``megatron_dapo.weights.layout``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes an architecture we do not map."""
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    hf_architecture: str
+    qkv_bias: bool  # Qwen2: q/k/v projections carry a bias
+    qk_layernorm: bool  # Qwen3: RMSNorm on each head's q and k
+
+
+FAMILIES: dict[str, FamilySpec] = {
+    "qwen2": FamilySpec("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_layernorm=False),
+    "qwen3": FamilySpec("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_layernorm=True),
+    "llama": FamilySpec("llama", "LlamaForCausalLM", qkv_bias=False, qk_layernorm=False),
+}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Everything about the architecture that the Megatron model and the layout transforms need."""
+
+    family: FamilySpec
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_layernorm: bool
+    # llama3 rope scaling: {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}
+    llama3_rope_scaling: Optional[dict] = None
+    hf_config: Optional[dict] = None
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+
+def load_hf_config(source: Union[str, Path, dict]) -> dict:
+    """Read ``config.json`` from a directory or file (a dict passes through)."""
+    if isinstance(source, dict):
+        return source
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"HF config not found: {path} (expected a model directory containing config.json)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _rope_params(cfg: dict) -> dict:
+    # transformers >= 5 writes "rope_parameters"; older configs have rope_theta + rope_scaling at the top level.
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params["type"]
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def model_arch_from_hf(source: Union[str, Path, dict]) -> ModelArch:
+    """Parse an HF config into ``ModelArch``; unsupported architectures/features raise with what is supported."""
+    cfg = load_hf_config(source)
+    model_type = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    family = FAMILIES.get(model_type)
+    if family is None:
+        by_arch = [f for f in FAMILIES.values() if f.hf_architecture in archs]
+        family = by_arch[0] if by_arch else None
+    if family is None:
+        supported = ", ".join(f"{f.name} ({f.hf_architecture})" for f in FAMILIES.values())
+        raise UnsupportedModelError(
+            f"unsupported architecture model_type={model_type!r} architectures={archs}; supported: {supported}"
+        )
+    rope = _rope_params(cfg)
+    llama3 = None
+    if rope["rope_type"] == "llama3":
+        llama3 = {
+            "factor": float(rope.get("factor", 8.0)),
+            "low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
+            "high_freq_factor": float(rope.get("high_freq_factor", 4.0)),
+            "original_max_position_embeddings": int(rope.get("original_max_position_embeddings", 8192)),
+        }
+    elif rope["rope_type"] != "default":
+        raise UnsupportedModelError(
+            f"rope type {rope['rope_type']!r} is not supported (supported: default, llama3) in {family.name} config"
+        )
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModelError(f"{family.name}: mlp_bias=true is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"{family.name}: hidden_act={cfg.get('hidden_act')!r} is not supported (silu)")
+    if cfg.get("use_sliding_window"):
+        raise UnsupportedModelError(f"{family.name}: use_sliding_window=true is not supported")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    qkv_bias = family.qkv_bias or bool(cfg.get("attention_bias", False))
+    return ModelArch(
+        family=family,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope["rope_theta"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_layernorm=family.qk_layernorm,
+        llama3_rope_scaling=llama3,
+        hf_config=cfg,
+    )
+
+
+# ------------------------------------------------------------------------------------------- name map
+
+ParamKind = Literal["copy", "qkv", "gate_up", "vocab"]
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    """One Megatron parameter and the HF tensor(s) it is made from.
+
+    ``mcore`` uses the global layer index (``decoder.layers.{i}.``); ``tp_dim`` is the dimension split across
+    tensor-parallel ranks (None: replicated). ``kind`` names the layout transform.
+    """
+
+    mcore: str
+    hf: tuple[str, ...]
+    kind: ParamKind
+    tp_dim: Optional[int]
+    layer: Optional[int] = None
+
+
+def layer_param_mappings(arch: ModelArch, layer: int) -> list[ParamMapping]:
+    """Megatron (local/MindSpeed-style module names) ⇄ HF names for one decoder layer."""
+    m = f"decoder.layers.{layer}."
+    h = f"model.layers.{layer}."
+    out = [
+        ParamMapping(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy", None, layer),
+        ParamMapping(
+            m + "self_attention.linear_qkv.weight",
+            tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"),
+            "qkv",
+            0,
+            layer,
+        ),
+    ]
+    if arch.qkv_bias:
+        out.append(
+            ParamMapping(
+                m + "self_attention.linear_qkv.bias",
+                tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"),
+                "qkv",
+                0,
+                layer,
+            )
+        )
+    if arch.qk_layernorm:
+        out.append(ParamMapping(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy", None, layer))
+        out.append(ParamMapping(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy", None, layer))
+    out += [
+        ParamMapping(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy", 1, layer),
+        ParamMapping(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy", None, layer),
+        ParamMapping(
+            m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "gate_up", 0, layer
+        ),
+        ParamMapping(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", 1, layer),
+    ]
+    return out
+
+
+def param_mappings(arch: ModelArch) -> list[ParamMapping]:
+    """The whole model's map, in HF order (embedding, layers, final norm, output head)."""
+    out = [ParamMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0)]
+    for layer in range(arch.num_layers):
+        out += layer_param_mappings(arch, layer)
+    out.append(ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None))
+    if not arch.tie_word_embeddings:
+        out.append(ParamMapping("output_layer.weight", ("lm_head.weight",), "vocab", 0))
+    return out
+
+
+# TransformerEngine's spec fuses the pre-attention / pre-MLP norms into the following linear layer.
+TE_NAME_ALIASES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def to_te_name(name: str) -> str:
+    """Local-spec parameter name → the TransformerEngine spec's name for the same tensor."""
+    for local, te in TE_NAME_ALIASES.items():
+        if name.endswith(local):
+            return name[: -len(local)] + te
+    return name
+
+
+def from_te_name(name: str) -> str:
+    for local, te in TE_NAME_ALIASES.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name

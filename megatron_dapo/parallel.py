@@ -1,0 +1,93 @@
+"""torch.distributed and megatron-core ``parallel_state`` initialisation from torchrun's environment + config."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.config import ParallelConfig
+from megatron_dapo.platform import Platform, init_platform
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def dist_info_from_env() -> DistInfo:
+    """Rank/world from torchrun's variables (a single process without torchrun is rank 0 of 1)."""
+    return DistInfo(
+        rank=int(os.environ.get("RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def init_distributed(parallel: ParallelConfig) -> tuple[DistInfo, Platform]:
+    """Choose the platform, bind the device and create the default process group (idempotent)."""
+    platform = init_platform(parallel.platform)
+    info = dist_info_from_env()
+    platform.set_device(info.local_rank)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            backend=platform.dist_backend,
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=datetime.timedelta(minutes=parallel.timeout_minutes),
+        )
+    return info, platform
+
+
+def init_model_parallel(parallel: ParallelConfig, seed: int = 1) -> None:
+    """Create megatron-core's TP/PP/DP groups (gloo groups too, for CPU-side collectives) and seed RNG streams."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+    )
+    from megatron_dapo.platform import get_platform
+
+    get_platform().seed(seed)
+
+
+def destroy_model_parallel() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Broadcast a picklable object from ``src`` to every rank of the default group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_reduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor

@@ -1,0 +1,118 @@
+"""CPU accommodations for megatron-core's CUDA-only spots — the only place they live; applied only on CPU.
+
+megatron-core 0.16 assumes CUDA in a handful of places (see shared/notes/cpu-stack.md):
+  * tensor factories with a hard-coded ``device="cuda"`` / ``torch.cuda.current_device()`` (schedules' token
+    counter, p2p shapes, SP buffers, grad-norm scratch tensors, optimizer scale tensors);
+  * ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks in grad clipping and the optimizers' __init__;
+  * ``torch.cuda.synchronize()`` in p2p communication;
+  * the tensor-parallel RNG tracker, which swaps the CUDA generator state.
+Rather than patching each call site, one ``TorchFunctionMode`` redirects CUDA device arguments to the CPU and
+reports CPU tensor types under their CUDA names, and the RNG tracker is replaced by one that swaps the CPU
+generator state. Nothing here changes numerics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied = False
+_mode: TorchFunctionMode | None = None
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int means "CUDA device index" for torch factories.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Runs CUDA-addressed tensor creation and moves on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        if "device" in kwargs and kwargs["device"] is not None and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)
+        return func(*args, **kwargs)
+
+
+def _make_cpu_rng_tracker():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(CudaRNGStatesTracker):
+        """Megatron's named RNG streams (data-/tensor-/expert-parallel), kept as CPU generator states."""
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            previous, self._current_state_name = self._current_state_name, name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+                self._current_state_name = previous
+
+    return CpuRNGStatesTracker
+
+
+def apply_cpu_shims() -> None:
+    """Install the accommodations once per process."""
+    global _applied, _mode
+    if _applied:
+        return
+    from megatron.core.tensor_parallel import random as tp_random
+
+    torch.cuda.current_device = lambda: "cpu"  # used as a device argument only
+    torch.cuda.synchronize = lambda *a, **k: None
+    tp_random._CUDA_RNG_STATE_TRACKER = _make_cpu_rng_tracker()()
+    tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _mode = CudaToCpuMode()
+    _mode.__enter__()  # process-wide for the main thread, where megatron-core runs
+    _applied = True
+
+
+def seed_cpu(seed: int) -> None:
+    """CPU equivalent of megatron-core's ``model_parallel_cuda_manual_seed`` (same stream names and offsets)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tracker = tp_random._CUDA_RNG_STATE_TRACKER
+    tracker.reset()
+    torch.manual_seed(seed)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    tracker.add(tp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(tp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)

@@ -1,0 +1,434 @@
+"""Rule-based reward manager (verl ``DAPORewardManager`` semantics) with a process pool and per-call timeouts.
+
+Flow for a batch of ``B`` right-padded responses ``[B, T]``: decode each valid prefix, route by ``data_source``,
+score in worker processes, apply DAPO overlong shaping, put the final reward on the last valid token.
+
+Routing: ``math_dapo``, ``math``, ``math_dapo_reasoning`` and names starting with ``aime`` use the built-in
+:mod:`megatron_dapo.reward.math_dapo` scorer (as verl's ``default_compute_score``); every other data source uses
+the configured custom function(s) (``reward.custom_function`` plus ``reward.extra_functions``, combined with
+their weights), and without one the call fails with an error naming the data source and the config key.
+
+Workers: a ``concurrent.futures.ProcessPoolExecutor`` (``forkserver`` start method where available, else
+``spawn``; never ``fork``, since the caller holds threads) with ``reward.num_workers`` processes, created on first
+use and kept. At most one scorer per worker is in flight, so each call's deadline is measured from its start. A
+scorer that runs past ``reward.timeout_s`` is interrupted inside the worker (SIGALRM); one that does not return
+within ``timeout_s + max(2, timeout_s)`` (stuck in C code, signals blocked) has the pool killed and recreated, and
+the other in-flight calls are resubmitted. A scorer that raises or times out scores ``reward.error_score`` and is
+counted (``reward/num_errors``, ``reward/num_timeouts``); the first ``reward.max_logged_errors`` failures of a
+call are logged with their traceback. ``reward.num_workers = 0`` scores in-process, without timeouts (debugging).
+
+The worker processes import only :mod:`megatron_dapo.reward.custom` and :mod:`megatron_dapo.reward.math_dapo`
+(no torch), plus the ``megatron_dapo`` package ``__init__``; the main module must be import-safe (guarded by
+``if __name__ == "__main__"``), as for any spawn/forkserver pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import torch
+
+from megatron_dapo.config import ConfigError, RewardConfig
+from megatron_dapo.reward import custom, math_dapo
+from megatron_dapo.reward.overlong import overlong_penalty
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MATH_DAPO_SOURCES", "RewardManager", "RewardResult", "route_data_source"]
+
+MATH_DAPO_SOURCES: tuple[str, ...] = ("math_dapo", "math", "math_dapo_reasoning")
+_MAX_ATTEMPTS_ON_WORKER_DEATH = 2
+_WARMUP_TIMEOUT_S = 120.0
+
+
+def route_data_source(data_source: str) -> str:
+    """``"math_dapo"`` for the built-in math sources (and ``aime*``), else ``"custom"``."""
+    if data_source in MATH_DAPO_SOURCES or str(data_source).startswith("aime"):
+        return "math_dapo"
+    return "custom"
+
+
+@dataclass
+class RewardResult:
+    """Rewards of a batch of ``B`` responses of width ``T``.
+
+    Attributes:
+        token_level_scores: ``[B, T]`` float32, zero except the final reward on the last valid response token
+            (position ``T - 1`` for an empty response, like verl's ``[-1]`` index).
+        scores: ``[B]`` float32 final rewards (scorer score + overlong shaping).
+        extra: per-response lists of length ``B``: ``score`` (the scorer's score, before shaping), ``acc``,
+            ``overlong_reward`` (0.0 when shaping is off), ``overlong`` (the response was truncated at
+            ``max_response_length``: use it for ``reward.overlong_filter``), and the scorer's other dict keys
+            (``pred`` for math_dapo); missing values are None.
+        metrics: ``reward/num_errors``, ``reward/num_timeouts``, ``reward/num_overlong``, ``reward/score_mean``.
+        response_lengths: ``[B]`` int64 valid lengths (last valid index + 1).
+        overlong: ``[B]`` bool, same as ``extra["overlong"]``.
+    """
+
+    token_level_scores: torch.Tensor
+    scores: torch.Tensor
+    extra: dict[str, list] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    response_lengths: torch.Tensor | None = None
+    overlong: torch.Tensor | None = None
+
+
+def _noop(delay: float) -> int:
+    time.sleep(delay)
+    return 0
+
+
+def _custom_specs(config: RewardConfig) -> list[custom.RewardSpec]:
+    specs: list[custom.RewardSpec] = []
+    cf = config.custom_function
+    if cf.path:
+        specs.append((cf.path, cf.name, float(cf.weight)))
+    for i, item in enumerate(config.extra_functions):
+        where = f"reward.extra_functions[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where}: expected a mapping with keys path, name, weight; got {item!r}")
+        unknown = set(item) - {"path", "name", "weight"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; valid keys are path, name, weight")
+        if not item.get("path"):
+            raise ConfigError(f"{where}: 'path' (a Python file defining the reward function) is required")
+        specs.append((str(item["path"]), str(item.get("name", "compute_score")), float(item.get("weight", 1.0))))
+    return specs
+
+
+class RewardManager:
+    """Score decoded responses, see the module docstring.
+
+    Args:
+        tokenizer: anything with ``decode(ids, skip_special_tokens=True) -> str``; its ``eos_token`` string, if
+            any, is stripped from the end of the decoded text (verl).
+        config: the ``reward`` config section.
+        max_response_length: ``data.max_response_length`` (for overlong shaping and the ``overlong`` flag).
+        eos_token_id: id or ids of EOS; when given, a response of ``max_response_length`` tokens that ends with
+            EOS does not count as truncated.
+
+    Use as a context manager or call :meth:`close` to stop the worker processes.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        config: RewardConfig,
+        max_response_length: int,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        self.max_response_length = int(max_response_length)
+        if eos_token_id is None:
+            self.eos_token_ids: frozenset[int] | None = None
+        elif isinstance(eos_token_id, int):
+            self.eos_token_ids = frozenset([eos_token_id])
+        else:
+            self.eos_token_ids = frozenset(int(t) for t in eos_token_id)
+        ob = config.overlong_buffer
+        if ob.enable and not 0 < ob.len <= self.max_response_length:
+            raise ConfigError(
+                f"reward.overlong_buffer.len={ob.len} must be in (0, data.max_response_length="
+                f"{self.max_response_length}]"
+            )
+        self.custom_specs = _custom_specs(config)
+        # load once in the caller's process: configuration errors surface here, not as per-sample errors
+        self._custom_fn = custom.build_reward_function(self.custom_specs)
+        self.num_workers = int(config.num_workers)
+        self.timeout_s = float(config.timeout_s)
+        self._executor: ProcessPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ pool
+
+    def _mp_context(self) -> multiprocessing.context.BaseContext:
+        methods = multiprocessing.get_all_start_methods()
+        return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+    def _ensure_pool(self) -> ProcessPoolExecutor:
+        if self._executor is not None and getattr(self._executor, "_broken", False):
+            self._kill_pool()
+        if self._executor is None:
+            executor = ProcessPoolExecutor(
+                max_workers=self.num_workers,
+                mp_context=self._mp_context(),
+                initializer=custom.init_worker,
+                initargs=(self.custom_specs,),
+            )
+            # start every worker now, so that process start-up never counts against a scorer's deadline
+            warmup = [executor.submit(_noop, 0.05) for _ in range(self.num_workers)]
+            done, not_done = wait(warmup, timeout=_WARMUP_TIMEOUT_S)
+            if not_done or any(f.exception() is not None for f in done):
+                self._executor = executor
+                self._kill_pool()
+                raise RuntimeError(f"reward worker processes did not start within {_WARMUP_TIMEOUT_S:.0f} s")
+            self._executor = executor
+        return self._executor
+
+    def _kill_pool(self) -> None:
+        executor, self._executor = self._executor, None
+        if executor is None:
+            return
+        processes = list(getattr(executor, "_processes", {}).values())
+        for proc in processes:
+            if proc.is_alive():
+                proc.kill()
+        executor.shutdown(wait=False, cancel_futures=True)
+        for proc in processes:
+            proc.join(timeout=5)
+
+    def close(self) -> None:
+        """Stop the worker processes (a later call starts new ones)."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_executor", None) is not None:
+            with contextlib.suppress(Exception):  # best effort, possibly at interpreter shutdown
+                self._kill_pool()
+
+    # ------------------------------------------------------------------ scoring
+
+    def _score_inline(self, kind: str, args: tuple) -> tuple[str, Any]:
+        data_source, solution_str, ground_truth, extra_info = args
+        try:
+            if kind == "math_dapo":
+                return "ok", math_dapo.compute_score(solution_str, ground_truth)
+            assert self._custom_fn is not None
+            return "ok", self._custom_fn(
+                data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
+            )
+        except Exception:  # noqa: BLE001 - counted and logged by the caller
+            import traceback
+
+            return "error", traceback.format_exc()
+
+    def _score_pool(self, kinds: list[str], args: list[tuple]) -> list[tuple[str, Any]]:
+        n = len(kinds)
+        outcomes: list[tuple[str, Any] | None] = [None] * n
+        pending: deque[int] = deque(range(n))
+        attempts = [0] * n
+        inflight: dict[Future, tuple[int, float]] = {}
+        hard_s = self.timeout_s + max(2.0, self.timeout_s) if self.timeout_s > 0 else None
+
+        def settle(fut: Future, i: int) -> None:
+            try:
+                outcomes[i] = fut.result()
+            except BrokenProcessPool:
+                attempts[i] += 1
+                if attempts[i] < _MAX_ATTEMPTS_ON_WORKER_DEATH:
+                    pending.appendleft(i)
+                else:
+                    outcomes[i] = ("error", "the reward worker process died while scoring this response")
+            except custom.ScorerTimeout:
+                outcomes[i] = ("timeout", f"reward function exceeded timeout_s={self.timeout_s}")
+            except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable result
+                outcomes[i] = ("error", f"{type(exc).__name__}: {exc}")
+
+        while pending or inflight:
+            executor = self._ensure_pool()
+            try:
+                while pending and len(inflight) < self.num_workers:
+                    i = pending.popleft()
+                    try:
+                        fut = executor.submit(custom.run_scorer, kinds[i], *args[i], self.timeout_s)
+                    except BrokenProcessPool:
+                        pending.appendleft(i)
+                        raise
+                    inflight[fut] = (i, time.monotonic())
+            except BrokenProcessPool:
+                self._kill_pool()
+                continue
+            wait_s = None
+            if hard_s is not None:
+                wait_s = max(0.0, min(start for _, start in inflight.values()) + hard_s - time.monotonic())
+            done, _ = wait(list(inflight), timeout=wait_s, return_when=FIRST_COMPLETED)
+            for fut in done:
+                i, _ = inflight.pop(fut)
+                settle(fut, i)
+            if hard_s is None:
+                continue
+            now = time.monotonic()
+            expired = [fut for fut, (_, start) in inflight.items() if now - start >= hard_s and not fut.done()]
+            if not expired:
+                continue
+            for fut in expired:
+                i, _ = inflight.pop(fut)
+                outcomes[i] = ("timeout", f"reward function did not return within {hard_s:.1f} s; worker killed")
+            logger.warning("reward worker stuck past the hard deadline (%.1f s); restarting the pool", hard_s)
+            for fut, (i, _) in list(inflight.items()):
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    outcomes[i] = fut.result()
+                else:
+                    pending.appendleft(i)  # innocent bystander: score it again in the new pool
+            inflight.clear()
+            self._kill_pool()
+        return [o if o is not None else ("error", "not scored") for o in outcomes]
+
+    def __call__(
+        self,
+        responses: torch.Tensor,
+        response_mask: torch.Tensor,
+        data_sources: Sequence[str],
+        ground_truths: Sequence[Any],
+        extra_infos: Sequence[dict | None] | None = None,
+    ) -> RewardResult:
+        """Score a batch.
+
+        Args:
+            responses: ``[B, T]`` token ids, right-padded.
+            response_mask: ``[B, T]`` valid response tokens.
+            data_sources, ground_truths: length ``B``.
+            extra_infos: length ``B`` (dicts or None), passed to custom functions; None means all None.
+
+        Returns:
+            :class:`RewardResult`.
+        """
+        if responses.dim() != 2 or responses.shape != response_mask.shape:
+            raise ValueError(
+                f"responses {tuple(responses.shape)} and response_mask {tuple(response_mask.shape)} must both be [B, T]"
+            )
+        batch, width = responses.shape
+        if extra_infos is None:
+            extra_infos = [None] * batch
+        for name, seq in (
+            ("data_sources", data_sources),
+            ("ground_truths", ground_truths),
+            ("extra_infos", extra_infos),
+        ):
+            if len(seq) != batch:
+                raise ValueError(f"{name} has {len(seq)} entries, responses has {batch} rows")
+
+        kinds = [route_data_source(ds) for ds in data_sources]
+        if "custom" in kinds and self._custom_fn is None:
+            missing = sorted({str(ds) for ds, k in zip(data_sources, kinds, strict=True) if k == "custom"})
+            raise ConfigError(
+                f"no reward function for data_source {', '.join(repr(m) for m in missing)}: the built-in scorer "
+                f"handles {', '.join(MATH_DAPO_SOURCES)} and aime*; set reward.custom_function.path (and "
+                "reward.custom_function.name) to a Python file defining "
+                "compute_score(data_source, solution_str, ground_truth, extra_info)"
+            )
+
+        mask = response_mask.detach().to("cpu").bool()
+        ids = responses.detach().to("cpu")
+        positions = torch.arange(1, width + 1).expand(batch, width)
+        lengths = (
+            torch.where(mask, positions, torch.zeros_like(positions)).amax(dim=-1)
+            if width
+            else torch.zeros(batch, dtype=torch.long)
+        )
+        eos_text = getattr(self.tokenizer, "eos_token", None)
+        args: list[tuple] = []
+        for i in range(batch):
+            length = int(lengths[i])
+            text = self.tokenizer.decode(ids[i, :length].tolist(), skip_special_tokens=True)
+            if isinstance(eos_text, str) and eos_text and text.endswith(eos_text):
+                text = text[: -len(eos_text)]
+            args.append((data_sources[i], text, ground_truths[i], extra_infos[i]))
+
+        if self.num_workers > 0 and batch > 0:
+            outcomes = self._score_pool(kinds, args)
+        else:
+            outcomes = [self._score_inline(k, a) for k, a in zip(kinds, args, strict=True)]
+
+        ob = self.config.overlong_buffer
+        if ob.enable:
+            shaping = overlong_penalty(lengths, self.max_response_length, ob.len, ob.penalty_factor, torch.float64)
+        else:
+            shaping = torch.zeros(batch, dtype=torch.float64)
+        truncated = lengths >= self.max_response_length
+        if self.eos_token_ids is not None:
+            for i in range(batch):
+                if truncated[i] and int(ids[i, int(lengths[i]) - 1]) in self.eos_token_ids:
+                    truncated[i] = False
+
+        num_errors = num_timeouts = logged = 0
+        rows: list[dict[str, Any]] = []
+        for i, (status, payload) in enumerate(outcomes):
+            if status == "ok":
+                try:
+                    row = self._normalise_result(payload)
+                except Exception as exc:  # noqa: BLE001 - a malformed result counts as an error
+                    status, payload = "error", f"{type(exc).__name__}: {exc}"
+                else:
+                    rows.append(row)
+                    continue
+            if status == "timeout":
+                num_timeouts += 1
+            else:
+                num_errors += 1
+            if logged < self.config.max_logged_errors:
+                logged += 1
+                logger.warning(
+                    "reward %s for response %d (data_source=%r); scoring it %s:\n%s",
+                    "timeout" if status == "timeout" else "error",
+                    i,
+                    data_sources[i],
+                    self.config.error_score,
+                    payload,
+                )
+            rows.append({"score": float(self.config.error_score), "acc": False})
+        if logged < num_errors + num_timeouts:
+            logger.warning(
+                "reward: %d more failures not logged (reward.max_logged_errors=%d)",
+                num_errors + num_timeouts - logged,
+                self.config.max_logged_errors,
+            )
+
+        raw = torch.tensor([r["score"] for r in rows], dtype=torch.float64)
+        final = (raw + shaping).to(torch.float32)
+        token_level_scores = torch.zeros(batch, width, dtype=torch.float32)
+        if width:
+            last = torch.where(lengths > 0, lengths - 1, torch.full_like(lengths, width - 1))
+            token_level_scores[torch.arange(batch), last] = final
+
+        keys: list[str] = ["score", "acc"]
+        for row in rows:
+            keys.extend(k for k in row if k not in keys)
+        extra: dict[str, list] = {k: [row.get(k) for row in rows] for k in keys}
+        extra["overlong_reward"] = shaping.tolist()
+        extra["overlong"] = truncated.tolist()
+        metrics = {
+            "reward/num_errors": float(num_errors),
+            "reward/num_timeouts": float(num_timeouts),
+            "reward/num_overlong": float(truncated.sum().item()),
+            "reward/score_mean": float(final.mean().item()) if batch else 0.0,
+        }
+        return RewardResult(
+            token_level_scores=token_level_scores,
+            scores=final,
+            extra=extra,
+            metrics=metrics,
+            response_lengths=lengths.to(torch.long),
+            overlong=truncated,
+        )
+
+    @staticmethod
+    def _normalise_result(result: Any) -> dict[str, Any]:
+        """Dict with a float ``score`` and an ``acc`` (verl: a float result's ``acc`` is the score; we also default
+        a dict result's missing ``acc`` to its score)."""
+        if isinstance(result, dict):
+            if "score" not in result:
+                raise KeyError(f"reward function returned a dict without 'score': keys {sorted(result)}")
+            row = dict(result)
+            row["score"] = float(row["score"])
+            row.setdefault("acc", row["score"])
+            return row
+        score = float(result)
+        return {"score": score, "acc": score}

@@ -1,0 +1,146 @@
+"""DAPO math reward: +1 / -1 by exact match of the normalised final answer.
+
+Reproduces the behaviour of verl 0.9's ``verl/utils/reward_score/math_dapo.py`` (itself adapted from the
+Minerva/lm-eval-harness normalisation) on the same strings:
+
+* only the last 300 characters of the response are looked at;
+* default ("Minerva") mode: the text after the *last* ``Answer:`` (case-insensitive, up to the end of the line) is
+  the prediction (``"[INVALID]"`` if there is none); prediction and ground truth are normalised by
+  :func:`normalize_final_answer` and compared as strings. A ``\\boxed{...}`` inside the answer line is unwrapped
+  by the normalisation, so ``Answer: \\boxed{5}`` matches ``5``;
+* strict-box mode (``strict_box_verify=True``): the last ``\\boxed{...}`` within the last 100 characters is the
+  prediction, compared *unnormalised* with the ground truth; ``pred`` is None when there is no box.
+
+Pure Python, no third-party imports (it runs in reward worker processes).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["compute_score", "last_boxed_only_string", "normalize_final_answer", "remove_boxed"]
+
+SOLUTION_TAIL_CHARS = 300  # the longest MATH-500 answer has 159 characters
+STRICT_BOX_TAIL_CHARS = 100
+INVALID_ANSWER = "[INVALID]"
+_ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+_BOX_OPEN = "\\boxed{"
+
+# Literal replacements, applied in order (same table as the Minerva normalisation).
+_REPLACEMENTS: tuple[tuple[str, str], ...] = (
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
+# Units and TeX noise deleted after the replacements, in order.
+_DELETIONS: tuple[str, ...] = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
+    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
+    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3",
+    "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+)  # fmt: skip
+# Regex rewrites, in order: keep the first $...$ span of a line; unwrap \text{}, \textbf{}, \overline{} (first
+# closing brace) and \boxed{} (greedy, last closing brace); expand \fracab -> \frac{a}{b} and \sqrta -> \sqrt{a}.
+_REWRITES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), repl)
+    for pattern, repl in (
+        (r"(.*?)(\$)(.*?)(\$)(.*)", r"$\3$"),
+        (r"(\\text\{)(.*?)(\})", r"\2"),
+        (r"(\\textbf\{)(.*?)(\})", r"\2"),
+        (r"(\\overline\{)(.*?)(\})", r"\2"),
+        (r"(\\boxed\{)(.*)(\})", r"\2"),
+        (r"(frac)([^{])(.)", r"frac{\2}{\3}"),
+        (r"(sqrt)([^{])", r"sqrt{\2}"),
+    )
+)
+
+
+def last_boxed_only_string(text: str) -> str | None:
+    """The last ``\\boxed{...}`` of ``text`` with balanced braces (including the wrapper), or None.
+
+    Braces are counted from the ``\\boxed{`` opening; an unclosed box gives None.
+    """
+    start = text.rfind(_BOX_OPEN)
+    if start < 0:
+        return None
+    depth = 0
+    for pos in range(start, len(text)):
+        char = text[pos]
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start : pos + 1]
+    return None
+
+
+def remove_boxed(boxed: str) -> str:
+    """Content of a ``\\boxed{...}`` string (as returned by :func:`last_boxed_only_string`)."""
+    if not (boxed.startswith(_BOX_OPEN) and boxed.endswith("}")):
+        raise ValueError(f"not a \\boxed{{...}} string: {boxed!r}")
+    return boxed[len(_BOX_OPEN) : -1]
+
+
+def normalize_final_answer(final_answer: str) -> str:
+    """Normalise a final answer for exact comparison (Minerva rules, as verl's math_dapo).
+
+    Keeps the part after the last ``=``, applies the replacement/deletion tables and regex rewrites, removes ``$``,
+    drops thousands separators from pure integers (``"1,000" -> "1000"``) and strips surrounding whitespace.
+    """
+    answer = final_answer.split("=")[-1]
+    for old, new in _REPLACEMENTS:
+        answer = answer.replace(old, new)
+    for junk in _DELETIONS:
+        answer = answer.replace(junk, "")
+    for pattern, repl in _REWRITES:
+        answer = pattern.sub(repl, answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():
+        answer = answer.replace(",", "")
+    return answer.strip()
+
+
+def _minerva_verify(solution: str, ground_truth: str) -> tuple[bool, str]:
+    matches = _ANSWER_RE.findall(solution)
+    pred = normalize_final_answer(matches[-1] if matches else INVALID_ANSWER)
+    return pred == normalize_final_answer(ground_truth), pred
+
+
+def _strict_box_verify(solution: str, ground_truth: str) -> tuple[bool, str | None]:
+    boxed = last_boxed_only_string(solution[-STRICT_BOX_TAIL_CHARS:])
+    pred = remove_boxed(boxed) if boxed is not None else None
+    return pred == ground_truth, pred
+
+
+def compute_score(
+    solution_str: str,
+    ground_truth: Any,
+    strict_box_verify: bool = False,
+    data_source: str | None = None,
+    extra_info: dict | None = None,
+) -> dict[str, Any]:
+    """Score one response.
+
+    Args:
+        solution_str: the decoded response.
+        ground_truth: the reference answer (converted with ``str``).
+        strict_box_verify: use the strict ``\\boxed{}`` check instead of the ``Answer:`` extraction.
+        data_source, extra_info: ignored (custom-reward-function signature compatibility).
+
+    Returns:
+        ``{"score": 1.0 or -1.0, "acc": bool, "pred": normalised prediction}`` (``pred`` may be None in strict
+        mode when no box is found).
+    """
+    tail = solution_str[-SOLUTION_TAIL_CHARS:]
+    verify = _strict_box_verify if strict_box_verify else _minerva_verify
+    correct, pred = verify(tail, str(ground_truth))
+    return {"score": 1.0 if correct else -1.0, "acc": bool(correct), "pred": pred}

@@ -1,0 +1,1 @@
+"""Small synthetic tasks with rule rewards (the embedded CPU demo uses ``arithmetic``)."""

