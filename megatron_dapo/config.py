@@ -134,6 +134,12 @@ class RolloutConfig:
     enforce_eager: bool = True
     free_cache_engine: bool = True  # sleep/wake between phases where the platform supports it
     weight_sync_bucket_mb: int = 512
+    # Tokens per engine step; None = max(max_prompt_length + max_response_length, 8192). Must cover a whole prompt:
+    # chunked prefill is off because per-request seeds and chunked prefill clash on CPU.
+    max_num_batched_tokens: Optional[int] = None
+    # rollout_log_probs: "processed_logprobs" = log-probs after temperature (what a trainer computing
+    # log_softmax(logits / temperature) reproduces when top_p = 1 and top_k = -1); "raw_logprobs" = temperature 1.
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
 

@@ -172,6 +172,9 @@ class DynamicSamplingAccumulator:
                 raise ValueError(f"batch[{key!r}] has {_length(value)} rows, group_ids has {size}")
         self.num_gen_batches += 1
         self.num_trajectories_generated += size
+        part = len(self._parts)  # == generation batch index since the last take()
+        self._parts.append(batch)
+        self._part_group_ids.append(list(group_ids.tolist() if hasattr(group_ids, "tolist") else group_ids))
         if size == 0:
             return
         index, num_groups = group_index(group_ids)
@@ -185,9 +188,6 @@ class DynamicSamplingAccumulator:
         rows_of: list[list[int]] = [[] for _ in range(num_groups)]
         for row, g in enumerate(index.tolist()):
             rows_of[g].append(row)
-        part = len(self._parts)
-        self._parts.append(batch)
-        self._part_group_ids.append(list(group_ids.tolist() if hasattr(group_ids, "tolist") else group_ids))
         for rows in rows_of:
             if keep[rows[0]]:
                 self._groups.append((part, rows))

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ __all__ = [
     "init_worker",
     "load_reward_function",
     "run_scorer",
+    "warmup",
 ]
 
 RewardFunction = Callable[..., Any]
@@ -170,6 +172,12 @@ def init_worker(specs: Sequence[RewardSpec]) -> None:
     except Exception:  # noqa: BLE001 - reported by every custom call in this worker
         _WORKER_FN = None
         _WORKER_INIT_ERROR = traceback.format_exc()
+
+
+def warmup(delay: float) -> int:
+    """No-op task used to start every worker of a fresh pool."""
+    time.sleep(delay)
+    return os.getpid()
 
 
 def _on_alarm(signum: int, frame: Any) -> None:

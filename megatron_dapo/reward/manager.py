@@ -12,7 +12,7 @@ Workers: a ``concurrent.futures.ProcessPoolExecutor`` (``forkserver`` start meth
 ``spawn``; never ``fork``, since the caller holds threads) with ``reward.num_workers`` processes, created on first
 use and kept. At most one scorer per worker is in flight, so each call's deadline is measured from its start. A
 scorer that runs past ``reward.timeout_s`` is interrupted inside the worker (SIGALRM); one that does not return
-within ``timeout_s + max(2, timeout_s)`` (stuck in C code, signals blocked) has the pool killed and recreated, and
+within ``timeout_s + max(2, timeout_s)`` (configurable; stuck in C code, signals blocked) has the pool killed and recreated, and
 the other in-flight calls are resubmitted. A scorer that raises or times out scores ``reward.error_score`` and is
 counted (``reward/num_errors``, ``reward/num_timeouts``); the first ``reward.max_logged_errors`` failures of a
 call are logged with their traceback. ``reward.num_workers = 0`` scores in-process, without timeouts (debugging).
@@ -46,7 +46,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["MATH_DAPO_SOURCES", "RewardManager", "RewardResult", "route_data_source"]
 
 MATH_DAPO_SOURCES: tuple[str, ...] = ("math_dapo", "math", "math_dapo_reasoning")
-_MAX_ATTEMPTS_ON_WORKER_DEATH = 2
 _WARMUP_TIMEOUT_S = 120.0
 
 
@@ -82,11 +81,6 @@ class RewardResult:
     overlong: torch.Tensor | None = None
 
 
-def _noop(delay: float) -> int:
-    time.sleep(delay)
-    return 0
-
-
 def _custom_specs(config: RewardConfig) -> list[custom.RewardSpec]:
     specs: list[custom.RewardSpec] = []
     cf = config.custom_function
@@ -115,6 +109,8 @@ class RewardManager:
         max_response_length: ``data.max_response_length`` (for overlong shaping and the ``overlong`` flag).
         eos_token_id: id or ids of EOS; when given, a response of ``max_response_length`` tokens that ends with
             EOS does not count as truncated.
+        hard_timeout_grace_s: how long past ``timeout_s`` to wait for a scorer that ignores the soft timeout
+            before killing its worker; default ``max(2, timeout_s)``.
 
     Use as a context manager or call :meth:`close` to stop the worker processes.
     """
@@ -125,6 +121,7 @@ class RewardManager:
         config: RewardConfig,
         max_response_length: int,
         eos_token_id: int | Sequence[int] | None = None,
+        hard_timeout_grace_s: float | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.config = config
@@ -146,6 +143,9 @@ class RewardManager:
         self._custom_fn = custom.build_reward_function(self.custom_specs)
         self.num_workers = int(config.num_workers)
         self.timeout_s = float(config.timeout_s)
+        self.hard_timeout_grace_s = (
+            max(2.0, self.timeout_s) if hard_timeout_grace_s is None else float(hard_timeout_grace_s)
+        )
         self._executor: ProcessPoolExecutor | None = None
 
     # ------------------------------------------------------------------ pool
@@ -165,7 +165,7 @@ class RewardManager:
                 initargs=(self.custom_specs,),
             )
             # start every worker now, so that process start-up never counts against a scorer's deadline
-            warmup = [executor.submit(_noop, 0.05) for _ in range(self.num_workers)]
+            warmup = [executor.submit(custom.warmup, 0.05) for _ in range(self.num_workers)]
             done, not_done = wait(warmup, timeout=_WARMUP_TIMEOUT_S)
             if not_done or any(f.exception() is not None for f in done):
                 self._executor = executor
@@ -220,40 +220,52 @@ class RewardManager:
             return "error", traceback.format_exc()
 
     def _score_pool(self, kinds: list[str], args: list[tuple]) -> list[tuple[str, Any]]:
+        """Score every item in the pool, at most one in flight per worker.
+
+        A worker death (``BrokenProcessPool``) fails every call in flight; those items are re-run one at a time
+        ("suspects"), so only the item that kills its worker when alone is scored as an error.
+        """
         n = len(kinds)
         outcomes: list[tuple[str, Any] | None] = [None] * n
         pending: deque[int] = deque(range(n))
-        attempts = [0] * n
+        suspects: deque[int] = deque()
         inflight: dict[Future, tuple[int, float]] = {}
-        hard_s = self.timeout_s + max(2.0, self.timeout_s) if self.timeout_s > 0 else None
+        solo = False  # a suspect is running alone
+        hard_s = self.timeout_s + self.hard_timeout_grace_s if self.timeout_s > 0 else None
 
-        def settle(fut: Future, i: int) -> None:
+        def settle(fut: Future, i: int) -> bool:
+            """Record a finished call; returns True if its worker died."""
             try:
                 outcomes[i] = fut.result()
             except BrokenProcessPool:
-                attempts[i] += 1
-                if attempts[i] < _MAX_ATTEMPTS_ON_WORKER_DEATH:
-                    pending.appendleft(i)
-                else:
+                if solo:
                     outcomes[i] = ("error", "the reward worker process died while scoring this response")
+                else:
+                    suspects.append(i)
+                return True
             except custom.ScorerTimeout:
                 outcomes[i] = ("timeout", f"reward function exceeded timeout_s={self.timeout_s}")
             except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable result
                 outcomes[i] = ("error", f"{type(exc).__name__}: {exc}")
+            return False
 
-        while pending or inflight:
+        while pending or suspects or inflight:
             executor = self._ensure_pool()
+            if not inflight:
+                solo = bool(suspects)
             try:
-                while pending and len(inflight) < self.num_workers:
-                    i = pending.popleft()
+                while len(inflight) < (1 if solo else self.num_workers) and (suspects if solo else pending):
+                    i = (suspects if solo else pending).popleft()
                     try:
                         fut = executor.submit(custom.run_scorer, kinds[i], *args[i], self.timeout_s)
                     except BrokenProcessPool:
-                        pending.appendleft(i)
+                        (suspects if solo else pending).appendleft(i)
                         raise
                     inflight[fut] = (i, time.monotonic())
             except BrokenProcessPool:
                 self._kill_pool()
+                continue
+            if not inflight:
                 continue
             wait_s = None
             if hard_s is not None:

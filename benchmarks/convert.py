@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""Benchmark: streaming HF → Megatron conversion (TP=2, PP=2) vs a plain file copy of the same checkpoint.
+
+Makes a ~1 GB Qwen2-shaped HF checkpoint with random fp32 weights, written straight to safetensors shards (no
+nn.Module), then in the same run times
+
+* copy:    ``shutil.copyfile`` of every file of the HF directory (the floor for moving the bytes once), and
+* convert: ``convert_hf_to_mcore(tp=2, pp=2)`` in a child process, which also reports its resident memory
+           right before converting (baseline) and its peak (``VmHWM``; cross-checked with
+           ``getrusage(RUSAGE_CHILDREN)`` in this process).
+
+Prints ``convert_vs_copy=<copy_time/convert_time>`` (target >= 0.5) and
+``peak_rss_mb=.. baseline_rss_mb=.. largest_tensor_mb=..`` (target: peak <= baseline + 2 x largest tensor).
+Everything generated is deleted at the end.
+
+    python benchmarks/convert.py [--work-dir /tmp] [--layers 16] [--vocab 32000] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = r"""
+import json, sys, time
+from megatron_dapo.weights.convert import convert_hf_to_mcore
+
+def rss_mb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+hf_dir, save_dir = sys.argv[1], sys.argv[2]
+baseline = rss_mb("VmRSS")
+t0 = time.perf_counter()
+res = convert_hf_to_mcore(hf_dir, save_dir, tp=2, pp=2, overwrite=True)
+seconds = time.perf_counter() - t0
+print(json.dumps({"seconds": seconds, "baseline_rss_mb": baseline, "peak_rss_mb": rss_mb("VmHWM"),
+                  "num_tensors": res.num_tensors, "num_bytes": res.num_bytes}))
+"""
+
+
+def make_checkpoint(hf_dir: Path, layers: int, vocab: int, hidden: int, ffn: int, heads: int, kv_heads: int,
+                    shards: int) -> int:
+    """Write a Qwen2-shaped fp32 checkpoint (untied) as ``shards`` safetensors files + index; returns largest bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    hd = hidden // heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (heads * hd, hidden),
+            p + "self_attn.q_proj.bias": (heads * hd,),
+            p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
+            p + "self_attn.k_proj.bias": (kv_heads * hd,),
+            p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
+            p + "self_attn.v_proj.bias": (kv_heads * hd,),
+            p + "self_attn.o_proj.weight": (hidden, heads * hd),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (ffn, hidden),
+            p + "mlp.up_proj.weight": (ffn, hidden),
+            p + "mlp.down_proj.weight": (hidden, ffn),
+        })
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    names = list(shapes)
+    sizes = {n: 4 * int(torch.Size(s).numel()) for n, s in shapes.items()}
+    per_shard = sum(sizes.values()) / shards
+    groups: list[list[str]] = [[]]
+    acc = 0
+    for n in names:
+        if groups[-1] and acc + sizes[n] > per_shard and len(groups) < shards:
+            groups.append([])
+            acc = 0
+        groups[-1].append(n)
+        acc += sizes[n]
+    gen = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for i, group in enumerate(groups):
+        fn = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: torch.randn(shapes[n], generator=gen) * 0.02 for n in group}, str(hf_dir / fn),
+                  metadata={"format": "pt"})
+        weight_map.update({n: fn for n in group})
+    with open(hf_dir / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f)
+    config = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32",
+    }
+    with open(hf_dir / "config.json", "w") as f:
+        json.dump(config, f, indent=2)
+    return max(sizes.values())
+
+
+def copy_dir(src: Path, dst: Path) -> float:
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir()
+    t0 = time.perf_counter()
+    for p in sorted(src.iterdir()):
+        shutil.copyfile(p, dst / p.name)
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work-dir", default=None, help="where to put the generated files (default: system temp)")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--ffn", type=int, default=2816)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2, help="best of N for both timings")
+    args = ap.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="convert_bench_", dir=args.work_dir))
+    try:
+        hf_dir = root / "hf"
+        hf_dir.mkdir()
+        t0 = time.perf_counter()
+        largest = make_checkpoint(hf_dir, args.layers, args.vocab, args.hidden, args.ffn, args.heads, args.kv_heads,
+                                  args.shards)
+        total = sum(p.stat().st_size for p in hf_dir.iterdir())
+        print(f"checkpoint: {total / 2**20:.0f} MiB in {args.shards} shards, largest tensor {largest / 2**20:.1f} MiB"
+              f" (made in {time.perf_counter() - t0:.1f}s)", flush=True)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        copies, converts, children = [], [], []
+        for _ in range(args.repeats):
+            copies.append(copy_dir(hf_dir, root / "copy"))
+            shutil.rmtree(root / "copy")
+            out = subprocess.run([sys.executable, "-c", CHILD, str(hf_dir), str(root / "mcore")], env=env,
+                                 capture_output=True, text=True)
+            if out.returncode != 0:
+                print(out.stderr, file=sys.stderr)
+                return 1
+            child = json.loads(out.stdout.strip().splitlines()[-1])
+            children.append(child)
+            converts.append(child["seconds"])
+            shutil.rmtree(root / "mcore")
+        rusage_peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        copy_t, conv_t = min(copies), min(converts)
+        peak = max(c["peak_rss_mb"] for c in children)
+        baseline = min(c["baseline_rss_mb"] for c in children)
+        print(f"copy_seconds={copy_t:.3f} convert_seconds={conv_t:.3f} (all: copy {[round(c, 3) for c in copies]},"
+              f" convert {[round(c, 3) for c in converts]}; {children[0]['num_tensors']} tensors,"
+              f" {children[0]['num_bytes'] / 2**20:.0f} MiB written)")
+        print(f"rusage_children_maxrss_mb={rusage_peak_mb:.1f}")
+        print(f"convert_vs_copy={copy_t / conv_t:.3f}")
+        print(f"peak_rss_mb={peak:.1f} baseline_rss_mb={baseline:.1f} largest_tensor_mb={largest / 2**20:.1f}")
+        budget = baseline + 2 * largest / 2**20
+        print(f"peak_minus_baseline_mb={peak - baseline:.1f} target_peak_mb<={budget:.1f}"
+              f" {'OK' if peak <= budget else 'ABOVE TARGET'}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""The colocated vLLM rollout engine: one ``vllm.LLM`` per torchrun process, living beside the Megatron actor.
+
+Layout. Every process of the training job holds one member of a vLLM engine started with
+``distributed_executor_backend="external_launcher"``: vLLM reuses the default process group and groups consecutive
+ranks into its tensor-parallel groups (rollout TP ``t``: ranks ``[0..t)``, ``[t..2t)``, ...). Each such group is one
+independent engine replica, so rollout DP = world / t. ``generate`` takes the full prompt list on every rank, each
+replica generates a contiguous share of the prompts, and an all-gather hands every rank the whole batch.
+
+RNG safety. vLLM's TP ranks each sample the next token themselves and do not exchange the result; if their random
+streams differed they would silently continue different sequences. Every request therefore carries its own seed,
+derived from ``(rollout.seed, seed_offset, prompt index, sample index)``: all TP ranks of a replica sample identical
+tokens whatever else consumed their process RNG, and a prompt's samples do not depend on which replica generated it.
+The all-gather also compares TP peers' tokens and raises if they differ. Per-request seeds and chunked prefill raise
+"CPU Generator does not use offset" on CPU, so chunked prefill is off and ``max_num_batched_tokens`` covers
+``max_model_len``.
+
+Weights. The engine starts with ``load_format="dummy"``: its first weights come from the first
+``WeightSync.sync`` (``rollout/sync.py``), so the checkpoint is read once, by Megatron.
+
+Memory budget per rank, by phase (P = rollout model parameters / rollout TP, in the rollout dtype; K = KV cache):
+  * generation: Megatron actor (+ grads/optimizer state, untouched) + reference + P + K (+ activations of
+    ``max_num_batched_tokens`` tokens);
+  * training, GPU/NPU with ``rollout.free_cache_engine``: ``sleep(level=1)`` moves P to host memory and frees K,
+    ``sleep(level=2)`` frees both (the next sync rewrites P anyway); on CPU there is no sleep mode: P and K
+    (``rollout.kv_cache_memory_mb``, fixed at start-up) stay resident for the whole run;
+  * weight sync: + one bucket of full tensors (``rollout.weight_sync_bucket_mb``) and vLLM's per-layer staging copy
+    of the layers in that bucket (see ``rollout/sync.py``). Wake the weights first (``wake_up(["weights"])``),
+    sync, then ``wake_up(["kv_cache"])``, so K is not allocated while the bucket is.
+
+Lifetime. Build one engine per run and keep it. Shutting the engine down destroys the default process group it
+shares with megatron-core, so the end of a run is ``teardown(engine)``: megatron-core's groups, then the engine,
+then the default group.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.config import ConfigError, ExperimentConfig
+from megatron_dapo.models.families import load_hf_config
+from megatron_dapo.parallel import dist_info_from_env
+from megatron_dapo.platform import Platform
+from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec, build_rollout_batch
+
+logger = logging.getLogger(__name__)
+
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DEFAULT_MIN_BATCHED_TOKENS = 8192
+_SEED_MASK = (1 << 63) - 1
+
+
+def rollout_dtype(cfg: ExperimentConfig) -> str:
+    """``rollout.dtype`` with ``auto`` resolved to ``model.params_dtype`` (fp32 | bf16 | fp16)."""
+    return cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+
+
+def validate_rollout_layout(cfg: ExperimentConfig, world_size: int, max_position_embeddings: int) -> tuple[int, int]:
+    """Check rollout TP against the world and the sequence budget against the model; returns (max_model_len, dp)."""
+    tp = cfg.rollout.tensor_model_parallel_size
+    if tp < 1 or world_size % tp != 0:
+        raise ConfigError(
+            f"rollout.tensor_model_parallel_size={tp} must be >= 1 and divide the world size {world_size}"
+            f" (each group of {tp} consecutive ranks forms one vLLM replica)"
+        )
+    prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
+    if prompt < 1 or response < 1:
+        raise ConfigError(
+            f"data.max_prompt_length={prompt} and data.max_response_length={response} must both be >= 1"
+        )
+    max_model_len = prompt + response
+    if max_model_len > max_position_embeddings:
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length = {prompt} + {response} = {max_model_len} exceeds"
+            f" the model's max_position_embeddings={max_position_embeddings}; shorten one of them"
+        )
+    batched = cfg.rollout.max_num_batched_tokens
+    if batched is not None and batched < max_model_len:
+        raise ConfigError(
+            f"rollout.max_num_batched_tokens={batched} must be >= data.max_prompt_length + data.max_response_length"
+            f" = {max_model_len} (chunked prefill is disabled, so a whole prompt must fit in one engine step)"
+        )
+    return max_model_len, world_size // tp
+
+
+def request_seed(base_seed: int, seed_offset: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit seed for one (prompt, sample) request; a hash, so nearby indices give unrelated streams."""
+    key = f"{base_seed}/{seed_offset}/{prompt_index}/{sample_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & _SEED_MASK
+
+
+def shard_range(num_items: int, num_shards: int, shard: int) -> range:
+    """Contiguous, balanced split of ``range(num_items)``: the first ``num_items % num_shards`` shards get one more."""
+    base, extra = divmod(num_items, num_shards)
+    start = shard * base + min(shard, extra)
+    return range(start, start + base + (1 if shard < extra else 0))
+
+
+def _eos_ids_from_hf(hf_dir: str) -> tuple[int, ...]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = Path(hf_dir) / name
+        if not path.is_file():
+            continue
+        value = load_hf_config(path).get("eos_token_id")
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+    return tuple(ids)
+
+
+class RolloutEngine:
+    """One vLLM engine member per process; see the module docstring for layout, RNG safety and lifetime.
+
+    ``pad_token_id`` pads the returned batch (the tokenizer's pad id). ``eos_token_ids`` are the stop tokens; by
+    default those named by ``eos_token_id`` in the checkpoint's ``generation_config.json`` / ``config.json``.
+    """
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        hf_dir: str,
+        platform: Platform,
+        *,
+        pad_token_id: int,
+        eos_token_ids: Optional[Sequence[int]] = None,
+    ) -> None:
+        self.cfg = cfg
+        self.hf_dir = str(hf_dir)
+        self.platform = platform
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids) if eos_token_ids is not None else _eos_ids_from_hf(
+            self.hf_dir
+        )
+        hf_config = load_hf_config(self.hf_dir)
+        if dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            info = dist_info_from_env()
+            self.rank, self.world_size = info.rank, info.world_size
+        self.max_model_len, self.dp_size = validate_rollout_layout(
+            cfg, self.world_size, int(hf_config.get("max_position_embeddings", 4096))
+        )
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "RolloutEngine needs the default process group: call megatron_dapo.parallel.init_distributed first"
+            )
+        self.tp_size = cfg.rollout.tensor_model_parallel_size
+        self.dp_rank, self.tp_rank = divmod(self.rank, self.tp_size)
+        self.dtype = rollout_dtype(cfg)
+        self.tied_embeddings = bool(hf_config.get("tie_word_embeddings", False))
+        self.sleep_supported = platform.supports_vllm_sleep() and cfg.rollout.free_cache_engine
+        self._asleep = False
+        self.llm: Any = None
+
+        # Where vLLM writes compiled kernels and caches: under the run's output dir unless the launcher chose.
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(cfg.trainer.output_dir).absolute() / "vllm_cache"))
+        from vllm import LLM
+
+        batched = cfg.rollout.max_num_batched_tokens or max(
+            self.max_model_len, min(DEFAULT_MIN_BATCHED_TOKENS, cfg.rollout.max_num_seqs * self.max_model_len)
+        )
+        kwargs = dict(
+            model=self.hf_dir,
+            skip_tokenizer_init=True,  # prompts arrive as token ids; the tokenizer lives in data/
+            load_format="dummy",  # weights come from the first WeightSync.sync
+            tensor_parallel_size=self.tp_size,
+            distributed_executor_backend="external_launcher",
+            dtype=VLLM_DTYPES[self.dtype],
+            enforce_eager=cfg.rollout.enforce_eager,
+            max_model_len=self.max_model_len,
+            max_num_seqs=cfg.rollout.max_num_seqs,
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=batched,
+            seed=cfg.rollout.seed,
+            generation_config="vllm",  # sampling comes from our config only, not the checkpoint's defaults
+            logprobs_mode=cfg.rollout.logprobs_mode,
+            enable_sleep_mode=self.sleep_supported,
+        )
+        kwargs.update(
+            platform.vllm_engine_kwargs(
+                kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_mb * 2**20,
+                gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            )
+        )
+        # vLLM seeds the process-wide generators while it starts; keep the trainer's streams as they were.
+        rng = torch.get_rng_state()
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            torch.set_rng_state(rng)
+
+    # ------------------------------------------------------------------------------------------- sampling
+
+    def train_sampling(self) -> SamplingSpec:
+        return SamplingSpec.for_training(self.cfg, self.eos_token_ids)
+
+    def val_sampling(self) -> SamplingSpec:
+        return SamplingSpec.for_validation(self.cfg, self.eos_token_ids)
+
+    def _sampling_params(self, spec: SamplingSpec, seed: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=1,  # one request per (prompt, sample): each gets its own seed
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k,
+            max_tokens=spec.max_tokens,
+            stop_token_ids=list(spec.stop_token_ids),
+            logprobs=0,  # the sampled token's log-prob only
+            seed=seed,
+            detokenize=False,
+        )
+
+    # ------------------------------------------------------------------------------------------- generate
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingSpec, seed_offset: int = 0
+    ) -> RolloutBatch:
+        """Generate ``sampling.n`` responses for each prompt; collective over all ranks, same arguments on each.
+
+        ``seed_offset`` (e.g. the global step) makes each step's samples differ while staying reproducible.
+        Returns the whole batch on every rank, ``len(prompts) × n`` rows in prompt order.
+        """
+        self._check_awake("generate")
+        prompts = [list(map(int, p)) for p in prompt_token_ids]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if len(p) > self.cfg.data.max_prompt_length:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens, more than data.max_prompt_length={self.cfg.data.max_prompt_length}"
+                )
+        rows = self._gather_rows(self._generate_share(prompts, sampling, seed_offset))
+        return build_rollout_batch(
+            prompts,
+            responses=[r[2] for r in rows],
+            log_probs=[r[3] for r in rows],
+            truncated=[r[4] for r in rows],
+            prompt_index=[r[0] for r in rows],
+            pad_token_id=self.pad_token_id,
+        )
+
+    def _generate_share(self, prompts: list[list[int]], sampling: SamplingSpec, seed_offset: int) -> list:
+        """This replica's rows: ``(prompt index, sample index, tokens, log-probs, truncated)`` per request."""
+        share = shard_range(len(prompts), self.dp_size, self.dp_rank)
+        requests = [(i, j) for i in share for j in range(sampling.n)]
+        rows: list[tuple[int, int, list[int], list[float], bool]] = []
+        if not requests:
+            return rows
+        params = [self._sampling_params(sampling, request_seed(self.cfg.rollout.seed, seed_offset, i, j))
+                  for i, j in requests]
+        outputs = self.llm.generate([{"prompt_token_ids": prompts[i]} for i, _ in requests], params, use_tqdm=False)
+        for (i, j), out in zip(requests, outputs):
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            logprobs = [float(pos[tok].logprob) for tok, pos in zip(tokens, completion.logprobs)]
+            rows.append((i, j, tokens, logprobs, completion.finish_reason == "length"))
+        return rows
+
+    def _gather_rows(self, rows: list) -> list:
+        """All-gather every replica's rows (packed into tensors), check TP peers agree, sort by (prompt, sample)."""
+        device = self.platform.device()
+        meta = torch.tensor([[i, j, len(t), int(trunc)] for i, j, t, _, trunc in rows], dtype=torch.long).reshape(-1, 4)
+        tokens = torch.tensor([tok for r in rows for tok in r[2]], dtype=torch.long)
+        logprobs = torch.tensor([lp for r in rows for lp in r[3]], dtype=torch.float32)
+        sizes = torch.tensor([meta.shape[0], tokens.numel()], dtype=torch.long, device=device)
+        all_sizes = [torch.empty_like(sizes) for _ in range(self.world_size)]
+        dist.all_gather(all_sizes, sizes)
+        max_rows = max(int(s[0]) for s in all_sizes)
+        max_tok = max(int(s[1]) for s in all_sizes)
+
+        def gather(t: torch.Tensor, length: int) -> list[torch.Tensor]:
+            padded = torch.zeros((length,) + tuple(t.shape[1:]), dtype=t.dtype, device=device)
+            padded[: t.shape[0]] = t.to(device)
+            out = [torch.empty_like(padded) for _ in range(self.world_size)]
+            dist.all_gather(out, padded)
+            return [o.cpu() for o in out]
+
+        metas, toks, lps = gather(meta, max_rows), gather(tokens, max_tok), gather(logprobs, max_tok)
+        gathered = []
+        for r in range(self.world_size):
+            n_rows, n_tok = int(all_sizes[r][0]), int(all_sizes[r][1])
+            leader = r - r % self.tp_size
+            if r != leader:
+                # A TP peer must hold exactly its leader's tokens: anything else means the ranks sampled differently.
+                if not (torch.equal(metas[r][:n_rows], metas[leader][:n_rows]) and
+                        torch.equal(toks[r][:n_tok], toks[leader][:n_tok])):
+                    raise RuntimeError(
+                        f"rollout TP ranks {leader} and {r} generated different tokens for the same requests: their"
+                        " sampling diverged (per-request seeds should prevent this; check for non-seeded sampling)"
+                    )
+                continue
+            offset = 0
+            for i, j, length, trunc in metas[r][:n_rows].tolist():
+                gathered.append((i, j, toks[r][offset : offset + length].tolist(),
+                                 lps[r][offset : offset + length].tolist(), bool(trunc)))
+                offset += length
+        gathered.sort(key=lambda row: (row[0], row[1]))
+        return gathered
+
+    # ------------------------------------------------------------------------------------- weights / memory
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Push full HF-named tensors into this rank's engine (vLLM shards them for its TP rank).
+
+        ``model.load_weights`` cannot be used directly on CPU (weights are repacked into oneDNN handles and it fails
+        half-way); ``reload_weights`` goes through vLLM's layer-wise reload, which rebuilds those handles.
+        """
+        self._check_awake("load_weights", weights_only=True)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+
+    def after_weight_update(self) -> None:
+        """Call once after the last ``load_weights`` of an update.
+
+        * Tied embeddings: vLLM's ``lm_head`` shares its weight tensor with ``embed_tokens`` but is a layer of its own,
+          and the layer-wise reload only re-processes the layer that received the tensor. On CPU the output
+          projection runs through a oneDNN handle packed from the weight at processing time, so without this step
+          the logits keep using the weights of the *previous* load (measured: the dummy weights, log-probs ≈ uniform).
+        * The prefix cache holds prompt KV blocks computed with the previous weights: reset it.
+        """
+        if self.tied_embeddings:
+            self.llm.apply_model(_reprocess_tied_lm_head)
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the engine's device memory for the training phase (no-op where vLLM has no sleep mode).
+
+        Level 1 moves the weights to host memory and drops the KV cache; level 2 drops both (the next sync rewrites
+        the weights, so nothing is lost).
+        """
+        if self.sleep_supported and not self._asleep:
+            self.llm.sleep(level=level)
+            self._asleep = True
+            self._awake_tags: set[str] = set()
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Re-allocate what ``sleep`` released: ``["weights"]`` before a sync, then ``["kv_cache"]``; None = all."""
+        if self.sleep_supported and self._asleep:
+            self.llm.wake_up(tags=tags)
+            self._awake_tags |= set(tags or ("weights", "kv_cache"))
+            if {"weights", "kv_cache"} <= self._awake_tags:
+                self._asleep = False
+
+    def _check_awake(self, what: str, weights_only: bool = False) -> None:
+        if self.llm is None:
+            raise RuntimeError(f"RolloutEngine.{what}: the engine has been shut down")
+        if self._asleep and not (weights_only and "weights" in self._awake_tags):
+            raise RuntimeError(f"RolloutEngine.{what}: the engine is asleep; call wake_up() first")
+
+    def shutdown(self) -> None:
+        """Stop the engine. This destroys vLLM's groups **and the default process group**: use ``teardown``."""
+        if self.llm is None:
+            return
+        llm, self.llm = self.llm, None
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _reprocess_tied_lm_head(model) -> None:
+    """Inside the worker: rebuild ``lm_head``'s post-load state (CPU: the packed GEMM handle) from the shared weight."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    lm_head = getattr(model, "lm_head", None)
+    method = getattr(lm_head, "quant_method", None)
+    if isinstance(method, UnquantizedEmbeddingMethod):
+        method.process_weights_after_loading(lm_head)
+
+
+def teardown(engine: Optional[RolloutEngine]) -> None:
+    """End of run, in the only order that works: megatron-core's groups, the engine, then the default group.
+
+    Every rank must call it (the first step is a barrier, so no rank destroys the default group while another still
+    uses it).
+    """
+    from megatron_dapo.parallel import destroy_model_parallel
+
+    if dist.is_initialized():
+        dist.barrier()
+    destroy_model_parallel()
+    if engine is not None:
+        engine.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()

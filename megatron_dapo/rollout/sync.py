@@ -1,0 +1,272 @@
+"""Per-step weight resharding Megatron → vLLM, bucket by bucket, and the rollout-vs-train log-prob mismatch metric.
+
+Path of one bucket (collective over all ranks, identical plan on every rank):
+  1. the owning pipeline stage TP-gathers each of the bucket's parameters to the full Megatron tensor
+     (``weights.model_io.gather_full_tensor``);
+  2. with PP > 1 the owning stage packs them into one flat buffer and broadcasts it over each pipeline group, so
+     every rank (every vLLM replica needs every layer) holds the bucket's full tensors;
+  3. ``weights.layout.mcore_to_hf`` turns them into HF names + tensors (vocab unpadded, q/k/v and gate/up split —
+     the layout logic lives there only), cast to the engine dtype;
+  4. ``collective_rpc("reload_weights", weights_iterator=[...])`` loads them into the running engine; each vLLM TP
+     rank slices its own shard out of the full tensors.
+After the last bucket ``engine.after_weight_update()`` re-processes a tied ``lm_head`` and resets the prefix cache
+(cached prompt blocks were computed with the old weights).
+
+Partial reloads. vLLM 0.32's ``reload_weights`` (``model_loader/reload``) is layer-wise: every call puts all layers
+on the meta device, buffers the incoming tensors per layer and, when a layer has received all its elements,
+materialises it, runs the weight loaders and ``process_weights_after_loading`` (the CPU oneDNN repack) and copies
+the result into the original storage. Layers that received nothing get their old tensors back. So one call per
+bucket works, as long as a bucket never splits a vLLM layer: a layer given only part of its tensors is processed with
+uninitialised memory for the rest. Buckets are therefore cut between Megatron *modules* (``linear_qkv`` weight and
+bias together, ``linear_fc1`` = gate/up together), which map one-to-one onto vLLM layers. The tests sync with
+one-module buckets and check every log-prob.
+
+Memory: besides its own shards a rank holds one bucket of full tensors (plus the q/k/v split copies of that bucket)
+and vLLM holds a staging copy of the layers being loaded.
+
+Tied embeddings: ``lm_head.weight`` is not sent; the layout map has no output layer for tied models and vLLM's
+Qwen2/Qwen3/Llama tie ``lm_head`` to ``embed_tokens`` themselves (Llama/Qwen3 would even skip it). The shared tensor
+is updated in place, but on CPU vLLM's ``lm_head`` computes with a oneDNN handle packed at load time, which the
+layer-wise reload does not rebuild for a layer that received nothing: ``after_weight_update`` rebuilds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.models.builder import DTYPES
+from megatron_dapo.models.families import ModelArch, ParamMapping, param_mappings
+from megatron_dapo.rollout.engine import RolloutEngine, rollout_dtype
+from megatron_dapo.weights.layout import mcore_to_hf
+from megatron_dapo.weights.model_io import LocalParam, gather_full_tensor, local_param_table
+
+# vLLM warns for every layer a partial reload did not touch; with buckets that is expected, and ``sync`` checks
+# completeness itself (every HF tensor sent exactly once).
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    mapping: ParamMapping
+    stage: int  # pipeline rank that owns the parameter
+    shape: tuple[int, ...]  # full (TP-gathered) Megatron shape
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def module(self) -> str:
+        return self.mapping.mcore.rpartition(".")[0]
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    stage: int
+    dtype: torch.dtype
+    entries: tuple[_Entry, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(e.numel for e in self.entries)
+
+
+class WeightSync:
+    """Copies the actor's current weights into the colocated engine; see the module docstring.
+
+    ``bucket_bytes`` overrides ``rollout.weight_sync_bucket_mb`` (tests and the benchmark use tiny or odd sizes).
+    """
+
+    def __init__(self, engine: RolloutEngine, arch: ModelArch, cfg: ExperimentConfig,
+                 bucket_bytes: Optional[int] = None) -> None:
+        self.engine = engine
+        self.arch = arch
+        self.cfg = cfg
+        self.bucket_bytes = int(bucket_bytes if bucket_bytes is not None else cfg.rollout.weight_sync_bucket_mb * 2**20)
+        if self.bucket_bytes < 1:
+            raise ValueError(f"rollout.weight_sync_bucket_mb must be positive, got bucket size {self.bucket_bytes} B")
+        self.dtype = DTYPES[rollout_dtype(cfg)]
+        self._buckets: Optional[list[_Bucket]] = None
+        self.expected_hf = {name for m in param_mappings(arch) for name in m.hf}
+
+    # ------------------------------------------------------------------------------------------------ plan
+
+    def _local_params(self, chunks: list) -> list[LocalParam]:
+        """This stage's parameters, each global tensor once (the tied output-layer copy is the embedding)."""
+        seen, out = set(), []
+        for lp in local_param_table(chunks, self.arch):
+            if lp.mapping.mcore in seen:
+                continue
+            seen.add(lp.mapping.mcore)
+            out.append(lp)
+        return out
+
+    def _plan(self, local: list[LocalParam]) -> list[_Bucket]:
+        """Buckets in the same order on every rank: stages' parameter lists are exchanged once as metadata."""
+        from megatron.core import parallel_state as ps
+
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        tp_size = ps.get_tensor_model_parallel_world_size()
+        mine = []
+        for lp in local:
+            shape = list(lp.param.shape)
+            if lp.mapping.tp_dim is not None and tp_size > 1:
+                shape[lp.mapping.tp_dim] *= tp_size
+            mine.append((lp.mapping, pp_rank, tuple(shape), lp.param.dtype))
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            per_stage: list = [None] * ps.get_pipeline_model_parallel_world_size()
+            dist.all_gather_object(per_stage, mine, group=ps.get_pipeline_model_parallel_group())
+        else:
+            per_stage = [mine]
+        entries = [_Entry(m, stage, shape, dtype) for stage_list in per_stage for m, stage, shape, dtype in stage_list]
+
+        buckets: list[_Bucket] = []
+        current: list[_Entry] = []
+        current_bytes = 0
+        for module in _group_by_module(entries):
+            size = sum(e.numel for e in module) * module[0].dtype.itemsize
+            head = module[0]
+            if current and (current_bytes + size > self.bucket_bytes or head.stage != current[0].stage
+                            or head.dtype != current[0].dtype):
+                buckets.append(_Bucket(current[0].stage, current[0].dtype, tuple(current)))
+                current, current_bytes = [], 0
+            current.extend(module)
+            current_bytes += size
+        if current:
+            buckets.append(_Bucket(current[0].stage, current[0].dtype, tuple(current)))
+        return buckets
+
+    # ------------------------------------------------------------------------------------------------ sync
+
+    @torch.no_grad()
+    def sync(self, actor_chunks: list) -> dict[str, float]:
+        """Push the actor's weights into the engine. Collective over all ranks. Returns timings and bytes sent."""
+        from megatron.core import parallel_state as ps
+
+        sync_dev = self.engine.platform.synchronize
+        t0 = time.perf_counter()
+        local = self._local_params(actor_chunks)
+        by_name = {lp.mapping.mcore: lp for lp in local}
+        if self._buckets is None:
+            self._buckets = self._plan(local)
+        pp_size = ps.get_pipeline_model_parallel_world_size()
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        pp_group = ps.get_pipeline_model_parallel_group() if pp_size > 1 else None
+        pp_ranks = dist.get_process_group_ranks(pp_group) if pp_group is not None else None
+        device = self.engine.platform.device()
+
+        t_gather = t_convert = t_load = 0.0
+        sent_bytes = 0
+        sent: list[str] = []
+        quiet = _quiet_loggers(_RELOAD_LOGGERS) if len(self._buckets) > 1 else contextlib.nullcontext()
+        with quiet:
+            for bucket in self._buckets:
+                t = time.perf_counter()
+                fulls = self._bucket_tensors(bucket, by_name, pp_rank, pp_group, pp_ranks, device)
+                sync_dev()
+                t_gather += time.perf_counter() - t
+
+                t = time.perf_counter()
+                hf: list[tuple[str, torch.Tensor]] = []
+                for entry, full in zip(bucket.entries, fulls):
+                    for name, tensor in zip(entry.mapping.hf, mcore_to_hf(entry.mapping, full, self.arch)):
+                        tensor = tensor.to(self.dtype)
+                        hf.append((name, tensor))
+                        sent_bytes += tensor.numel() * tensor.element_size()
+                sync_dev()
+                t_convert += time.perf_counter() - t
+
+                t = time.perf_counter()
+                self.engine.load_weights(hf)
+                sync_dev()
+                t_load += time.perf_counter() - t
+                sent.extend(name for name, _ in hf)
+                del fulls, hf
+        if sorted(sent) != sorted(self.expected_hf):
+            missing = sorted(self.expected_hf - set(sent))
+            extra = sorted(set(sent) - self.expected_hf)
+            raise RuntimeError(f"weight sync sent an incomplete/duplicated set: missing {missing[:5]}, extra {extra[:5]}"
+                               f", {len(sent)} sent for {len(self.expected_hf)} expected")
+        self.engine.after_weight_update()
+        sync_dev()
+        return {
+            "timing_s/update_weights": time.perf_counter() - t0,
+            "timing_s/update_weights_gather": t_gather,
+            "timing_s/update_weights_convert": t_convert,
+            "timing_s/update_weights_load": t_load,
+            "bytes": float(sent_bytes),
+            "buckets": float(len(self._buckets)),
+        }
+
+    def _bucket_tensors(self, bucket: _Bucket, by_name: dict[str, LocalParam], pp_rank: int, pp_group,
+                        pp_ranks: Optional[list[int]], device: torch.device) -> list[torch.Tensor]:
+        """The bucket's full Megatron tensors on this rank: TP-gathered by the owner, broadcast over PP if needed."""
+        if pp_group is None:
+            return [gather_full_tensor(by_name[e.mapping.mcore]) for e in bucket.entries]
+        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+        views, offset = [], 0
+        for e in bucket.entries:
+            views.append(flat[offset : offset + e.numel].view(e.shape))
+            offset += e.numel
+        if pp_rank == bucket.stage:
+            # Fill the one bucket buffer tensor by tensor, so at most one extra gathered tensor exists at a time.
+            for e, view in zip(bucket.entries, views):
+                view.copy_(gather_full_tensor(by_name[e.mapping.mcore]))
+        dist.broadcast(flat, src=pp_ranks[bucket.stage], group=pp_group)
+        return views
+
+
+def _group_by_module(entries: list[_Entry]) -> Iterator[list[_Entry]]:
+    """Consecutive entries of the same Megatron module (one vLLM layer), which must share a reload call."""
+    group: list[_Entry] = []
+    for e in entries:
+        if group and (e.module != group[0].module or e.stage != group[0].stage):
+            yield group
+            group = []
+        group.append(e)
+    if group:
+        yield group
+
+
+@contextlib.contextmanager
+def _quiet_loggers(names: tuple[str, ...]):
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def logprob_diff_metrics(
+    train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """Mean and max of |train − rollout| log-prob over response tokens (how far vLLM's sampler is from the trainer).
+
+    All three are ``[B, T]``; padding (mask 0) is ignored. An empty mask gives zeros.
+    """
+    if not (train_log_probs.shape == rollout_log_probs.shape == response_mask.shape):
+        raise ValueError(
+            f"logprob_diff_metrics: shapes differ: train {tuple(train_log_probs.shape)}, rollout"
+            f" {tuple(rollout_log_probs.shape)}, mask {tuple(response_mask.shape)}"
+        )
+    mask = response_mask.bool()
+    diff = (train_log_probs.double() - rollout_log_probs.double()).abs()[mask]
+    if diff.numel() == 0:
+        return {"rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
+    return {"rollout/logprob_diff_mean": diff.mean().item(), "rollout/logprob_diff_max": diff.max().item()}

@@ -1,0 +1,181 @@
+"""Data that crosses the rollout boundary: sampling settings in, a padded batch of responses out.
+
+``build_rollout_batch`` is the one place that turns ragged prompts/responses into the padded tensors the trainer
+consumes; it is pure (no vLLM, no process group) so its padding rules are tested on their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_dapo.config import ExperimentConfig
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What to sample for each prompt. Built from the config by ``for_training`` / ``for_validation``.
+
+    ``temperature == 0`` means greedy decoding (vLLM's convention); ``top_k == -1`` and ``top_p == 1`` disable
+    those filters. Generation stops at any of ``stop_token_ids`` (the stop token is kept in the response) or
+    after ``max_tokens`` tokens (the response is then marked ``truncated``).
+    """
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingSpec.n={self.n}: expected >= 1 responses per prompt")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingSpec.max_tokens={self.max_tokens}: expected >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingSpec.temperature={self.temperature}: expected >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingSpec.top_p={self.top_p}: expected a value in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingSpec.top_k={self.top_k}: expected -1 (disabled) or a positive count")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def for_training(cls, cfg: ExperimentConfig, stop_token_ids: Sequence[int] = ()) -> SamplingSpec:
+        """``rollout.{n, temperature, top_p, top_k}`` with ``max_tokens = data.max_response_length``."""
+        r = cfg.rollout
+        return cls(
+            n=r.n,
+            temperature=float(r.temperature),
+            top_p=float(r.top_p),
+            top_k=int(r.top_k),
+            max_tokens=cfg.data.max_response_length,
+            stop_token_ids=tuple(int(t) for t in stop_token_ids),
+        )
+
+    @classmethod
+    def for_validation(cls, cfg: ExperimentConfig, stop_token_ids: Sequence[int] = ()) -> SamplingSpec:
+        """``rollout.val_kwargs``; ``do_sample: false`` forces greedy decoding (temperature 0, no top-p/top-k)."""
+        v = cfg.rollout.val_kwargs
+        sample = v.do_sample and v.temperature > 0
+        return cls(
+            n=v.n,
+            temperature=float(v.temperature) if sample else 0.0,
+            top_p=float(v.top_p) if sample else 1.0,
+            top_k=int(v.top_k) if sample else -1,
+            max_tokens=cfg.data.max_response_length,
+            stop_token_ids=tuple(int(t) for t in stop_token_ids),
+        )
+
+
+@dataclass
+class RolloutBatch:
+    """A generated batch, padded, ``B = num_prompts × n`` rows in prompt order (a prompt's n responses contiguous).
+
+    Shapes: ``P`` is the longest prompt in the batch, ``T`` the longest response in the batch (not the configured
+    ``max_response_length``: shorter batches cost less in the training forward) unless ``build_rollout_batch`` is
+    given ``response_length``.
+
+    * ``prompts[B, P]`` left-padded with the pad id, ``prompt_mask[B, P]`` 1 on real tokens;
+    * ``responses[B, T]`` right-padded, ``response_mask[B, T]``;
+    * ``rollout_log_probs[B, T]``: vLLM's log-prob of each sampled token (0 on padding);
+    * ``response_lengths[B]``, ``truncated[B]`` (stopped by the length limit, vLLM's ``finish_reason == "length"``);
+    * ``input_ids = cat(prompts, responses)``, ``attention_mask = cat(prompt_mask, response_mask)``,
+      ``position_ids = clamp(cumsum(attention_mask) - 1, min=0)``: the first real prompt token is position 0, as in
+      vLLM, so a Megatron recompute over the padded row sees the positions the rollout used;
+    * ``prompt_index[B]``: the index (into the ``generate`` call's prompt list) of each row's prompt.
+    """
+
+    prompts: torch.Tensor
+    prompt_mask: torch.Tensor
+    responses: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_log_probs: torch.Tensor
+    response_lengths: torch.Tensor
+    truncated: torch.Tensor
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    prompt_index: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.responses.shape[0])
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> RolloutBatch:
+        """The batch restricted to ``rows`` (e.g. dynamic sampling keeping some groups), padding left as is."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        return RolloutBatch(**{f.name: getattr(self, f.name)[idx] for f in dataclasses.fields(self)})
+
+
+def build_rollout_batch(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    log_probs: Sequence[Sequence[float]],
+    truncated: Sequence[bool],
+    prompt_index: Sequence[int],
+    pad_token_id: int,
+    response_length: Optional[int] = None,
+) -> RolloutBatch:
+    """Pad ragged rollout results into a ``RolloutBatch``.
+
+    ``prompts`` are the distinct prompts (indexed by ``prompt_index``); ``responses``/``log_probs``/``truncated``
+    have one entry per row. ``response_length`` fixes ``T`` (it must cover the longest response); by default ``T``
+    is the longest response (at least 1, so tensors never have a zero-sized time dimension).
+    """
+    rows = len(responses)
+    if not (len(log_probs) == len(truncated) == len(prompt_index) == rows):
+        raise ValueError(
+            f"build_rollout_batch: responses ({rows}), log_probs ({len(log_probs)}), truncated ({len(truncated)})"
+            f" and prompt_index ({len(prompt_index)}) must have the same length"
+        )
+    for i, (resp, lp) in enumerate(zip(responses, log_probs)):
+        if len(resp) != len(lp):
+            raise ValueError(f"row {i}: {len(resp)} response tokens but {len(lp)} log-probs")
+    longest = max((len(r) for r in responses), default=0)
+    t = max(longest, 1) if response_length is None else response_length
+    if t < longest:
+        raise ValueError(f"response_length={response_length} is shorter than the longest response ({longest} tokens)")
+    p = max((len(prompts[j]) for j in prompt_index), default=1)
+
+    prompt_t = torch.full((rows, p), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((rows, p), dtype=torch.long)
+    resp_t = torch.full((rows, t), pad_token_id, dtype=torch.long)
+    resp_mask = torch.zeros((rows, t), dtype=torch.long)
+    lp_t = torch.zeros((rows, t), dtype=torch.float32)
+    for i, j in enumerate(prompt_index):
+        prompt = prompts[j]
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {j} is empty; every prompt needs at least one token")
+        prompt_t[i, p - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+        prompt_mask[i, p - len(prompt) :] = 1
+        n = len(responses[i])
+        if n:
+            resp_t[i, :n] = torch.as_tensor(list(responses[i]), dtype=torch.long)
+            resp_mask[i, :n] = 1
+            lp_t[i, :n] = torch.as_tensor(list(log_probs[i]), dtype=torch.float32)
+
+    attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return RolloutBatch(
+        prompts=prompt_t,
+        prompt_mask=prompt_mask,
+        responses=resp_t,
+        response_mask=resp_mask,
+        rollout_log_probs=lp_t,
+        response_lengths=resp_mask.sum(dim=1),
+        truncated=torch.as_tensor(list(truncated), dtype=torch.bool).reshape(rows),
+        input_ids=torch.cat([prompt_t, resp_t], dim=1),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        prompt_index=torch.as_tensor(list(prompt_index), dtype=torch.long).reshape(rows),
+    )

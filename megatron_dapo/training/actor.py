@@ -1,0 +1,324 @@
+"""The Megatron-Core side of a step: forward-only log-probs and the DAPO update, through ``forward_backward_func``.
+
+A batch (every rank holds all of it, as the rollout returns it) is a dict of tensors:
+  ``prompts[B,P]`` left-padded with ``prompt_mask``; ``responses[B,T]`` right-padded with ``response_mask`` (valid
+  tokens); optional ``loss_mask[B,T]`` (defaults to ``response_mask``; overlong filtering zeroes rows of it);
+  for updates also ``old_log_probs``, ``advantages`` and optionally ``ref_log_probs``, ``rollout_is_weights``.
+
+Each data-parallel rank takes a contiguous slice of rows; micro-batches are re-laid out *left-aligned* (prompt
+tokens, then response tokens, then padding) so that rotary positions start at 0 for every row — megatron-core's
+GPTModel derives rope positions from the sequence index — and only a causal mask is needed.
+
+Exactness of the loss: the hook receives one micro-batch at a time but normalises with the *global* counts of the
+mini-batch (summed over micro-batches and DP ranks before the forward-backward), and undoes megatron-core's
+``1/num_microbatches`` and DDP's ``1/dp`` scaling, so loss and gradients do not depend on TP/PP/DP sizes or the
+micro-batch split. The DAPO math itself is in ``megatron_dapo.algo`` (pure functions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.algo.kl import kl_penalty
+from megatron_dapo.algo.logprobs import vocab_parallel_log_probs
+from megatron_dapo.algo.policy_loss import agg_loss, agg_normalisers, compute_policy_loss_terms, policy_loss_metric_sums
+from megatron_dapo.config import ActorConfig
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor  # [b, S] left-aligned prompt+response, right-padded
+    position_ids: torch.Tensor  # [b, S]
+    response_index: torch.Tensor  # [b, T] position of the logit predicting response token t
+    response_tokens: torch.Tensor  # [b, T]
+    fields: dict  # per-token tensors [b, T] for the loss (masks, advantages, ...)
+
+
+def dp_slice(num_rows: int) -> slice:
+    """This data-parallel rank's contiguous rows of a batch of ``num_rows``."""
+    from megatron.core import parallel_state as ps
+
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if num_rows % dp != 0:
+        raise ValueError(f"batch of {num_rows} sequences is not divisible by the data-parallel size {dp}")
+    per = num_rows // dp
+    return slice(rank * per, (rank + 1) * per)
+
+
+def split_micro_batches(
+    lengths: list[int], micro_batch_size: int, max_tokens: Optional[int] = None
+) -> list[list[int]]:
+    """Row indices per micro-batch: fixed ``micro_batch_size`` rows, or (``max_tokens``) greedy packing so that
+    ``rows × longest row ≤ max_tokens`` (a row longer than the budget gets a micro-batch of its own)."""
+    if max_tokens is None:
+        return [list(range(i, min(i + micro_batch_size, len(lengths)))) for i in range(0, len(lengths), micro_batch_size)]
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if current and (len(current) + 1) * max(longest, n) > max_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def make_micro_batch(batch: dict, rows: list[int], field_names: tuple[str, ...], seq_multiple: int = 1) -> MicroBatch:
+    prompts, prompt_mask = batch["prompts"][rows], batch["prompt_mask"][rows].bool()
+    responses, response_mask = batch["responses"][rows], batch["response_mask"][rows].bool()
+    b, t = responses.shape
+    prompt_lens = prompt_mask.sum(-1)
+    response_lens = response_mask.sum(-1)
+    seq_len = int((prompt_lens + response_lens).max())
+    seq_len = -(-seq_len // seq_multiple) * seq_multiple  # sequence parallelism splits the sequence over TP
+    tokens = torch.zeros((b, seq_len), dtype=responses.dtype)
+    for i in range(b):
+        p = prompts[i][prompt_mask[i]]
+        r = responses[i][: int(response_lens[i])]
+        tokens[i, : p.numel()] = p
+        tokens[i, p.numel() : p.numel() + r.numel()] = r
+    position_ids = torch.arange(seq_len).unsqueeze(0).expand(b, -1).contiguous()
+    # Logit at position j predicts token j + 1: response token t sits at prompt_len + t.
+    response_index = (prompt_lens.unsqueeze(-1) - 1 + torch.arange(t).unsqueeze(0)).clamp(max=seq_len - 1)
+    fields = {name: batch[name][rows] for name in field_names if name in batch}
+    fields["response_mask"] = response_mask
+    return MicroBatch(tokens, position_ids, response_index, responses, fields)
+
+
+def causal_mask(seq_len: int, device) -> torch.Tensor:
+    return torch.triu(torch.ones((1, 1, seq_len, seq_len), dtype=torch.bool, device=device), diagonal=1)
+
+
+class MegatronActor:
+    """Megatron-Core model chunks (actor or frozen reference) and, for the actor, its optimizer."""
+
+    def __init__(self, chunks: list, true_vocab_size: int, actor_cfg: ActorConfig, optimizer=None, scheduler=None):
+        from megatron.core.distributed import finalize_model_grads
+
+        self.chunks = chunks
+        self.true_vocab_size = true_vocab_size
+        self.cfg = actor_cfg
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.temperature = 1.0
+        config = self._model_config()
+        if optimizer is not None:
+            config.finalize_model_grads_func = finalize_model_grads
+            config.grad_scale_func = optimizer.scale_loss
+            no_sync = [c.no_sync for c in chunks]
+            config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+
+    def _model_config(self):
+        model = self.chunks[0]
+        while not hasattr(model, "config") and hasattr(model, "module"):
+            model = model.module
+        return model.config
+
+    # ------------------------------------------------------------------------------------------- plumbing
+
+    def _run(self, micro_batches: list[MicroBatch], loss_fn: Callable, forward_only: bool) -> list[dict]:
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        device = next(self.chunks[0].parameters()).device
+        tp_group = ps.get_tensor_model_parallel_group()
+        vocab_start_rank = ps.get_tensor_model_parallel_rank()
+
+        def forward_step(data_iterator, model):
+            mb: MicroBatch = next(data_iterator)
+            tokens = mb.tokens.to(device)
+            output = model(tokens, mb.position_ids.to(device), causal_mask(tokens.shape[1], device))
+
+            def loss_func(logits):
+                index = mb.response_index.to(device)
+                resp_logits = torch.gather(logits, 1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+                log_probs, entropy = vocab_parallel_log_probs(
+                    resp_logits,
+                    mb.response_tokens.to(device),
+                    self.true_vocab_size,
+                    self.temperature,
+                    vocab_start=vocab_start_rank * logits.shape[-1],
+                    tp_group=tp_group,
+                )
+                return loss_fn(log_probs, entropy, {k: v.to(device) for k, v in mb.fields.items()})
+
+            return output, loss_func
+
+        n = len(micro_batches)
+        iterators = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
+        forward_backward = get_forward_backward_func()
+        return forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iterators,
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=n,
+            seq_length=max(int(mb.tokens.shape[1]) for mb in micro_batches),
+            micro_batch_size=max(int(mb.tokens.shape[0]) for mb in micro_batches),
+            forward_only=forward_only,
+        )
+
+    def _micro_batches(self, batch: dict, micro_batch_size: int, field_names: tuple[str, ...]) -> list[MicroBatch]:
+        lengths = (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).tolist()
+        budget = self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None
+        groups = split_micro_batches(lengths, micro_batch_size, budget)
+        config = self._model_config()
+        multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+        return [make_micro_batch(batch, rows, field_names, multiple) for rows in groups]
+
+    @staticmethod
+    def _from_last_stage(t: torch.Tensor) -> torch.Tensor:
+        """Broadcast a tensor held by the last pipeline stage to every stage (same shape everywhere)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        return t
+
+    # ------------------------------------------------------------------------------------------- log-probs
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: dict, temperature: float, calculate_entropy: bool = False) -> dict:
+        """Per-token log-probs (and entropy) of ``responses`` for the whole batch, on every rank ([B, T] float32)."""
+        from megatron.core import parallel_state as ps
+
+        for c in self.chunks:
+            c.eval()
+        self.temperature = temperature
+        rows = dp_slice(batch["responses"].shape[0])
+        local = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+        def loss_fn(log_probs, entropy, fields):
+            mask = fields["response_mask"]
+            out = {"log_probs": log_probs * mask, "entropy": entropy * mask}
+            return log_probs.sum() * 0.0, out
+
+        mbs = self._micro_batches(local, self.cfg.log_prob_micro_batch_size_per_gpu, ())
+        results = self._run(mbs, loss_fn, forward_only=True)
+        b_local, t = local["responses"].shape
+        out = torch.zeros((2, b_local, t), dtype=torch.float32)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            start = 0
+            for mb, res in zip(mbs, results):
+                n = mb.tokens.shape[0]
+                out[0, start : start + n] = res["log_probs"].float().cpu()
+                out[1, start : start + n] = res["entropy"].float().cpu()
+                start += n
+        out = self._from_last_stage(out)
+        gathered = [torch.empty_like(out) for _ in range(ps.get_data_parallel_world_size())]
+        dist.all_gather(gathered, out, group=ps.get_data_parallel_group())
+        full = torch.cat(gathered, dim=1)
+        result = {"log_probs": full[0]}
+        if calculate_entropy:
+            result["entropy"] = full[1]
+        return result
+
+    # ------------------------------------------------------------------------------------------- update
+
+    def update(self, mini_batch: dict, temperature: float) -> dict[str, float]:
+        """One optimizer step on a mini-batch: forward-backward with the DAPO loss hook, then ``optimizer.step``."""
+        results = self.compute_gradients(mini_batch, temperature)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step(increment=1)
+        return self._reduce_update_metrics(results, grad_norm, update_ok)
+
+    def compute_gradients(self, mini_batch: dict, temperature: float) -> list[dict]:
+        """Forward-backward of a mini-batch with the DAPO loss hook; gradients land in the DDP grad buffers."""
+        from megatron.core import parallel_state as ps
+
+        if self.optimizer is None:
+            raise RuntimeError("update() needs an optimizer (this MegatronActor is a frozen reference)")
+        cfg = self.cfg
+        for c in self.chunks:
+            c.train()
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.temperature = temperature
+
+        rows = dp_slice(mini_batch["responses"].shape[0])
+        local = {k: v[rows] for k, v in mini_batch.items() if isinstance(v, torch.Tensor)}
+        local.setdefault("loss_mask", local["response_mask"])
+        names = ("loss_mask", "old_log_probs", "advantages", "ref_log_probs", "rollout_is_weights")
+        mbs = self._micro_batches(local, cfg.ppo_micro_batch_size_per_gpu, names)
+
+        # Global normalisers over every micro-batch of every DP rank: the loss is exact for any split.
+        counts = agg_normalisers(local["loss_mask"].float())
+        norm = torch.stack([counts["global_token_count"], counts["global_seq_count"]]).double()
+        dist.all_reduce(norm, group=ps.get_data_parallel_group())
+        token_count, seq_count = norm[0].item(), norm[1].item()
+        max_len = mini_batch["responses"].shape[1]
+        scale = len(mbs) * ps.get_data_parallel_world_size()  # undo megatron's 1/num_microbatches and DDP's 1/dp
+        agg = partial(
+            agg_loss,
+            loss_agg_mode=cfg.loss_agg_mode,
+            global_token_count=token_count,
+            global_seq_count=seq_count,
+            max_response_length=max_len,
+        )
+
+        def loss_fn(log_probs, entropy, f):
+            mask = f["loss_mask"].to(log_probs.dtype)
+            terms = compute_policy_loss_terms(
+                log_probs,
+                f["old_log_probs"],
+                f["advantages"],
+                cfg.clip_ratio_low,
+                cfg.clip_ratio_high,
+                cfg.clip_ratio_c,
+                f.get("rollout_is_weights"),
+            )
+            pg_loss = agg(terms["pg_losses"], mask)
+            entropy_loss = agg(entropy, mask)
+            loss = pg_loss - cfg.entropy_coeff * entropy_loss
+            sums = policy_loss_metric_sums(terms, mask)
+            metric = {
+                "pg_loss": pg_loss.detach(),
+                "entropy": entropy_loss.detach(),
+                "pg_clipfrac": sums["pg_clipfrac"],
+                "pg_clipfrac_lower": sums["pg_clipfrac_lower"],
+                "ppo_kl": sums["ppo_kl"],
+                "num_tokens": sums["num_tokens"],
+            }
+            if cfg.use_kl_loss:
+                kl = agg(kl_penalty(log_probs, f["ref_log_probs"], cfg.kl_loss_type), mask)
+                loss = loss + cfg.kl_loss_coef * kl
+                metric["kl_loss"] = kl.detach()
+            return loss * scale, metric
+
+        return self._run(mbs, loss_fn, forward_only=False)
+
+    def _reduce_update_metrics(self, results: list[dict], grad_norm, update_ok: bool) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        keys = ["pg_loss", "entropy", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "num_tokens"]
+        sums = torch.zeros(len(keys), dtype=torch.float64)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            for res in results:
+                for i, k in enumerate(keys):
+                    if k in res:
+                        sums[i] += float(res[k])
+        sums = self._from_last_stage(sums)
+        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        m = dict(zip(keys, sums.tolist()))
+        tokens = m.pop("num_tokens") + 1e-8
+        metrics = {
+            "actor/pg_loss": m["pg_loss"],
+            "actor/entropy": m["entropy"],
+            "actor/pg_clipfrac": m["pg_clipfrac"] / tokens,
+            "actor/pg_clipfrac_lower": m["pg_clipfrac_lower"] / tokens,
+            "actor/ppo_kl": m["ppo_kl"] / tokens,
+            "actor/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "actor/lr": self.optimizer.param_groups[0]["lr"],
+            "actor/update_ok": float(bool(update_ok)),
+        }
+        if self.cfg.use_kl_loss:
+            metrics["actor/kl_loss"] = m["kl_loss"]
+        return metrics

@@ -1,0 +1,320 @@
+"""Streaming safetensors IO: read one tensor at a time, write a file whose header is known before its tensors.
+
+Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N, N bytes of JSON
+``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`` padded with spaces to a
+multiple of 8, then the tensors' bytes back to back (offsets relative to the end of the header, no holes).
+
+Why our own reader instead of ``safe_open``: ``safe_open`` memory-maps the file, and every page it touches stays in
+the process's resident set until the file is closed, so walking a whole checkpoint grows RSS to the checkpoint's
+size. ``pread`` into a fresh tensor keeps the resident set at the tensors that are alive. The files we write are
+checked against the ``safetensors`` library itself in the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+
+PathLike = Union[str, Path]
+
+_DTYPE_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in _DTYPE_TO_ST.items()}
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def st_dtype(dtype: torch.dtype) -> str:
+    if dtype not in _DTYPE_TO_ST:
+        raise ValueError(f"dtype {dtype} has no safetensors name (supported: {sorted(map(str, _DTYPE_TO_ST))})")
+    return _DTYPE_TO_ST[dtype]
+
+
+def torch_dtype(st_name: str) -> torch.dtype:
+    if st_name not in _ST_TO_DTYPE:
+        raise ValueError(f"safetensors dtype {st_name!r} is not supported (supported: {sorted(_ST_TO_DTYPE)})")
+    return _ST_TO_DTYPE[st_name]
+
+
+def tensor_nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def read_header(path: PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse a safetensors header: ``({name: TensorInfo}, metadata)`` without touching tensor data."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than the 8-byte header length)")
+        (n,) = struct.unpack("<Q", raw_len)
+        size = os.fstat(f.fileno()).st_size
+        if n > size - 8:
+            raise ValueError(f"{path}: header length {n} exceeds the file size {size}")
+        header = json.loads(f.read(n))
+    meta = header.pop("__metadata__", None) or {}
+    base = 8 + n
+    infos = {}
+    for name, h in header.items():
+        begin, end = h["data_offsets"]
+        dtype = torch_dtype(h["dtype"])
+        shape = tuple(int(d) for d in h["shape"])
+        if end - begin != tensor_nbytes(dtype, shape) or base + end > size:
+            raise ValueError(f"{path}: tensor {name!r} has inconsistent data_offsets {h['data_offsets']} for {h}")
+        infos[name] = TensorInfo(name, dtype, shape, base + begin, base + end)
+    return infos, meta
+
+
+class SafetensorsFile:
+    """One safetensors file, read tensor by tensor with ``pread`` (no memory map)."""
+
+    def __init__(self, path: PathLike) -> None:
+        self.path = Path(path)
+        self.tensors, self.metadata = read_header(self.path)
+        self._fd: Optional[int] = None
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        return self.tensors[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        info = self.info(name)
+        out = torch.empty(info.nbytes, dtype=torch.uint8)
+        if info.nbytes:
+            self._read_into(out, info.begin)
+        return out.view(info.dtype).reshape(info.shape)
+
+    def _read_into(self, out: torch.Tensor, offset: int) -> None:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        view = memoryview(out.numpy())
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"{self.path}: unexpected end of file at byte {offset + done}")
+            done += got
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SafetensorsDir:
+    """The safetensors weights of an HF model directory: ``model.safetensors`` or shards + ``*.index.json``."""
+
+    def __init__(self, directory: PathLike) -> None:
+        self.directory = Path(directory)
+        index = self.directory / INDEX_NAME
+        if index.is_file():
+            with open(index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+            missing = [fn for fn in files if not (self.directory / fn).is_file()]
+            if missing:
+                raise FileNotFoundError(f"{index} names shard files that do not exist: {missing}")
+        else:
+            files = sorted(p.name for p in self.directory.glob("*.safetensors"))
+            if not files:
+                others = sorted(p.name for p in self.directory.iterdir()) if self.directory.is_dir() else []
+                raise FileNotFoundError(
+                    f"no safetensors weights in {self.directory} (expected {SINGLE_NAME} or shards with {INDEX_NAME});"
+                    f" found: {others}"
+                )
+            weight_map = None
+        self.files = {fn: SafetensorsFile(self.directory / fn) for fn in files}
+        self._where: dict[str, SafetensorsFile] = {}
+        for fn, sf in self.files.items():
+            for name in sf.tensors:
+                if name in self._where:
+                    raise ValueError(f"tensor {name!r} is stored twice: {self._where[name].path.name} and {fn}")
+                if weight_map is not None and weight_map.get(name) != fn:
+                    raise ValueError(f"{INDEX_NAME} maps {name!r} to {weight_map.get(name)!r} but it is stored in {fn}")
+                self._where[name] = sf
+        if weight_map is not None:
+            absent = sorted(set(weight_map) - set(self._where))
+            if absent:
+                raise ValueError(f"{INDEX_NAME} lists tensors that no shard holds: {absent[:20]}")
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self._where:
+            raise KeyError(f"no tensor {name!r} in {self.directory}")
+        return self._where[name].info(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"no tensor {name!r} in {self.directory}")
+        return self._where[name].get(name)
+
+    def close(self) -> None:
+        for sf in self.files.values():
+            sf.close()
+
+    def __enter__(self) -> "SafetensorsDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape)
+
+
+class StreamingSafetensorsWriter:
+    """Writes a safetensors file whose tensors are declared up front and then arrive one at a time, in any order.
+
+    The header (all names, dtypes, shapes, offsets) is written at construction; ``write`` puts one tensor's bytes
+    at its offset. Only the tensor being written is in memory. ``close`` checks that every declared tensor arrived.
+    Tensors are laid out by element size (largest first), as the ``safetensors`` library does, so every tensor
+    stays aligned to its element size.
+    """
+
+    def __init__(self, path: PathLike, specs: Iterable[TensorSpec], metadata: Optional[dict[str, str]] = None) -> None:
+        self.path = Path(path)
+        specs = list(specs)
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"{self.path}: tensor names declared twice: {dup}")
+        ordered = sorted(specs, key=lambda s: -torch.empty((), dtype=s.dtype).element_size())
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        self._slots: dict[str, tuple[TensorSpec, int]] = {}
+        offset = 0
+        for s in ordered:
+            header[s.name] = {"dtype": st_dtype(s.dtype), "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+            self._slots[s.name] = (s, offset)
+            offset += s.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        self._base = 8 + len(raw)
+        self._total = self._base + offset
+        self._pending = set(self._slots)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._pwrite(struct.pack("<Q", len(raw)) + raw, 0)
+
+    @property
+    def pending(self) -> set[str]:
+        return set(self._pending)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self._slots:
+            raise KeyError(f"{self.path}: tensor {name!r} was not declared (declared: {sorted(self._slots)[:20]} ...)")
+        if name not in self._pending:
+            raise ValueError(f"{self.path}: tensor {name!r} written twice")
+        spec, offset = self._slots[name]
+        if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} declared {spec.dtype} {spec.shape}, got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        if flat.numel():
+            self._pwrite(memoryview(flat.numpy()), self._base + offset)
+        self._pending.discard(name)
+
+    def _pwrite(self, data, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], offset + done)
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            if self._pending:
+                raise ValueError(f"{self.path}: closed before these declared tensors were written: {sorted(self._pending)}")
+            os.ftruncate(self._fd, self._total)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def abort(self) -> None:
+        """Close without the completeness check (the caller is failing anyway)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "StreamingSafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def save_file_streaming(tensors: dict[str, torch.Tensor], path: PathLike, metadata: Optional[dict[str, str]] = None) -> None:
+    """Convenience: write a dict of tensors through the streaming writer."""
+    specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    with StreamingSafetensorsWriter(path, specs, metadata) as w:
+        for n, t in tensors.items():
+            w.write(n, t)

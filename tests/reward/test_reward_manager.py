@@ -1,0 +1,210 @@
+"""Reward manager: decoding, routing, placement, overlong shaping, worker pool errors and timeouts."""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_dapo.config import ConfigError, CustomFunctionConfig, OverlongBufferConfig, RewardConfig
+from megatron_dapo.reward.manager import RewardManager, route_data_source
+
+EOS_ID = 1
+
+
+class CharTokenizer:
+    """Test stand-in for an HF tokenizer: one token per character (id = code point); id 1 is EOS and, like some
+    added tokens, is decoded as text even with skip_special_tokens; id 0 is padding."""
+
+    eos_token = "</s>"
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join("</s>" if i == EOS_ID else chr(i) for i in ids if i != 0)
+
+
+def encode(texts: list[str], width: int, eos: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.zeros(len(texts), width, dtype=torch.long)
+    mask = torch.zeros(len(texts), width, dtype=torch.long)
+    for i, text in enumerate(texts):
+        row = [ord(c) for c in text] + ([EOS_ID] if eos and eos[i] else [])
+        row = row[:width]
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, : len(row)] = 1
+    return ids, mask
+
+
+def inline_manager(max_len: int = 32, **kwargs) -> RewardManager:
+    return RewardManager(CharTokenizer(), RewardConfig(num_workers=0, **kwargs), max_response_length=max_len)
+
+
+# ----------------------------------------------------------------------------- in-process logic
+
+
+def test_routing() -> None:
+    assert route_data_source("math_dapo") == "math_dapo"
+    assert route_data_source("math") == "math_dapo"
+    assert route_data_source("aime2024") == "math_dapo"
+    assert route_data_source("gsm8k") == "custom"
+
+
+def test_scores_placed_on_last_valid_token_and_eos_text_stripped() -> None:
+    rm = inline_manager()
+    texts = ["Answer: 5", "Answer: 7", "Answer: 12", ""]
+    ids, mask = encode(texts, 16, eos=[True, False, False, False])
+    res = rm(ids, mask, ["math_dapo", "aime24", "math", "math"], ["5", "8", "12", "1"], [{}, {}, None, {}])
+    assert res.scores.tolist() == [1.0, -1.0, 1.0, -1.0]  # "Answer: 5</s>" is scored as "Answer: 5"
+    assert res.response_lengths.tolist() == [10, 9, 10, 0]
+    expected = torch.zeros(4, 16)
+    expected[0, 9], expected[1, 8], expected[2, 9], expected[3, 15] = 1.0, -1.0, 1.0, -1.0  # empty row: T - 1
+    assert torch.equal(res.token_level_scores, expected)
+    assert res.token_level_scores.dtype == torch.float32
+    assert res.extra["acc"] == [True, False, True, False]
+    assert res.extra["pred"] == ["5", "7", "12", "[INVALID]"]
+    assert res.extra["score"] == [1.0, -1.0, 1.0, -1.0]
+    assert res.extra["overlong_reward"] == [0.0] * 4 and res.extra["overlong"] == [False] * 4
+    assert res.metrics["reward/num_errors"] == 0.0 and res.metrics["reward/num_timeouts"] == 0.0
+
+
+def test_unknown_data_source_without_custom_function() -> None:
+    rm = inline_manager()
+    ids, mask = encode(["x"], 4)
+    with pytest.raises(ConfigError, match="'gsm8k'.*reward.custom_function.path"):
+        rm(ids, mask, ["gsm8k"], ["1"], [{}])
+
+
+def test_overlong_shaping_and_truncation_flag() -> None:
+    cfg = RewardConfig(num_workers=0, overlong_buffer=OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0))
+    texts = ["Answer: 1", "Answer: 12", "Answer: 1 ", "Answer: 1"]  # lengths 9, 10, 10, 9 (+EOS = 10)
+    ids, mask = encode(texts, 12, eos=[False, False, False, True])
+    sources, truths = ["math"] * 4, ["1", "12", "1", "1"]
+    res = RewardManager(CharTokenizer(), cfg, max_response_length=10)(ids, mask, sources, truths)
+    # free up to 6 tokens; penalty -(L - 6) / 4
+    assert res.extra["overlong_reward"] == [-0.75, -1.0, -1.0, -1.0]
+    assert res.scores.tolist() == [0.25, 0.0, 0.0, 0.0]
+    assert res.extra["score"] == [1.0, 1.0, 1.0, 1.0]
+    assert res.extra["overlong"] == [False, True, True, True]  # hit max length
+    with_eos = RewardManager(CharTokenizer(), cfg, max_response_length=10, eos_token_id=EOS_ID)
+    res = with_eos(ids, mask, sources, truths)
+    assert res.extra["overlong"] == [False, True, True, False]  # ended with EOS exactly at the limit
+    assert res.overlong.tolist() == [False, True, True, False]
+    assert res.metrics["reward/num_overlong"] == 2.0
+
+
+def test_empty_batch() -> None:
+    res = inline_manager()(torch.zeros(0, 8, dtype=torch.long), torch.zeros(0, 8), [], [], [])
+    assert res.scores.shape == (0,) and res.token_level_scores.shape == (0, 8)
+    assert res.metrics["reward/num_errors"] == 0.0
+
+
+def test_input_and_config_errors(tmp_path: Path) -> None:
+    rm = inline_manager()
+    ids, mask = encode(["a", "b"], 4)
+    with pytest.raises(ValueError, match="ground_truths has 1 entries"):
+        rm(ids, mask, ["math", "math"], ["1"], [{}, {}])
+    with pytest.raises(ValueError, match=r"must both be \[B, T\]"):
+        rm(ids, mask[:, :2], ["math", "math"], ["1", "2"])
+    with pytest.raises(ConfigError, match=r"reward.extra_functions\[0\]: unknown keys \['wieght'\]"):
+        RewardManager(CharTokenizer(), RewardConfig(extra_functions=[{"path": "x.py", "wieght": 1}]), 8)
+    with pytest.raises(ConfigError, match="overlong_buffer.len=16"):
+        RewardManager(CharTokenizer(), RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=16)), 8)
+    missing = CustomFunctionConfig(path=str(tmp_path / "nope.py"))
+    with pytest.raises(FileNotFoundError, match="nope.py"):
+        RewardManager(CharTokenizer(), RewardConfig(custom_function=missing), 8)
+
+
+def test_inline_custom_function_errors_are_counted(tmp_path: Path) -> None:
+    path = tmp_path / "inline_reward.py"
+    path.write_text("def f(data_source, solution_str, ground_truth, extra_info):\n    return 1 / int(solution_str)\n")
+    rm = RewardManager(
+        CharTokenizer(),
+        RewardConfig(num_workers=0, error_score=-3.0, custom_function=CustomFunctionConfig(path=str(path), name="f")),
+        16,
+    )
+    ids, mask = encode(["4", "0"], 4)
+    res = rm(ids, mask, ["toy", "toy"], [None, None], None)
+    assert res.scores.tolist() == [0.25, -3.0]
+    assert res.extra["acc"] == [0.25, False]
+    assert res.metrics["reward/num_errors"] == 1.0
+
+
+# ----------------------------------------------------------------------------- worker pool
+
+SCORERS = textwrap.dedent(
+    """
+    import os
+    import signal
+    import time
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info):
+        if solution_str.startswith("raise"):
+            raise ValueError("scorer exploded on purpose")
+        if solution_str.startswith("sleep"):
+            time.sleep(30)
+        if solution_str.startswith("hang"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # ignore the soft timeout
+            time.sleep(30)
+        if solution_str.startswith("die"):
+            os._exit(7)
+        return {"score": float(solution_str == ground_truth), "source": data_source, "pid": os.getpid()}
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def pool_manager(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("scorers") / "scorers.py"
+    path.write_text(SCORERS)
+    cfg = RewardConfig(
+        custom_function=CustomFunctionConfig(path=str(path)),
+        num_workers=2,
+        timeout_s=0.5,
+        error_score=-0.5,
+        max_logged_errors=1,
+    )
+    with RewardManager(CharTokenizer(), cfg, max_response_length=16, hard_timeout_grace_s=0.5) as rm:
+        yield rm
+
+
+def test_pool_scores_errors_and_soft_timeouts(pool_manager: RewardManager, caplog) -> None:
+    texts = ["ok", "raise", "Answer: 3", "sleep", "ok"]
+    ids, mask = encode(texts, 16)
+    sources = ["toy", "toy", "math_dapo", "toy", "toy"]
+    truths = ["ok", "", "3", "", "no"]
+    executor = pool_manager._ensure_pool()
+    with caplog.at_level(logging.WARNING, logger="megatron_dapo.reward.manager"):
+        start = time.monotonic()
+        res = pool_manager(ids, mask, sources, truths, [{}] * 5)
+        elapsed = time.monotonic() - start
+    assert elapsed < 10  # the 30 s sleeper was interrupted...
+    assert pool_manager._executor is executor  # ...inside its worker (soft timeout): the pool was not restarted
+    assert res.scores.tolist() == [1.0, -0.5, 1.0, -0.5, 0.0]
+    assert res.metrics["reward/num_errors"] == 1.0
+    assert res.metrics["reward/num_timeouts"] == 1.0
+    assert res.extra["source"] == ["toy", None, None, None, "toy"]
+    assert res.extra["pred"] == [None, None, "3", None, None]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("scorer exploded on purpose" in m for m in messages)  # first failure logged with its traceback
+    assert any("1 more failures not logged" in m for m in messages)  # max_logged_errors=1
+
+
+def test_pool_hard_timeout_restarts_workers(pool_manager: RewardManager) -> None:
+    executor = pool_manager._ensure_pool()
+    ids, mask = encode(["hang", "ok", "ok"], 16)
+    res = pool_manager(ids, mask, ["toy"] * 3, ["", "ok", "ok"], None)
+    assert res.scores.tolist() == [-0.5, 1.0, 1.0]
+    assert res.metrics["reward/num_timeouts"] == 1.0
+    assert pool_manager._executor is not executor  # the stuck worker's pool was killed
+    ids, mask = encode(["ok"], 16)  # the recreated pool works
+    assert pool_manager(ids, mask, ["toy"], ["ok"], None).scores.tolist() == [1.0]
+
+
+def test_pool_worker_death_only_fails_the_culprit(pool_manager: RewardManager) -> None:
+    texts = ["ok", "die", "ok", "ok"]
+    ids, mask = encode(texts, 16)
+    res = pool_manager(ids, mask, ["toy"] * 4, ["ok"] * 4, None)
+    assert res.scores.tolist() == [1.0, -0.5, 1.0, 1.0]
+    assert res.metrics["reward/num_errors"] == 1.0 and res.metrics["reward/num_timeouts"] == 0.0

@@ -1,0 +1,254 @@
+"""torchrun worker for the rollout tests: Megatron actor + colocated vLLM engine in the same processes.
+
+Run as ``torchrun --nproc-per-node W tests/rollout/dist_worker.py --hf-dir D --out F --tp T --pp P --rollout-tp R``.
+It syncs weights into vLLM, generates, recomputes the sampled tokens' log-probs with the Megatron model (float64
+log-softmax over the true vocabulary), takes real Adam steps with megatron-core's optimizer and repeats; every
+rank writes its measurements to ``F.rank<r>.json`` and the pytest side asserts on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+T0 = time.perf_counter()
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--rollout-tp", type=int, default=1)
+    p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--cycles", type=int, default=2, help="Adam step + sync + generate cycles after the first")
+    return p.parse_args()
+
+
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] boolean, True = masked: future positions and padding keys."""
+    s = attention_mask.shape[1]
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
+    return causal[None, None] | (attention_mask == 0)[:, None, None, :]
+
+
+def megatron_log_probs(model, arch, batch, temperature: float = 1.0):
+    """Log-probs of ``batch.responses`` under the Megatron model: [B, T] float64 on the last stage, else None."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    ids, pos = batch.input_ids, batch.position_ids
+    b, s = ids.shape
+    mask = causal_padding_mask(batch.attention_mask)
+    out = {}
+
+    def fwd(_it, m):
+        o = m(ids, pos, mask)
+
+        def loss_func(o):
+            out["logits"] = gather_from_tensor_model_parallel_region(o)
+            return o.sum() * 0, {}
+
+        return o, loss_func
+
+    for m in model:
+        m.eval()
+    with torch.no_grad():
+        get_forward_backward_func()(forward_step_func=fwd, data_iterator=[iter([None]) for _ in model], model=model,
+                                    num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True)
+    if not ps.is_pipeline_last_stage():
+        return None
+    logits = out["logits"][..., : arch.vocab_size].double() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    p, t = batch.prompts.shape[1], batch.responses.shape[1]
+    # The token at input position p + k is predicted by the logits at position p + k - 1.
+    pred = logp[:, p - 1 : p + t - 1]
+    return torch.gather(pred, 2, batch.responses.unsqueeze(-1)).squeeze(-1) * batch.response_mask
+
+
+def adam_step(model, optimizer, batch) -> float:
+    """One real training step: mean NLL of the sampled response tokens, megatron DDP + optimizer."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ids, pos = batch.input_ids, batch.position_ids
+    b, s = ids.shape
+    mask = causal_padding_mask(batch.attention_mask)
+    labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    loss_mask = torch.cat([batch.attention_mask[:, 1:], torch.zeros_like(ids[:, :1])], dim=1).float()
+    loss_mask[:, : batch.prompts.shape[1] - 1] = 0  # train on response tokens only
+
+    def fwd(_it, m):
+        o = m(ids, pos, mask, labels=labels)
+
+        def loss_func(o):
+            loss = (o.float() * loss_mask).sum() / loss_mask.sum()
+            return loss, {"loss": loss.detach()}
+
+        return o, loss_func
+
+    for m in model:
+        m.train()
+        m.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(forward_step_func=fwd, data_iterator=[iter([None]) for _ in model],
+                                         model=model, num_microbatches=1, seq_length=s, micro_batch_size=b,
+                                         forward_only=False)
+    ok, _, _ = optimizer.step()
+    assert ok, "optimizer step was skipped"
+    return float(losses[0]["loss"]) if losses else float("nan")
+
+
+def masked_max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs()[mask.bool()].max())
+
+
+def main() -> None:
+    args = parse()
+    from safetensors.torch import load_file
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.parallel import init_distributed, init_model_parallel
+    from megatron_dapo.rollout.engine import RolloutEngine, teardown
+    from megatron_dapo.rollout.sync import WeightSync
+    from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size
+    from megatron_dapo.weights.model_io import load_full_tensors
+
+    cfg = load_config(None, [
+        f"parallel.tensor_model_parallel_size={args.tp}",
+        f"parallel.pipeline_model_parallel_size={args.pp}",
+        f"parallel.use_distributed_optimizer={str(args.distributed_optimizer).lower()}",
+        "parallel.platform=cpu",
+        "model.params_dtype=fp32",
+        f"rollout.tensor_model_parallel_size={args.rollout_tp}",
+        "rollout.n=3",
+        "rollout.temperature=1.0",
+        "rollout.seed=7",
+        "rollout.kv_cache_memory_mb=32",
+        "rollout.max_num_seqs=64",
+        "data.max_prompt_length=12",
+        "data.max_response_length=10",
+        f"trainer.output_dir={os.path.dirname(args.out)}",
+    ])
+    info, platform = init_distributed(cfg.parallel)
+    init_model_parallel(cfg.parallel, seed=1)
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    arch = model_arch_from_hf(args.hf_dir)
+    model = wrap_for_training(build_gpt_chunks(arch, cfg), cfg)
+    model[0].config.finalize_model_grads_func = finalize_model_grads
+    hf = load_file(os.path.join(args.hf_dir, "model.safetensors"))
+    pv = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, args.tp)
+    load_full_tensors(model, arch, lambda m: hf_to_mcore(m, [hf[n] for n in m.hf], arch, pv))
+    # Built after the weights are in place: the distributed optimizer keeps its own fp32 copies.
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=3e-2, weight_decay=0.0, clip_grad=1.0, params_dtype=torch.float32,
+                        use_distributed_optimizer=args.distributed_optimizer),
+        model,
+    )
+
+    res: dict = {"rank": info.rank, "last_stage": ps.is_pipeline_last_stage(), "tied": arch.tie_word_embeddings}
+    t = time.perf_counter()
+    engine = RolloutEngine(cfg, args.hf_dir, platform, pad_token_id=0, eos_token_ids=[1])
+    res["engine_start_s"] = time.perf_counter() - t
+    sync = WeightSync(engine, arch, cfg)
+    tiny_sync = WeightSync(engine, arch, cfg, bucket_bytes=1)  # one Megatron module per reload_weights call
+
+    g = torch.Generator().manual_seed(123)
+    lengths = [3, 12, 5, 8, 1]
+    prompts = [torch.randint(2, arch.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    spec = engine.train_sampling()
+
+    def check(tag: str, batch, temperature: float = 1.0) -> None:
+        lp = megatron_log_probs(model, arch, batch, temperature)
+        if lp is not None:
+            res[f"{tag}_max_diff"] = masked_max_diff(lp, batch.rollout_log_probs, batch.response_mask)
+        res[f"{tag}_tokens"] = int(batch.response_mask.sum())
+
+    # 1. first sync (the engine started with dummy weights), generate, compare.
+    res["first_sync"] = sync.sync(model)
+    b1 = engine.generate(prompts, spec, seed_offset=0)
+    assert b1.responses.shape[0] == len(prompts) * spec.n
+    assert b1.prompt_index.tolist() == [i for i in range(len(prompts)) for _ in range(spec.n)]
+    res["b1_truncated"] = int(b1.truncated.sum())
+    res["b1_lengths"] = b1.response_lengths.tolist()
+    check("b1", b1)
+    res["b1_repeat_identical"] = bool(torch.equal(engine.generate(prompts, spec, seed_offset=0).responses, b1.responses))
+    b1_other_offset = engine.generate(prompts, spec, seed_offset=1)
+    res["offset_changes_samples"] = not torch.equal(b1_other_offset.responses, b1.responses)
+
+    # 2. RNG safety: one rank's process RNG is perturbed; every rank's own (pre-gather) rows must still agree.
+    if info.rank == 1:
+        torch.manual_seed(999)
+        torch.rand(12345)
+    local = engine._generate_share(prompts, spec, seed_offset=0)
+    everyone: list = [None] * info.world_size
+    dist.all_gather_object(everyone, local)
+    tp_r = args.rollout_tp
+    res["rng_tp_peers_identical"] = all(everyone[r] == everyone[r - r % tp_r] for r in range(info.world_size))
+    res["rng_tp_peers_nonempty"] = all(len(everyone[r]) > 0 for r in range(info.world_size))
+    b_after_perturb = engine.generate(prompts, spec, seed_offset=0)
+    res["rng_batch_unchanged"] = bool(torch.equal(b_after_perturb.responses, b1.responses))
+
+    # 2b. the divergence detector fires when TP peers disagree (fake rows on one peer).
+    if tp_r > 1:
+        fake = [(0, 0, [5, 6], [-1.0, -1.0], False)] if info.rank % tp_r == 1 else [(0, 0, [5, 7], [-1.0, -1.0], False)]
+        try:
+            engine._gather_rows(fake)
+            res["detector_raised"] = False
+        except RuntimeError as e:
+            res["detector_raised"] = "different tokens" in str(e)
+
+    # 3. temperature-scaled log-probs (processed_logprobs) match log_softmax(logits / T).
+    hot = type(spec)(n=2, temperature=0.7, top_p=1.0, top_k=-1, max_tokens=spec.max_tokens,
+                     stop_token_ids=spec.stop_token_ids)
+    check("temp07", engine.generate(prompts, hot, seed_offset=5), temperature=0.7)
+
+    # 4. greedy validation sampling.
+    val = engine.val_sampling()
+    bv = engine.generate(prompts, val, seed_offset=0)
+    check("greedy", bv)
+    res["greedy_rows"] = int(bv.responses.shape[0])
+
+    # 5. train, generate with stale weights (must differ from Megatron), sync, generate again (must match).
+    for cycle in range(args.cycles):
+        res[f"c{cycle}_loss"] = adam_step(model, optimizer, b1)
+        check(f"c{cycle}_stale", engine.generate(prompts, spec, seed_offset=0))
+        syncer = tiny_sync if cycle % 2 == 1 else sync
+        res[f"c{cycle}_sync"] = syncer.sync(model)
+        b2 = engine.generate(prompts, spec, seed_offset=0)
+        check(f"c{cycle}", b2)
+        common = b1.response_mask.bool() & b2.response_mask.bool()
+        same_tok = common & (b1.responses == b2.responses)
+        # Where both batches sampled the same token at the same place, the log-prob must have moved.
+        if same_tok.any():
+            res[f"c{cycle}_lp_change_max"] = float((b2.rollout_log_probs - b1.rollout_log_probs).abs()[same_tok].max())
+        b1 = b2
+
+    # 6. megatron-core collectives still work after the generate/sync cycles.
+    x = torch.full((4,), float(ps.get_tensor_model_parallel_rank() + 1))
+    dist.all_reduce(x, group=ps.get_tensor_model_parallel_group())
+    res["tp_allreduce"] = x.tolist()
+    res["tp_size"] = ps.get_tensor_model_parallel_world_size()
+
+    t = time.perf_counter()
+    teardown(engine)
+    res["teardown_s"] = time.perf_counter() - t
+    res["dist_initialized_after_teardown"] = dist.is_initialized()
+    res["total_s"] = time.perf_counter() - T0
+    with open(f"{args.out}.rank{info.rank}.json", "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
