@@ -277,9 +277,7 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
         if key not in fields:
             nearest = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
-            raise ConfigError(
-                f"unknown config key {dotted!r}{hint} Valid keys in {label}: {', '.join(sorted(fields))}"
-            )
+            raise ConfigError(f"unknown config key {dotted!r}{hint} Valid keys in {label}: {', '.join(sorted(fields))}")
         kwargs[key] = _coerce(hints[key], value, dotted)
     return cls(**kwargs)
 
@@ -372,7 +370,9 @@ def validate_parallel_layout(
     pp = parallel.pipeline_model_parallel_size
     vpp = parallel.virtual_pipeline_model_parallel_size
     if tp < 1 or pp < 1:
-        raise ConfigError(f"parallel.tensor_model_parallel_size={tp} and pipeline_model_parallel_size={pp} must be >= 1")
+        raise ConfigError(
+            f"parallel.tensor_model_parallel_size={tp} and pipeline_model_parallel_size={pp} must be >= 1"
+        )
     if world_size % (tp * pp) != 0:
         raise ConfigError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size"

@@ -33,9 +33,9 @@ def filter_groups(metric_values: torch.Tensor | np.ndarray | Sequence[float], gr
         group_ids: ``[B]`` prompt ids (any hashables).
 
     Returns:
-        ``keep[B]`` bool tensor. A group is kept iff its metric values are not all equal (verl: ``np.std > 0``)
-        **or it has a single response** (verl keeps groups of one: ``std > 0 or len(vals) == 1``). A group with a
-        NaN metric is dropped unless it is a group of one (verl: ``nan > 0`` is False).
+        ``keep[B]`` bool tensor (on the CPU). A group is kept iff its metric values are not all equal (verl:
+        ``np.std > 0``) **or it has a single response** (verl keeps groups of one: ``std > 0 or len(vals) == 1``).
+        A group with a NaN metric is dropped unless it is a group of one (verl: ``nan > 0`` is False).
 
     "Not all equal" is tested exactly (``max > min``). verl's ``np.std`` can be a rounding-level positive number
     for identical values that are not exactly representable (e.g. ``np.std([0.1] * 3) = 1.4e-17``), in which case

@@ -86,6 +86,11 @@ def transformer_config(arch: ModelArch, parallel: ParallelConfig, model: ModelCo
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # avoids a MoE-only check that variable_seq_lengths trips
         batch_p2p_sync=not on_cpu,
+        # Interleaved (VPP) schedule: Megatron-LM's default p2p mode (overlapped, unbatched). The batched mode posts
+        # sends/receives to both neighbours in one batch_isend_irecv, which deadlocks on gloo when PP=2 (previous
+        # rank == next rank); the unbatched path orders them by even/odd rank.
+        overlap_p2p_comm=parallel.virtual_pipeline_model_parallel_size is not None,
+        batch_p2p_comm=parallel.virtual_pipeline_model_parallel_size is None,
         init_method_std=0.02,
     )
 
@@ -132,7 +137,9 @@ def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig) -> list:
 
     config = transformer_config(arch, cfg.parallel, cfg.model)
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
-    vocab = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
+    vocab = padded_vocab_size(
+        arch.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
+    )
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -150,9 +157,9 @@ def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig) -> list:
             vp_stage=stage,
         )
         if arch.llama3_rope_scaling is not None:
-            model.rotary_pos_emb.inv_freq = llama3_inv_freq(arch.head_dim, arch.rope_theta, arch.llama3_rope_scaling).to(
-                model.rotary_pos_emb.inv_freq.device
-            )
+            model.rotary_pos_emb.inv_freq = llama3_inv_freq(
+                arch.head_dim, arch.rope_theta, arch.llama3_rope_scaling
+            ).to(model.rotary_pos_emb.inv_freq.device)
         model.to(get_platform().device())
         chunks.append(model)
     return chunks

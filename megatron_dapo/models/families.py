@@ -184,8 +184,12 @@ def layer_param_mappings(arch: ModelArch, layer: int) -> list[ParamMapping]:
             )
         )
     if arch.qk_layernorm:
-        out.append(ParamMapping(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy", None, layer))
-        out.append(ParamMapping(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy", None, layer))
+        out.append(
+            ParamMapping(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy", None, layer)
+        )
+        out.append(
+            ParamMapping(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy", None, layer)
+        )
     out += [
         ParamMapping(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy", 1, layer),
         ParamMapping(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy", None, layer),

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 from megatron_dapo.platform.base import Platform
 

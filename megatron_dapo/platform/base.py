@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 
@@ -74,7 +74,7 @@ class Platform:
     def max_memory_allocated_gb(self) -> float:
         return 0.0
 
-    def autocast(self) -> ContextManager:
+    def autocast(self) -> AbstractContextManager:
         return nullcontext()
 
     # ----- vLLM

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -34,11 +33,6 @@ class CudaPlatform(Platform):
 
     def max_memory_allocated_gb(self) -> float:
         return torch.cuda.max_memory_allocated() / 2**30
-
-    def autocast(self) -> AbstractContextManager:
-        from contextlib import nullcontext
-
-        return nullcontext()
 
     def vllm_engine_kwargs(self, kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> dict[str, Any]:
         return {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}

@@ -214,6 +214,7 @@ def run_scorer(
     use_alarm = timeout_s > 0 and threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGALRM")
     previous = None
     if use_alarm:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})  # an earlier scorer may have blocked it
         previous = signal.signal(signal.SIGALRM, _on_alarm)
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:

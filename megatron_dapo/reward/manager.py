@@ -12,10 +12,12 @@ Workers: a ``concurrent.futures.ProcessPoolExecutor`` (``forkserver`` start meth
 ``spawn``; never ``fork``, since the caller holds threads) with ``reward.num_workers`` processes, created on first
 use and kept. At most one scorer per worker is in flight, so each call's deadline is measured from its start. A
 scorer that runs past ``reward.timeout_s`` is interrupted inside the worker (SIGALRM); one that does not return
-within ``timeout_s + max(2, timeout_s)`` (configurable; stuck in C code, signals blocked) has the pool killed and recreated, and
-the other in-flight calls are resubmitted. A scorer that raises or times out scores ``reward.error_score`` and is
-counted (``reward/num_errors``, ``reward/num_timeouts``); the first ``reward.max_logged_errors`` failures of a
-call are logged with their traceback. ``reward.num_workers = 0`` scores in-process, without timeouts (debugging).
+within ``timeout_s + max(2, timeout_s)`` (the grace is a constructor argument; stuck in C code, signals blocked)
+has the pool killed and recreated, and the other in-flight calls are resubmitted. If a worker dies, the calls
+that were in flight are re-run one at a time, so only the culprit fails. A scorer that raises or times out scores
+``reward.error_score`` and is counted (``reward/num_errors``, ``reward/num_timeouts``); the first
+``reward.max_logged_errors`` failures of a call are logged with their traceback. ``reward.num_workers = 0``
+scores in-process, without timeouts (debugging).
 
 The worker processes import only :mod:`megatron_dapo.reward.custom` and :mod:`megatron_dapo.reward.math_dapo`
 (no torch), plus the ``megatron_dapo`` package ``__init__``; the main module must be import-safe (guarded by
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any
 
 import torch
 
@@ -192,7 +194,7 @@ class RewardManager:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> RewardManager:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -38,8 +38,9 @@ import gc
 import hashlib
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -158,6 +159,7 @@ class RolloutEngine:
         self.tied_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         self.sleep_supported = platform.supports_vllm_sleep() and cfg.rollout.free_cache_engine
         self._asleep = False
+        self._awake_tags: set[str] = set()
         self.llm: Any = None
 
         # Where vLLM writes compiled kernels and caches: under the run's output dir unless the launcher chose.
@@ -190,12 +192,13 @@ class RolloutEngine:
                 gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             )
         )
-        # vLLM seeds the process-wide generators while it starts; keep the trainer's streams as they were.
-        rng = torch.get_rng_state()
+        # vLLM seeds the process-wide generators (python, numpy, torch) while it starts; keep the trainer's
+        # streams, megatron-core's RNG tracker included, as they were.
+        rng = platform.rng_state()
         try:
             self.llm = LLM(**kwargs)
         finally:
-            torch.set_rng_state(rng)
+            platform.set_rng_state(rng)
 
     # ------------------------------------------------------------------------------------------- sampling
 
@@ -214,6 +217,9 @@ class RolloutEngine:
             top_p=spec.top_p,
             top_k=spec.top_k,
             max_tokens=spec.max_tokens,
+            # vLLM would also stop at the checkpoint's generation_config eos ids (it reads them even with
+            # generation_config="vllm"); ignore_eos leaves exactly our stop_token_ids in charge.
+            ignore_eos=True,
             stop_token_ids=list(spec.stop_token_ids),
             logprobs=0,  # the sampled token's log-prob only
             seed=seed,
@@ -238,7 +244,8 @@ class RolloutEngine:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
             if len(p) > self.cfg.data.max_prompt_length:
                 raise ValueError(
-                    f"prompt {i} has {len(p)} tokens, more than data.max_prompt_length={self.cfg.data.max_prompt_length}"
+                    f"prompt {i} has {len(p)} tokens, more than"
+                    f" data.max_prompt_length={self.cfg.data.max_prompt_length}"
                 )
         rows = self._gather_rows(self._generate_share(prompts, sampling, seed_offset))
         return build_rollout_batch(
@@ -341,7 +348,7 @@ class RolloutEngine:
         if self.sleep_supported and not self._asleep:
             self.llm.sleep(level=level)
             self._asleep = True
-            self._awake_tags: set[str] = set()
+            self._awake_tags = set()
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Re-allocate what ``sleep`` released: ``["weights"]`` before a sync, then ``["kv_cache"]``; None = all."""
@@ -350,6 +357,7 @@ class RolloutEngine:
             self._awake_tags |= set(tags or ("weights", "kv_cache"))
             if {"weights", "kv_cache"} <= self._awake_tags:
                 self._asleep = False
+        self._awake_tags: set[str] = set()
 
     def _check_awake(self, what: str, weights_only: bool = False) -> None:
         if self.llm is None:

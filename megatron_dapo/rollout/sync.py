@@ -16,16 +16,18 @@ Partial reloads. vLLM 0.32's ``reload_weights`` (``model_loader/reload``) is lay
 on the meta device, buffers the incoming tensors per layer and, when a layer has received all its elements,
 materialises it, runs the weight loaders and ``process_weights_after_loading`` (the CPU oneDNN repack) and copies
 the result into the original storage. Layers that received nothing get their old tensors back. So one call per
-bucket works, as long as a bucket never splits a vLLM layer: a layer given only part of its tensors is processed with
-uninitialised memory for the rest. Buckets are therefore cut between Megatron *modules* (``linear_qkv`` weight and
-bias together, ``linear_fc1`` = gate/up together), which map one-to-one onto vLLM layers. The tests sync with
-one-module buckets and check every log-prob.
+bucket works, as long as a bucket never splits a vLLM layer: a layer given only part of its tensors is processed
+with uninitialised memory for the rest (measured: q/k and v, gate and up, or a qkv weight and its bias in separate
+calls give NaN log-probs, and a later complete reload did not bring the engine back). Buckets are therefore cut
+between Megatron *modules* (``linear_qkv`` weight and bias together, ``linear_fc1`` = gate/up together), which map
+one-to-one onto vLLM layers; a module larger than the bucket size gets a bucket of its own, and buckets never span
+pipeline stages. The tests sync with one-module buckets and check every log-prob.
 
 Memory: besides its own shards a rank holds one bucket of full tensors (plus the q/k/v split copies of that bucket)
 and vLLM holds a staging copy of the layers being loaded.
 
 Tied embeddings: ``lm_head.weight`` is not sent; the layout map has no output layer for tied models and vLLM's
-Qwen2/Qwen3/Llama tie ``lm_head`` to ``embed_tokens`` themselves (Llama/Qwen3 would even skip it). The shared tensor
+Qwen2/Qwen3/Llama tie ``lm_head`` to ``embed_tokens`` themselves (``tie_weights``: one shared tensor). That tensor
 is updated in place, but on CPU vLLM's ``lm_head`` computes with a oneDNN handle packed at load time, which the
 layer-wise reload does not rebuild for a layer that received nothing: ``after_weight_update`` rebuilds it.
 """
@@ -35,8 +37,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -50,7 +53,10 @@ from megatron_dapo.weights.model_io import LocalParam, gather_full_tensor, local
 
 # vLLM warns for every layer a partial reload did not touch; with buckets that is expected, and ``sync`` checks
 # completeness itself (every HF tensor sent exactly once).
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,13 @@ class WeightSync:
             dist.all_gather_object(per_stage, mine, group=ps.get_pipeline_model_parallel_group())
         else:
             per_stage = [mine]
-        entries = [_Entry(m, stage, shape, dtype) for stage_list in per_stage for m, stage, shape, dtype in stage_list]
+        entries, seen = [], set()
+        for stage_list in per_stage:
+            for mapping, stage, shape, dtype in stage_list:
+                # Tied embeddings with PP > 1: the last stage's output-layer copy maps to the embedding; send stage 0's.
+                if mapping.mcore not in seen:
+                    seen.add(mapping.mcore)
+                    entries.append(_Entry(mapping, stage, shape, dtype))
 
         buckets: list[_Bucket] = []
         current: list[_Entry] = []
@@ -197,8 +209,10 @@ class WeightSync:
         if sorted(sent) != sorted(self.expected_hf):
             missing = sorted(self.expected_hf - set(sent))
             extra = sorted(set(sent) - self.expected_hf)
-            raise RuntimeError(f"weight sync sent an incomplete/duplicated set: missing {missing[:5]}, extra {extra[:5]}"
-                               f", {len(sent)} sent for {len(self.expected_hf)} expected")
+            raise RuntimeError(
+                f"weight sync sent an incomplete/duplicated set: missing {missing[:5]}, extra {extra[:5]},"
+                f" {len(sent)} sent for {len(self.expected_hf)} expected"
+            )
         self.engine.after_weight_update()
         sync_dev()
         return {

@@ -7,8 +7,9 @@ consumes; it is pure (no vLLM, no process group) so its padding rules are tested
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 

@@ -23,9 +23,18 @@ FAMILY_KWARGS = {
 }
 
 
-def tiny_hf_config(family: str, vocab_size: int = 100, hidden_size: int = 64, num_layers: int = 4,
-                   num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 96,
-                   tie_word_embeddings: bool = False, max_position_embeddings: int = 256, **extra):
+def tiny_hf_config(
+    family: str,
+    vocab_size: int = 100,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 96,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 256,
+    **extra,
+):
     """A ``transformers`` config object of ``family`` (qwen2 | qwen3 | llama)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -60,8 +69,14 @@ def make_tiny_hf_model(family: str, seed: int = 0, dtype: torch.dtype = torch.fl
     return model.eval()
 
 
-def save_tiny_hf_checkpoint(save_dir: str | Path, family: str, seed: int = 0, max_shard_size: Optional[str] = None,
-                            tokenizer=None, **config_kwargs) -> Path:
+def save_tiny_hf_checkpoint(
+    save_dir: str | Path,
+    family: str,
+    seed: int = 0,
+    max_shard_size: Optional[str] = None,
+    tokenizer=None,
+    **config_kwargs,
+) -> Path:
     """Write a tiny checkpoint (safetensors, optionally sharded with an index) and return its directory."""
     save_dir = Path(save_dir)
     model = make_tiny_hf_model(family, seed=seed, **config_kwargs)

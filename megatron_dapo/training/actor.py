@@ -17,9 +17,10 @@ micro-batch split. The DAPO math itself is in ``megatron_dapo.algo`` (pure funct
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -50,13 +51,13 @@ def dp_slice(num_rows: int) -> slice:
     return slice(rank * per, (rank + 1) * per)
 
 
-def split_micro_batches(
-    lengths: list[int], micro_batch_size: int, max_tokens: Optional[int] = None
-) -> list[list[int]]:
+def split_micro_batches(lengths: list[int], micro_batch_size: int, max_tokens: Optional[int] = None) -> list[list[int]]:
     """Row indices per micro-batch: fixed ``micro_batch_size`` rows, or (``max_tokens``) greedy packing so that
     ``rows × longest row ≤ max_tokens`` (a row longer than the budget gets a micro-batch of its own)."""
     if max_tokens is None:
-        return [list(range(i, min(i + micro_batch_size, len(lengths)))) for i in range(0, len(lengths), micro_batch_size)]
+        return [
+            list(range(i, min(i + micro_batch_size, len(lengths)))) for i in range(0, len(lengths), micro_batch_size)
+        ]
     groups: list[list[int]] = []
     current: list[int] = []
     longest = 0
@@ -179,7 +180,9 @@ class MegatronActor:
         from megatron.core import parallel_state as ps
 
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast(
+                t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+            )
         return t
 
     # ------------------------------------------------------------------------------------------- log-probs

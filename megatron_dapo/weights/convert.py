@@ -1,10 +1,17 @@
-"""HF ⇄ Megatron checkpoint conversion, streaming: one HF tensor (or q/k/v, gate/up group) in memory at a time.
+"""HF ⇄ Megatron checkpoint conversion, streaming: one HF tensor (or q/k/v, gate/up group) at a time.
 
 ``convert_hf_to_mcore`` declares every output tensor (name, dtype, shape — from the HF headers and the layout
 module, before reading any data), opens one streaming safetensors writer per (TP rank, PP stage) and walks the
-parameter map: read the 1–3 HF tensors of a parameter, build the full Megatron tensor with
-``layout.hf_to_mcore``, write each TP rank's slice into its file. ``convert_mcore_to_hf`` walks the same map the
-other way (merge TP shards, ``layout.mcore_to_hf``) into HF-style shards of at most ``max_shard_size``.
+parameter map, parameter by parameter (its 1–3 HF tensors), writing each TP rank's slice into its file:
+
+* parameters split along dim 0 or replicated (QKV, gate/up, vocabulary, norms): each slice is runs of whole HF
+  rows (found by pushing row numbers through ``layout.hf_to_mcore``/``layout.tp_shard``), copied file to file by
+  the kernel (``copy_file_range``), so those bytes never enter this process;
+* parameters split along dim 1 (attention output, MLP down projection) and any dtype cast: the HF tensors are read
+  into reused buffers and the layout functions' slices are written.
+
+A writer thread overlaps the writes of one parameter with reading the next. ``convert_mcore_to_hf`` walks the same
+map the other way (merge TP shards, ``layout.mcore_to_hf``) into HF-style shards of at most ``max_shard_size``.
 
 Output goes to ``<save_dir>.tmp-<pid>`` and is renamed into place at the end, so a failed conversion never leaves
 a half-written checkpoint where a complete one is expected, and never deletes what was there.
@@ -13,20 +20,36 @@ a half-written checkpoint where a complete one is expected, and never deletes wh
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
 import shutil
 import sys
 import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 
 from megatron_dapo.config import ConfigError, ParallelConfig, validate_parallel_layout
-from megatron_dapo.models.families import ModelArch, ParamMapping, UnsupportedModelError, model_arch_from_hf, param_mappings
-from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore, mcore_to_hf, padded_vocab_size, tp_shard
+from megatron_dapo.models.families import (
+    ModelArch,
+    ParamMapping,
+    UnsupportedModelError,
+    model_arch_from_hf,
+    param_mappings,
+)
+from megatron_dapo.weights.layout import (
+    hf_shapes,
+    hf_to_mcore,
+    mcore_shard_shape,
+    mcore_to_hf,
+    padded_vocab_size,
+    tp_shard,
+)
 from megatron_dapo.weights.mcore_checkpoint import (
     HF_CONFIG_SUBDIR,
     HF_DTYPE_NAMES,
@@ -46,6 +69,8 @@ from megatron_dapo.weights.mcore_checkpoint import (
 from megatron_dapo.weights.safetensors_io import (
     INDEX_NAME,
     SINGLE_NAME,
+    BufferPool,
+    FileSlice,
     SafetensorsDir,
     StreamingSafetensorsWriter,
     TensorSpec,
@@ -87,7 +112,8 @@ def check_hf_tensors(reader: SafetensorsDir, arch: ModelArch, mappings: Sequence
     problems = []
     if missing:
         problems.append(
-            f"missing HF tensors ({len(missing)}): {_fmt_list(missing)}; found ({len(found)}): {_fmt_list(sorted(found))}"
+            f"missing HF tensors ({len(missing)}): {_fmt_list(missing)};"
+            f" found ({len(found)}): {_fmt_list(sorted(found))}"
         )
     if unexpected:
         problems.append(
@@ -113,12 +139,147 @@ def _check_layout(arch: ModelArch, tp: int, pp: int) -> None:
     except ConfigError as e:
         raise CheckpointError(f"cannot convert to TP={tp} PP={pp}: {e}") from e
     if arch.ffn_hidden_size % tp:
-        raise CheckpointError(f"cannot convert to TP={tp}: intermediate_size={arch.ffn_hidden_size} is not divisible by TP")
+        raise CheckpointError(
+            f"cannot convert to TP={tp}: intermediate_size={arch.ffn_hidden_size} is not divisible by TP"
+        )
 
 
-def _meta_tensors(shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    # Shape inference through the layout module itself: no tensor data, no second copy of the layout rules.
-    return [torch.empty(tuple(s), device="meta") for s in shapes]
+Run = tuple[int, int, int]  # (index of the HF tensor in mapping.hf, or -1 for padding rows; first row; rows)
+
+
+def shard_row_plan(mapping: ParamMapping, hf_rows: Sequence[int], arch: ModelArch, padded_vocab: int, tp_size: int,
+                   tp_rank: int) -> list[Run]:
+    """Which rows of which HF tensor make up TP rank ``tp_rank``'s slice of ``mapping``, as runs of whole rows.
+
+    Derived by pushing row *numbers* through the layout module's own ``hf_to_mcore`` and ``tp_shard`` (no second
+    copy of the QKV / gate-up / vocab rules), so the converter can write each slice straight from views of the HF
+    tensors instead of materialising the fused tensor and its per-rank concatenations. Valid for parameters that
+    are replicated or split along dim 0, whose transforms only move whole rows.
+    """
+    if mapping.tp_dim not in (None, 0):
+        raise ValueError(f"{mapping.mcore}: row plans need tp_dim 0 or None, not {mapping.tp_dim}")
+    ids, starts, nxt = [], [], 1  # id 0 marks a padding row
+    for rows in hf_rows:
+        ids.append(torch.arange(nxt, nxt + rows, dtype=torch.int64))
+        starts.append(nxt)
+        nxt += rows + 1  # a gap, so that a run of consecutive ids never spans two tensors
+    shard = tp_shard(hf_to_mcore(mapping, ids, arch, padded_vocab), mapping.kind, mapping.tp_dim, tp_size, tp_rank)
+    if shard.numel() == 0:
+        return []
+    pad = shard == 0
+    new_run = torch.ones(len(shard), dtype=torch.bool)
+    new_run[1:] = (pad[1:] != pad[:-1]) | (~pad[1:] & (shard[1:] - shard[:-1] != 1))
+    firsts = new_run.nonzero().flatten().tolist()
+    runs = []
+    for a, b in zip(firsts, firsts[1:] + [len(shard)]):
+        v = int(shard[a])
+        if v == 0:
+            runs.append((-1, 0, b - a))
+        else:
+            t = bisect.bisect_right(starts, v) - 1
+            runs.append((t, v - starts[t], b - a))
+    return runs
+
+
+class _RowSource:
+    """An HF tensor not read into memory: slicing rows gives a ``FileSlice`` for the writer."""
+
+    def __init__(self, reader: SafetensorsDir, name: str) -> None:
+        self.reader, self.name = reader, name
+        info = reader.info(name)
+        self.shape, self.dtype = info.shape, info.dtype
+
+    def __getitem__(self, rows: slice) -> FileSlice:
+        return self.reader.rows(self.name, rows.start, rows.stop - rows.start)
+
+
+def plan_parts(plan: Sequence[Run], sources: Sequence) -> list:
+    """The pieces whose dim-0 concatenation is the planned slice: row ranges of ``sources`` (tensors, or
+    ``_RowSource``s giving file slices) and zeros for padding rows."""
+    rest, dtype = tuple(sources[0].shape[1:]), sources[0].dtype
+    return [sources[t][a : a + n] if t >= 0 else torch.zeros((n,) + rest, dtype=dtype) for t, a, n in plan]
+
+
+class _ReadWritePipeline:
+    """Overlaps writing one parameter's slices (or kernel copies) with reading the next parameter's HF tensors.
+
+    Two slots of reusable read buffers alternate; a single writer thread writes one slot's jobs while the caller
+    reads into the other (``preadv``/``pwrite`` release the GIL). A slot is reused only after its previous writes
+    finished. ``budget`` caps the bytes both slots hold: when the next parameter would exceed it, the other slot is
+    drained and released first, so memory stays near the largest parameter's size rather than twice it.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.pools = [BufferPool(), BufferPool()]
+        self.pending: list[Optional[Future]] = [None, None]
+        self.budget = budget
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
+        self._cur = 0
+
+    def _wait(self, k: int) -> None:
+        fut, self.pending[k] = self.pending[k], None
+        if fut is not None:
+            fut.result()  # re-raises a failed write here
+
+    def next_pool(self, sizes: dict[str, int]) -> BufferPool:
+        """The slot to read the next parameter into (``sizes``: buffer key → bytes it will need)."""
+        k = self._cur = 1 - self._cur
+        self._wait(k)
+        pool, other = self.pools[k], self.pools[1 - k]
+        if pool.nbytes + other.nbytes + pool.extra_bytes(sizes) > self.budget:
+            self._wait(1 - k)
+            other.clear()
+            if pool.nbytes + pool.extra_bytes(sizes) > self.budget:
+                pool.clear()  # its writes are done: drop the old buffers before allocating larger ones
+        return pool
+
+    def submit(self, jobs: list[tuple[StreamingSafetensorsWriter, str, list[torch.Tensor]]]) -> None:
+        pool = self.pools[self._cur]
+
+        def run() -> None:
+            for writer, name, parts in jobs:
+                writer.write_parts(name, parts, scratch=pool)
+
+        self.pending[self._cur] = self._executor.submit(run)
+
+    def finish(self) -> None:
+        for k in (0, 1):
+            self._wait(k)
+        self._executor.shutdown()
+        self.pools = [BufferPool(), BufferPool()]
+
+    def abort(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.pending = [None, None]
+
+
+class _Planner:
+    """Row plans and per-rank shard shapes for one (arch, padded vocabulary, TP size), cached by shape."""
+
+    def __init__(self, arch: ModelArch, padded_vocab: int, tp_size: int) -> None:
+        self.arch, self.padded, self.tp = arch, padded_vocab, tp_size
+        self._plans: dict[tuple, list[Run]] = {}
+
+    @staticmethod
+    def row_wise(m: ParamMapping, shapes: Sequence[Sequence[int]]) -> bool:
+        return m.tp_dim != 1 and all(len(s) >= 1 for s in shapes)
+
+    def plan(self, m: ParamMapping, shapes: Sequence[Sequence[int]], tp_rank: int) -> list[Run]:
+        key = (m.kind, m.tp_dim, tuple(s[0] for s in shapes), tp_rank)
+        if key not in self._plans:
+            self._plans[key] = shard_row_plan(m, key[2], self.arch, self.padded, self.tp, tp_rank)
+        return self._plans[key]
+
+    def shard_shapes(self, m: ParamMapping, shapes: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """Each TP rank's shard shape, from the HF shapes alone (no data read)."""
+        if self.row_wise(m, shapes):
+            rest = tuple(shapes[0][1:])
+            return [(sum(n for _, _, n in self.plan(m, shapes, r)),) + rest for r in range(self.tp)]
+        if m.kind == "copy":
+            return [mcore_shard_shape(shapes[0], m.tp_dim, self.tp)] * self.tp
+        # Any other transform: run the layout functions on data-less tensors.
+        full = hf_to_mcore(m, [torch.empty(tuple(s), device="meta") for s in shapes], self.arch, self.padded)
+        return [tuple(tp_shard(full, m.kind, m.tp_dim, self.tp, r).shape) for r in range(self.tp)]
 
 
 def convert_hf_to_mcore(hf_dir: PathLike, save_dir: PathLike, tp: int = 1, pp: int = 1, dtype: Optional[str] = None,
@@ -143,16 +304,17 @@ def convert_hf_to_mcore(hf_dir: PathLike, save_dir: PathLike, tp: int = 1, pp: i
         # Declare every output tensor first: the writers put the header before any data.
         per_stage = stage_names(mappings, arch, pp)
         specs: dict[tuple[int, int], list[TensorSpec]] = {(r, s): [] for r in range(tp) for s in range(pp)}
+        planner = _Planner(arch, padded, tp)
         for s, entries in enumerate(per_stage):
             for name, m in entries:
-                full = hf_to_mcore(m, _meta_tensors([reader.info(n).shape for n in m.hf]), arch, padded)
+                shapes = planner.shard_shapes(m, [reader.info(n).shape for n in m.hf])
                 tdtype = out_dtype or reader.info(m.hf[0]).dtype
                 for r in range(tp):
-                    shard = tp_shard(full, m.kind, m.tp_dim, tp, r)
-                    specs[(r, s)].append(TensorSpec(name, tdtype, tuple(shard.shape)))
+                    specs[(r, s)].append(TensorSpec(name, tdtype, shapes[r]))
 
         tmp = prepare_save_dir(save_dir, overwrite, inputs=[hf_dir])
         writers: dict[tuple[int, int], StreamingSafetensorsWriter] = {}
+        pipe: Optional[_ReadWritePipeline] = None
         try:
             for (r, s), sp in specs.items():
                 path = rank_file(tmp, r, s)
@@ -162,16 +324,31 @@ def convert_hf_to_mcore(hf_dir: PathLike, save_dir: PathLike, tp: int = 1, pp: i
             for s, entries in enumerate(per_stage):
                 for name, m in entries:
                     targets.setdefault(m.mcore, []).append((s, name))
+            pipe = _ReadWritePipeline(budget=max(sum(reader.info(n).nbytes for n in m.hf) for m in mappings) * 3 // 2)
             for m in mappings:
-                tensors = [reader.get(n) for n in m.hf]
-                if out_dtype is not None:
-                    tensors = [t.to(out_dtype) for t in tensors]
-                full = hf_to_mcore(m, tensors, arch, padded)
-                del tensors  # the fused/padded tensor is a copy: free the inputs before slicing
-                for s, name in targets[m.mcore]:
-                    for r in range(tp):
-                        writers[(r, s)].write(name, tp_shard(full, m.kind, m.tp_dim, tp, r))
-                del full
+                shapes = [reader.info(n).shape for n in m.hf]
+                row_wise = planner.row_wise(m, shapes)
+                if row_wise and (out_dtype is None or all(reader.info(n).dtype == out_dtype for n in m.hf)):
+                    # Every slice is runs of whole HF rows: the kernel copies them file to file, no read at all.
+                    pipe.next_pool({})
+                    sources: list = [_RowSource(reader, n) for n in m.hf]
+                else:
+                    sizes = {f"in{i}": reader.info(n).nbytes for i, n in enumerate(m.hf)}
+                    pool = pipe.next_pool(sizes)
+                    sources = [reader.get(n, pool.get(f"in{i}", sizes[f"in{i}"])) for i, n in enumerate(m.hf)]
+                    if out_dtype is not None:
+                        sources = [t.to(out_dtype) for t in sources]
+                full = None if row_wise else hf_to_mcore(m, sources, arch, padded)
+                jobs = []
+                for r in range(tp):
+                    if row_wise:
+                        parts = plan_parts(planner.plan(m, shapes, r), sources)
+                    else:
+                        parts = [tp_shard(full, m.kind, m.tp_dim, tp, r)]
+                    jobs += [(writers[(r, s)], name, parts) for s, name in targets[m.mcore]]
+                pipe.submit(jobs)
+                del sources, full, parts, jobs
+            pipe.finish()
             for w in writers.values():
                 w.close()
             meta_dtype = dtype or (dtype_name(next(iter(src_dtypes))) if len(src_dtypes) == 1 else "mixed")
@@ -179,6 +356,8 @@ def convert_hf_to_mcore(hf_dir: PathLike, save_dir: PathLike, tp: int = 1, pp: i
             copy_hf_side_files(hf_dir, tmp / HF_CONFIG_SUBDIR)
             final = finalize_save_dir(tmp, save_dir)
         except BaseException:
+            if pipe is not None:
+                pipe.abort()  # no write may still be running when the files are closed
             for w in writers.values():
                 w.abort()
             shutil.rmtree(tmp, ignore_errors=True)  # only our own partial output
@@ -238,7 +417,9 @@ def convert_mcore_to_hf(load_dir: PathLike, save_dir: PathLike, hf_config_dir: O
             other = model_arch_from_hf(hf_config_dir)
             diffs = arch_mismatches(other, arch)
             if diffs:
-                raise CheckpointError(f"{hf_config_dir}/config.json does not describe the checkpoint in {load_dir}: {diffs}")
+                raise CheckpointError(
+                    f"{hf_config_dir}/config.json does not describe the checkpoint in {load_dir}: {diffs}"
+                )
         mappings = param_mappings(arch)
         per_stage = stage_names(mappings, arch, ckpt.pp)
         expected = {name for entries in per_stage for name, _ in entries}
@@ -251,17 +432,16 @@ def convert_mcore_to_hf(load_dir: PathLike, save_dir: PathLike, hf_config_dir: O
             )
         # Check every stored shard's shape against the layout before converting anything.
         bad = []
-        for s, entries in enumerate(per_stage):
+        planner = _Planner(arch, ckpt.padded_vocab, ckpt.tp)
+        for entries in per_stage:
+            # Found by name, not by expected stage: a checkpoint saved with virtual pipeline stages interleaves them.
             for name, m in entries:
-                if ckpt.stage(name) != s:
-                    bad.append(f"{name}: stored in stage {ckpt.stage(name)}, expected stage {s}")
-                    continue
-                full = hf_to_mcore(m, _meta_tensors(hf_shapes(m, arch)), arch, ckpt.padded_vocab)
+                shard_shapes = planner.shard_shapes(m, hf_shapes(m, arch))
                 for r in range(ckpt.tp):
-                    want = tuple(tp_shard(full, m.kind, m.tp_dim, ckpt.tp, r).shape)
                     got = ckpt.info(name, r).shape
-                    if got != want:
-                        bad.append(f"{rank_file(load_dir, r, s)}:{name}: expected {want}, got {got}")
+                    if got != shard_shapes[r]:
+                        bad.append(f"{rank_file(load_dir, r, ckpt.stage(name))}:{name}: expected {shard_shapes[r]},"
+                                   f" got {got}")
         if bad:
             raise CheckpointError(f"{load_dir}: shape mismatches ({len(bad)}): " + "; ".join(bad))
 
@@ -282,15 +462,19 @@ def convert_mcore_to_hf(load_dir: PathLike, save_dir: PathLike, hf_config_dir: O
         try:
             for fn, shard in zip(files, shards):
                 writers[fn] = StreamingSafetensorsWriter(tmp / fn, shard, {"format": "pt"})
+            scratch = BufferPool()  # q/k/v and vocabulary slices are strided views: copied through one reused buffer
             for m in mappings:
                 full = ckpt.full(m.mcore, m)
                 for name, t in zip(m.hf, mcore_to_hf(m, full, arch)):
-                    writers[where[name]].write(name, t)
+                    writers[where[name]].write(name, t, scratch=scratch)
                 del full
             for w in writers.values():
                 w.close()
             if len(files) > 1:
-                index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": dict(sorted(where.items()))}
+                index = {
+                    "metadata": {"total_size": sum(s.nbytes for s in specs)},
+                    "weight_map": dict(sorted(where.items())),
+                }
                 with open(tmp / INDEX_NAME, "w") as f:
                     json.dump(index, f, indent=2)
             side = Path(hf_config_dir) if hf_config_dir is not None else Path(load_dir) / HF_CONFIG_SUBDIR

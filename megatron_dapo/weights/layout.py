@@ -13,7 +13,8 @@ Conventions. A *full* Megatron tensor is the TP=1 tensor, independent of the TP 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -69,7 +70,9 @@ def split_qkv(
 # ---------------------------------------------------------------------------------------- HF ⇄ full
 
 
-def hf_to_mcore(mapping: ParamMapping, hf_tensors: Sequence[torch.Tensor], arch: ModelArch, padded_vocab: int) -> torch.Tensor:
+def hf_to_mcore(
+    mapping: ParamMapping, hf_tensors: Sequence[torch.Tensor], arch: ModelArch, padded_vocab: int
+) -> torch.Tensor:
     """Build the full (TP=1) Megatron tensor for ``mapping`` from its HF tensors (in ``mapping.hf`` order)."""
     if mapping.kind == "copy":
         return hf_tensors[0]
@@ -154,7 +157,9 @@ def mcore_shard_shape(full_shape: Sequence[int], tp_dim: Optional[int], tp_size:
 # ------------------------------------------------------------------------------------------ PP ranges
 
 
-def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int, vpp_size: Optional[int] = None, vpp_rank: int = 0) -> range:
+def pp_layer_range(
+    num_layers: int, pp_size: int, pp_rank: int, vpp_size: Optional[int] = None, vpp_rank: int = 0
+) -> range:
     """Global indices of the decoder layers held by (pipeline rank, virtual stage); uniform split as megatron-core."""
     chunks = pp_size * (vpp_size or 1)
     if num_layers % chunks != 0:

@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -37,7 +38,13 @@ from megatron_dapo.weights.layout import (
     tp_shard,
     unpad_vocab,
 )
-from megatron_dapo.weights.safetensors_io import SafetensorsFile, StreamingSafetensorsWriter, TensorInfo, TensorSpec, read_header
+from megatron_dapo.weights.safetensors_io import (
+    SafetensorsFile,
+    StreamingSafetensorsWriter,
+    TensorInfo,
+    TensorSpec,
+    read_header,
+)
 
 PathLike = Union[str, Path]
 
@@ -88,7 +95,9 @@ def stage_of(name: str, arch: ModelArch, pp_size: int) -> int:
     raise CheckpointError(f"{name}: not a decoder-layer, embedding, final-norm or output-layer parameter")
 
 
-def stage_names(mappings: Sequence[ParamMapping], arch: ModelArch, pp_size: int) -> list[list[tuple[str, ParamMapping]]]:
+def stage_names(
+    mappings: Sequence[ParamMapping], arch: ModelArch, pp_size: int
+) -> list[list[tuple[str, ParamMapping]]]:
     """Per stage, the ``(stored name, mapping)`` pairs it stores, in mapping order (tied output copy included)."""
     out: list[list[tuple[str, ParamMapping]]] = [[] for _ in range(pp_size)]
     for m in mappings:
@@ -198,7 +207,7 @@ class McoreCheckpoint:
     """Read access to a checkpoint directory: tensor by tensor, by stored name and TP rank."""
 
     def __init__(self, directory: PathLike) -> None:
-        self.directory = Path(directory)
+        self.directory = Path(directory).absolute()
         meta_path = self.directory / META_NAME
         if not meta_path.is_file():
             found = describe_dir(self.directory) if self.directory.is_dir() else "directory does not exist"
@@ -247,6 +256,10 @@ class McoreCheckpoint:
     def names(self) -> list[str]:
         return list(self._stage)
 
+    def opened_files(self) -> list[Path]:
+        """The rank files opened so far (for a tensor header or data; the index at start-up reads TP-0 headers only)."""
+        return sorted(f.path for f in self._files.values())
+
     def __contains__(self, name: str) -> bool:
         return name in self._stage
 
@@ -279,7 +292,7 @@ class McoreCheckpoint:
             f.close()
         self._files.clear()
 
-    def __enter__(self) -> "McoreCheckpoint":
+    def __enter__(self) -> McoreCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -309,8 +322,8 @@ def _layout() -> tuple[int, int, int, int, Optional[int]]:
 def load_mcore_checkpoint(chunks: list, arch: ModelArch, load_dir: PathLike) -> dict[str, Any]:
     """Fill this rank's model chunks from ``load_dir`` (reshards on load when the layouts differ).
 
-    Returns a small report: ``{"same_layout": bool, "files": [the rank files this rank read]}``. Not collective: every rank reads
-    what it needs, so ranks may call it at different times.
+    Returns a small report: ``{"same_layout": bool, "files": [the rank files this rank read]}``. Not collective:
+    every rank reads what it needs, so ranks may call it at different times.
     """
     from megatron_dapo.weights.model_io import chunk_layer_offset, local_param_table
 
@@ -319,7 +332,8 @@ def load_mcore_checkpoint(chunks: list, arch: ModelArch, load_dir: PathLike) -> 
         diffs = arch_mismatches(ckpt.arch, arch)
         if diffs:
             raise CheckpointError(f"{load_dir}: checkpoint architecture differs from the model's: {'; '.join(diffs)}")
-        same_layout = ckpt.tp == tp and ckpt.pp == pp and vpp is None
+        ckpt_vpp = ckpt.meta.get("virtual_pipeline_model_parallel_size")
+        same_layout = ckpt.tp == tp and ckpt.pp == pp and ckpt_vpp == vpp
         loaded: set[str] = set()
         for lp in local_param_table(chunks, arch):
             offset = chunk_layer_offset(arch, pp, pp_rank, vpp, lp.chunk)
@@ -350,7 +364,7 @@ def load_mcore_checkpoint(chunks: list, arch: ModelArch, load_dir: PathLike) -> 
                 raise CheckpointError(
                     f"{ckpt.file(tp_rank, pp_rank).path} holds tensors this rank's model has no parameter for: {extra}"
                 )
-        files = sorted(str(f.path) for f in ckpt._files.values())
+        files = [str(p) for p in ckpt.opened_files()]
     return {"same_layout": same_layout, "files": files}
 
 

@@ -6,8 +6,9 @@ sync iterate it so that every rank reads or gathers only what it holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,9 @@ def local_param_table(chunks: list, arch: ModelArch) -> list[LocalParam]:
                 # Tied embeddings on a last stage that is not also the first: a copy of the embedding.
                 mapping = by_name["embedding.word_embeddings.weight"]
             if mapping is None:
-                raise KeyError(f"parameter {local_name!r} (global {global_name!r}) has no HF mapping for {arch.family.name}")
+                raise KeyError(
+                    f"parameter {local_name!r} (global {global_name!r}) has no HF mapping for {arch.family.name}"
+                )
             table.append(LocalParam(ci, local_name, mapping, param))
     return table
 

@@ -4,10 +4,12 @@ Format (https://github.com/huggingface/safetensors): 8-byte little-endian header
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`` padded with spaces to a
 multiple of 8, then the tensors' bytes back to back (offsets relative to the end of the header, no holes).
 
-Why our own reader instead of ``safe_open``: ``safe_open`` memory-maps the file, and every page it touches stays in
-the process's resident set until the file is closed, so walking a whole checkpoint grows RSS to the checkpoint's
-size. ``pread`` into a fresh tensor keeps the resident set at the tensors that are alive. The files we write are
-checked against the ``safetensors`` library itself in the tests.
+Why our own reader instead of ``safe_open``: ``safe_open`` memory-maps the whole file, and every page it touches
+stays in the process's resident set until the file is closed, so walking a whole checkpoint grows RSS to the
+checkpoint's size. Here ``get`` reads one tensor with ``pread`` (optionally into a reused buffer), so the resident set
+holds only the tensors in use. (Mapping each tensor separately instead measured twice the CPU time of ``pread``:
+page faults and unmapping cost more than the copy.) The files we write are checked against the
+``safetensors`` library itself in the tests.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 
@@ -75,6 +78,55 @@ class TensorInfo:
         return self.end - self.begin
 
 
+@dataclass(frozen=True)
+class FileSlice:
+    """Whole rows of a tensor stored in a file, to be copied file-to-file by the kernel (``copy_file_range``).
+
+    A converter whose output rows are runs of input rows never needs those bytes in user memory.
+    """
+
+    file: SafetensorsFile
+    offset: int  # absolute byte offset in the file
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape)
+
+
+# Kernel file-to-file copies; False after the first refusal (e.g. across file systems on old kernels) or when absent.
+_copy_file_range_ok = hasattr(os, "copy_file_range")
+
+
+def _copy_range(src_fd: int, src_off: int, nbytes: int, dst_fd: int, dst_off: int) -> None:
+    global _copy_file_range_ok
+    done = 0
+    if _copy_file_range_ok:
+        try:
+            while done < nbytes:
+                n = os.copy_file_range(src_fd, dst_fd, nbytes - done, src_off + done, dst_off + done)
+                if n == 0:
+                    raise OSError(f"copy_file_range hit the end of the source at byte {src_off + done}")
+                done += n
+            return
+        except OSError as e:
+            if e.errno is None:
+                raise
+            _copy_file_range_ok = False  # EXDEV / EINVAL / ENOSYS ...: copy through user memory from here on
+    chunk = 16 << 20
+    buf = bytearray(min(chunk, nbytes - done))
+    while done < nbytes:
+        n = os.preadv(src_fd, [memoryview(buf)[: min(chunk, nbytes - done)]], src_off + done)
+        if n <= 0:
+            raise OSError(f"unexpected end of file at byte {src_off + done}")
+        view = memoryview(buf)[:n]
+        written = 0
+        while written < n:
+            written += os.pwrite(dst_fd, view[written:], dst_off + done + written)
+        done += n
+
+
 # ---------------------------------------------------------------------------------------------- reading
 
 
@@ -119,16 +171,36 @@ class SafetensorsFile:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         return self.tensors[name]
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Read tensor ``name``; into ``out`` (a 1-D uint8 buffer of at least its size, e.g. from ``BufferPool``)
+        when given, so that a converter reuses already-faulted-in memory instead of allocating per tensor."""
         info = self.info(name)
-        out = torch.empty(info.nbytes, dtype=torch.uint8)
+        if out is None:
+            out = torch.empty(info.nbytes, dtype=torch.uint8)
+        elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < info.nbytes or not out.is_contiguous():
+            raise ValueError(
+                f"read buffer for {name!r} must be a contiguous 1-D uint8 tensor of >= {info.nbytes} bytes"
+            )
+        out = out[: info.nbytes]
         if info.nbytes:
             self._read_into(out, info.begin)
         return out.view(info.dtype).reshape(info.shape)
 
-    def _read_into(self, out: torch.Tensor, offset: int) -> None:
+    def rows(self, name: str, start: int, count: int) -> FileSlice:
+        """Rows ``[start, start + count)`` of tensor ``name`` (dim 0) as a ``FileSlice``; nothing is read."""
+        info = self.info(name)
+        if not info.shape or start < 0 or start + count > info.shape[0]:
+            raise ValueError(f"{self.path}: rows [{start}, {start + count}) out of range for {name!r} {info.shape}")
+        row_bytes = tensor_nbytes(info.dtype, info.shape[1:])
+        return FileSlice(self, info.begin + start * row_bytes, info.dtype, (count,) + info.shape[1:])
+
+    def _fileno(self) -> int:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
+        return self._fd
+
+    def _read_into(self, out: torch.Tensor, offset: int) -> None:
+        self._fileno()
         view = memoryview(out.numpy())
         done = 0
         while done < len(view):
@@ -142,7 +214,7 @@ class SafetensorsFile:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "SafetensorsFile":
+    def __enter__(self) -> SafetensorsFile:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -196,16 +268,21 @@ class SafetensorsDir:
             raise KeyError(f"no tensor {name!r} in {self.directory}")
         return self._where[name].info(name)
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"no tensor {name!r} in {self.directory}")
-        return self._where[name].get(name)
+        return self._where[name].get(name, out)
+
+    def rows(self, name: str, start: int, count: int) -> FileSlice:
+        if name not in self._where:
+            raise KeyError(f"no tensor {name!r} in {self.directory}")
+        return self._where[name].rows(name, start, count)
 
     def close(self) -> None:
         for sf in self.files.values():
             sf.close()
 
-    def __enter__(self) -> "SafetensorsDir":
+    def __enter__(self) -> SafetensorsDir:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -213,6 +290,37 @@ class SafetensorsDir:
 
 
 # ---------------------------------------------------------------------------------------------- writing
+
+
+class BufferPool:
+    """Named byte buffers reused across tensors.
+
+    Fresh large allocations are page-faulted in on first touch (roughly as costly as copying the bytes again), so
+    a streaming converter reads every tensor into one of a few buffers that only ever grow.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, key: str, nbytes: int) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < nbytes:
+            self._buffers.pop(key, None)  # release the old buffer before allocating its replacement
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            self._buffers[key] = buf
+        return buf[:nbytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._buffers.values())
+
+    def extra_bytes(self, sizes: dict[str, int]) -> int:
+        """Bytes that ``get`` would newly allocate for these (key, size) requests."""
+        return sum(n for k, n in sizes.items() if k not in self._buffers or self._buffers[k].numel() < n)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
 
 
 @dataclass(frozen=True)
@@ -249,7 +357,11 @@ class StreamingSafetensorsWriter:
         self._slots: dict[str, tuple[TensorSpec, int]] = {}
         offset = 0
         for s in ordered:
-            header[s.name] = {"dtype": st_dtype(s.dtype), "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+            header[s.name] = {
+                "dtype": st_dtype(s.dtype),
+                "shape": list(s.shape),
+                "data_offsets": [offset, offset + s.nbytes],
+            }
             self._slots[s.name] = (s, offset)
             offset += s.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -264,19 +376,52 @@ class StreamingSafetensorsWriter:
     def pending(self) -> set[str]:
         return set(self._pending)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor, scratch: Optional[BufferPool] = None) -> None:
+        self.write_parts(name, [tensor], scratch)
+
+    def write_parts(self, name: str, parts: Sequence[Union[torch.Tensor, FileSlice]],
+                    scratch: Optional[BufferPool] = None) -> None:
+        """Write tensor ``name`` given as pieces whose concatenation along dim 0 is the tensor.
+
+        Lets a converter write a fused or padded tensor straight from views of its inputs, or from rows of its input
+        files (``FileSlice``, copied by the kernel), without a concatenated copy. A non-contiguous tensor piece is
+        copied first — into ``scratch`` when given (reused memory), else into a new tensor.
+        """
         if name not in self._slots:
             raise KeyError(f"{self.path}: tensor {name!r} was not declared (declared: {sorted(self._slots)[:20]} ...)")
         if name not in self._pending:
             raise ValueError(f"{self.path}: tensor {name!r} written twice")
         spec, offset = self._slots[name]
-        if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
-            raise ValueError(
-                f"{self.path}: tensor {name!r} declared {spec.dtype} {spec.shape}, got {tensor.dtype} {tuple(tensor.shape)}"
-            )
-        flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        if flat.numel():
-            self._pwrite(memoryview(flat.numpy()), self._base + offset)
+        shapes = [tuple(p.shape) for p in parts]
+        dtypes = {p.dtype for p in parts}
+        if len(parts) == 1:
+            shape = shapes[0]
+        elif all(len(sh) >= 1 and sh[1:] == shapes[0][1:] for sh in shapes):
+            shape = (sum(sh[0] for sh in shapes),) + shapes[0][1:]
+        else:
+            shape = None
+        if dtypes != {spec.dtype} or shape != spec.shape:
+            got = ", ".join(f"{p.dtype} {tuple(p.shape)}" for p in parts)
+            raise ValueError(f"{self.path}: tensor {name!r} declared {spec.dtype} {spec.shape}, got {got}")
+        pos = self._base + offset
+        for part in parts:
+            if isinstance(part, FileSlice):
+                _copy_range(part.file._fileno(), part.offset, part.nbytes, self._fd, pos)
+                pos += part.nbytes
+                continue
+            part = part.detach()
+            if part.device.type != "cpu":
+                part = part.to("cpu")
+            if not part.is_contiguous():
+                if scratch is not None:
+                    buf = scratch.get("write", part.numel() * part.element_size())
+                    part = buf.view(part.dtype).view(part.shape).copy_(part)
+                else:
+                    part = part.contiguous()
+            flat = part.reshape(-1).view(torch.uint8)
+            if flat.numel():
+                self._pwrite(memoryview(flat.numpy()), pos)
+            pos += flat.numel()
         self._pending.discard(name)
 
     def _pwrite(self, data, offset: int) -> None:
@@ -290,7 +435,9 @@ class StreamingSafetensorsWriter:
             return
         try:
             if self._pending:
-                raise ValueError(f"{self.path}: closed before these declared tensors were written: {sorted(self._pending)}")
+                raise ValueError(
+                    f"{self.path}: closed before these declared tensors were written: {sorted(self._pending)}"
+                )
             os.ftruncate(self._fd, self._total)
         finally:
             os.close(self._fd)
@@ -302,7 +449,7 @@ class StreamingSafetensorsWriter:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "StreamingSafetensorsWriter":
+    def __enter__(self) -> StreamingSafetensorsWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -312,7 +459,9 @@ class StreamingSafetensorsWriter:
             self.abort()
 
 
-def save_file_streaming(tensors: dict[str, torch.Tensor], path: PathLike, metadata: Optional[dict[str, str]] = None) -> None:
+def save_file_streaming(
+    tensors: dict[str, torch.Tensor], path: PathLike, metadata: Optional[dict[str, str]] = None
+) -> None:
     """Convenience: write a dict of tensors through the streaming writer."""
     specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
     with StreamingSafetensorsWriter(path, specs, metadata) as w:

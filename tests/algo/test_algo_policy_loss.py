@@ -273,3 +273,21 @@ def test_is_weights_multiply_the_token_loss() -> None:
     plain = compute_policy_loss_terms(lp, old, adv, LOW, HIGH, C)["pg_losses"]
     loss, _ = compute_policy_loss(lp, old, adv, mask, LOW, HIGH, C, "token-mean", is_weights=w)
     assert loss.item() == pytest.approx((plain * w).mean().item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_row_blocking_matches_one_pass(mode: str) -> None:
+    g = torch.Generator().manual_seed(2)
+    lp = (-torch.rand(9, 4, generator=g, dtype=torch.float64)).requires_grad_(True)
+    old = lp.detach() + 0.5 * torch.randn(9, 4, generator=g, dtype=torch.float64)
+    adv = torch.randn(9, 4, generator=g, dtype=torch.float64)
+    mask = (torch.rand(9, 4, generator=g) > 0.4).double()
+    w = torch.rand(9, 4, generator=g, dtype=torch.float64)
+    one, m_one = compute_policy_loss(lp, old, adv, mask, LOW, HIGH, C, mode, is_weights=w, chunk_elements=None)
+    blocked, m_blk = compute_policy_loss(lp, old, adv, mask, LOW, HIGH, C, mode, is_weights=w, chunk_elements=7)
+    torch.testing.assert_close(blocked, one, rtol=1e-12, atol=1e-14)
+    for key in m_one:
+        torch.testing.assert_close(m_blk[key], m_one[key], rtol=1e-12, atol=1e-14)
+    (g_one,) = torch.autograd.grad(one, lp)
+    (g_blk,) = torch.autograd.grad(blocked, lp)
+    torch.testing.assert_close(g_blk, g_one, rtol=1e-12, atol=1e-14)

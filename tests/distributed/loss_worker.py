@@ -18,7 +18,6 @@ from megatron_dapo.parallel import init_distributed, init_model_parallel
 from megatron_dapo.training.actor import MegatronActor
 from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size, tp_merge
 from megatron_dapo.weights.model_io import load_full_tensors, local_param_table
-
 from tests.distributed.loss_batch import HF_KWARGS, TEMPERATURE, make_batch
 
 
@@ -84,7 +83,9 @@ def main() -> None:
                 g = tp_merge(shards, entry.mapping.kind, entry.mapping.tp_dim)
             local[entry.mapping.mcore] = g
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 else {})
+        dist.all_gather_object(
+            gathered, local if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 else {}
+        )
         if info.rank == 0:
             grads = {}
             for part in gathered:

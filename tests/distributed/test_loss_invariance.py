@@ -31,7 +31,7 @@ LAYOUTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_layout(name: str, tmp_root: str) -> dict:
     nproc, args = LAYOUTS[name]
     out = f"{tmp_root}/{name}"
@@ -39,7 +39,7 @@ def run_layout(name: str, tmp_root: str) -> dict:
     return torch.load(f"{out}/result.pt")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(mode: str) -> dict:
     """Whole-batch float64 loss and gradients with HF transformers, mapped to full Megatron tensor names."""
     hf = make_tiny_hf_model("qwen2", seed=0, **HF_KWARGS).double()
@@ -65,11 +65,23 @@ def reference(mode: str) -> dict:
             log_probs[i, t] = logp_all[i, pos, r[t]]
             entropy[i, t] = -(logp_all[i, pos].exp() * logp_all[i, pos]).sum()
     mask = b["loss_mask"].double()
-    pg, _ = compute_policy_loss(log_probs, b["old_log_probs"].double(), b["advantages"].double(), mask,
-                                0.2, 0.28, 10.0, mode, max_response_length=T)
+    pg, _ = compute_policy_loss(
+        log_probs,
+        b["old_log_probs"].double(),
+        b["advantages"].double(),
+        mask,
+        0.2,
+        0.28,
+        10.0,
+        mode,
+        max_response_length=T,
+    )
     agg = functools.partial(agg_loss, loss_agg_mode=mode, max_response_length=T)
-    loss = pg - ENTROPY_COEFF * agg(entropy, mask) + KL_COEF * agg(kl_penalty(log_probs, b["ref_log_probs"].double(),
-                                                                           "low_var_kl"), mask)
+    loss = (
+        pg
+        - ENTROPY_COEFF * agg(entropy, mask)
+        + KL_COEF * agg(kl_penalty(log_probs, b["ref_log_probs"].double(), "low_var_kl"), mask)
+    )
     loss.backward()
     params = dict(hf.named_parameters())
     grads = {}
@@ -101,8 +113,9 @@ def tmp_root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("loss_invariance"))
 
 
-@pytest.mark.parametrize("layout", [k for k in LAYOUTS if LAYOUTS[k][0] < 4] + [
-    pytest.param("tp2_pp2_sp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "layout", [k for k in LAYOUTS if LAYOUTS[k][0] < 4] + [pytest.param("tp2_pp2_sp", marks=pytest.mark.slow)]
+)
 def test_layout_matches_float64_reference_and_single_rank(layout, tmp_root):
     base = run_layout("tp1_pp1_dp1_1mb", tmp_root)
     res = run_layout(layout, tmp_root)
@@ -115,8 +128,12 @@ def test_layout_matches_float64_reference_and_single_rank(layout, tmp_root):
         compare_grads(res[mode]["grads"], ref["grads"], 100, tol=1e-5)
         # Same numbers as the single-rank, single-micro-batch run (fp32 vs fp32).
         assert res[mode]["metrics"]["actor/pg_loss"] == pytest.approx(base[mode]["metrics"]["actor/pg_loss"], rel=1e-6)
-        compare_grads(res[mode]["grads"], {k: v[:100] if k.startswith(("embedding", "output")) else v
-                                           for k, v in base[mode]["grads"].items()}, 100, tol=1e-6)
+        compare_grads(
+            res[mode]["grads"],
+            {k: v[:100] if k.startswith(("embedding", "output")) else v for k, v in base[mode]["grads"].items()},
+            100,
+            tol=1e-6,
+        )
     ref = reference("token-mean")
     assert (res["log_probs"][mask] - ref["log_probs"][mask]).abs().max() < 1e-5
     assert (res["entropy"][mask] - ref["entropy"][mask]).abs().max() < 1e-5

@@ -7,14 +7,15 @@ the workers' output, which is where the traceback is.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
+import psutil
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -23,6 +24,20 @@ _TAIL_CHARS = 6000
 
 def _tail(text: str, limit: int = _TAIL_CHARS) -> str:
     return text if len(text) <= limit else "..." + text[-limit:]
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill torchrun and its ranks. The ranks run in sessions of their own (torch elastic starts them with
+    ``start_new_session``), so killing torchrun's process group would leave them holding our output pipes."""
+    try:
+        parent = psutil.Process(pid)
+        procs = parent.children(recursive=True) + [parent]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=10)
 
 
 def run_torchrun(
@@ -38,7 +53,7 @@ def run_torchrun(
     ``port`` is the rendezvous port: each test uses its own (the suite's engineers share one machine, so ranges
     are assigned per test area). ``OMP_NUM_THREADS=1`` keeps the ranks from oversubscribing the few cores.
     ``env`` adds to (and overrides) the inherited environment. A non-zero exit or a timeout fails the calling
-    test with the tail of stdout and stderr; on a timeout the whole process group is killed so no rank lingers.
+    test with the tail of stdout and stderr; on a timeout torchrun and every rank are killed, so none lingers.
     """
     cmd = [
         sys.executable,
@@ -64,13 +79,12 @@ def run_torchrun(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # own process group: a timeout kills torchrun and every rank
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+        _kill_tree(proc.pid)
+        stdout, stderr = proc.communicate(timeout=30)
         pytest.fail(
             f"torchrun {Path(script).name} (nproc={nproc}, port={port}) timed out after {timeout:.0f}s\n"
             f"--- stdout tail ---\n{_tail(stdout)}\n--- stderr tail ---\n{_tail(stderr)}"

@@ -1,7 +1,8 @@
 """torchrun worker: megatron-core ``GPTModel`` (our builder + layout module) against HF transformers, fp32.
 
-One run covers one parallel layout (TP, PP, VPP, SP; DP = world / (TP x PP)) and loops over the model families,
-so the process start-up is paid once per layout. For every family each rank:
+One run covers one or more parallel layouts (TP, PP, VPP, SP; DP = world / (TP x PP)), rebuilding megatron-core's
+parallel state between them, and loops over the model families, so the process start-up is paid once per run.
+For every layout and family each rank:
   1. builds the same seeded tiny HF model (eager attention: the plain reference implementation), builds the
      Megatron chunks with ``build_gpt_chunks``, loads the HF weights through ``hf_to_mcore`` + ``load_full_tensors``
      and wraps the chunks with ``wrap_for_training`` (megatron DDP, grads land in ``main_grad``);
@@ -13,14 +14,18 @@ so the process start-up is paid once per layout. For every family each rank:
      is what megatron's loss scaling and DDP averaging produce) and backpropagates it;
   4. records, for the test to assert on: logits max|diff| on the non-pad positions (last stage), the relative max
      error of every local Megatron parameter gradient against the HF gradient mapped through ``hf_to_mcore`` +
-     ``tp_shard``, the losses, and (DP > 1) how far the DP ranks' logits for the shared batch are apart.
-Each rank writes ``<out>/rank<r>.json``. The worker itself asserts nothing about tolerances: the test does.
+     ``tp_shard`` (and that padded vocabulary rows get zero gradient), the losses, (DP > 1) how far the DP ranks'
+     logits for the shared batch are apart, and the training code's ``vocab_parallel_log_probs`` on the real
+     padded logits shard (``check_vocab_helper``: the padded columns must not leak into log-probs or entropy).
+Each rank writes ``<out>/rank<r>.json`` (``{"layouts": {name: {ranks..., "families": {...}}}}``). The worker
+asserts nothing about tolerances: the test does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from functools import partial
 from pathlib import Path
@@ -34,6 +39,7 @@ VOCAB = 100
 SEQ = 16
 BATCH = 2
 HF_SEED = 0
+HELPER_TEMPERATURE = 0.7
 # Left-pad lengths of the padded micro-batch's rows (row 1 shorter pad, so the rows differ).
 PAD_LEFT = (5, 2)
 PAD_ID = 0
@@ -86,8 +92,52 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor)
     return -(logp * valid).sum() / valid.sum()
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1e-30)).item()
+def rel_err(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> float:
+    """max|got - ref| / max|scale|; ``scale`` is the full (unsharded) reference, since one TP shard of the padded
+    vocabulary can hold only padding rows (an all-zero reference)."""
+    return ((got.double() - ref.double()).abs().max() / scale.double().abs().max().clamp(min=1e-30)).item()
+
+
+def check_vocab_helper(shard: torch.Tensor, mb: dict, hf_logits: torch.Tensor) -> dict[str, float]:
+    """The training code's ``vocab_parallel_log_probs`` on this rank's padded vocabulary shard of the real logits.
+
+    Against HF (float64): log-probs and entropy at temperature ``HELPER_TEMPERATURE`` on the non-pad positions, and
+    the gradient of their sum w.r.t. the shard, ``(onehot - p) / T``. Padding must not leak: the result is unchanged
+    when the padded columns are overwritten with huge values, and the padded columns get exactly zero gradient.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_dapo.algo.logprobs import vocab_parallel_log_probs
+
+    t = HELPER_TEMPERATURE
+    width = shard.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * width
+    group = ps.get_tensor_model_parallel_group()
+    valid, targets = mb["valid"], mb["targets"]
+    pad_cols = torch.arange(start, start + width) >= VOCAB
+    real = slice(0, max(0, min(width, VOCAB - start)))
+
+    x = shard.detach().clone().requires_grad_(True)
+    logp, ent = vocab_parallel_log_probs(x, targets, VOCAB, t, vocab_start=start, tp_group=group)
+    logp[valid].sum().backward()
+    poisoned = torch.where(pad_cols, torch.full_like(x, 1e4), x.detach())
+    logp_p, ent_p = vocab_parallel_log_probs(poisoned, targets, VOCAB, t, vocab_start=start, tp_group=group)
+
+    ref = torch.log_softmax(hf_logits.double() / t, dim=-1)
+    ref_logp = ref.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(ref.exp() * ref).sum(-1)
+    onehot = torch.nn.functional.one_hot(targets, VOCAB).double()
+    ref_grad = (onehot - ref.exp()) / t * valid.unsqueeze(-1)
+    grad_err = (x.grad[..., real].double() - ref_grad[..., start + real.start : start + real.stop]).abs()
+    return {
+        "logp_max_abs": (logp.double() - ref_logp)[valid].abs().max().item(),
+        "entropy_max_abs": (ent.double() - ref_ent)[valid].abs().max().item(),
+        "grad_max_abs": grad_err.max().item() if grad_err.numel() else 0.0,
+        "real_columns": real.stop - real.start,
+        "pad_columns": int(pad_cols.sum()),
+        "pad_grad_absmax": x.grad[..., pad_cols].abs().max().item() if pad_cols.any() else 0.0,
+        "pad_poison_change": max((logp_p - logp).abs().max().item(), (ent_p - ent).abs().max().item()),
+    }
 
 
 def run_family(family: str, cfg, dp_size: int, dp_rank: int) -> dict[str, Any]:
@@ -135,9 +185,11 @@ def run_family(family: str, cfg, dp_size: int, dp_rank: int) -> dict[str, Any]:
     mbs = make_micro_batches(dp_rank)
     captured: dict[int, torch.Tensor] = {}
     local_vocab_width: list[int] = []
+    helper: dict[int, dict[str, float]] = {}
 
     def loss_func(mb: dict, output: torch.Tensor):
         local_vocab_width.append(int(output.shape[-1]))  # padded vocab / TP: the padded columns are there
+        helper[mb["index"]] = check_vocab_helper(output, mb, hf_logits[mb["index"]])
         full = gather_from_tensor_model_parallel_region(output)[..., :VOCAB]
         captured[mb["index"]] = full.detach().clone()
         loss = token_loss(full, mb["targets"], mb["valid"])
@@ -164,17 +216,31 @@ def run_family(family: str, cfg, dp_size: int, dp_rank: int) -> dict[str, Any]:
 
     # ---- compare
     result: dict[str, Any] = {"grads": [], "logits": {}, "losses": {}, "padded_vocab": padded}
+    # What was actually built, so the test can tell that the layout's flags took effect.
+    result["built"] = {
+        "chunks": len(chunks),
+        "sequence_parallel": chunks[0].config.sequence_parallel,
+        "tp": chunks[0].config.tensor_model_parallel_size,
+        "pp": chunks[0].config.pipeline_model_parallel_size,
+    }
     for lp in local_param_table(model, arch):
         ref_full = hf_to_mcore(lp.mapping, [hf_grads[n] for n in lp.mapping.hf], arch, padded)
         ref = tp_shard(ref_full, lp.mapping.kind, lp.mapping.tp_dim, tp_size, tp_rank)
         got = lp.param.main_grad
+        entry = {}
+        if lp.mapping.kind == "vocab":
+            # Rows of the padded vocabulary (global index >= VOCAB) must get exactly zero gradient.
+            rows = torch.arange(tp_rank * got.shape[0], (tp_rank + 1) * got.shape[0])
+            entry["pad_rows"] = int((rows >= VOCAB).sum())
+            entry["pad_rows_grad_absmax"] = got[rows >= VOCAB].abs().max().item() if entry["pad_rows"] else 0.0
         result["grads"].append(
             {
                 "mcore": lp.mapping.mcore,
                 "local": lp.local_name,
                 "chunk": lp.chunk,
-                "rel_err": rel_err(got, ref),
-                "ref_absmax": ref.abs().max().item(),
+                "rel_err": rel_err(got, ref, ref_full),
+                "ref_absmax": ref_full.abs().max().item(),
+                **entry,
             }
         )
     last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -187,6 +253,7 @@ def run_family(family: str, cfg, dp_size: int, dp_rank: int) -> dict[str, Any]:
                 "max_abs": (got - hf_logits[i])[mb["valid"]].abs().max().item(),
                 "shape": list(got.shape),
             }
+        result["vocab_helper"] = {str(i): v for i, v in helper.items()}
         for mb, reduced in zip(mbs, losses):
             result["losses"][str(mb["index"])] = {"mcore": reduced["loss"].item(), "hf": hf_losses[mb["index"]]}
         if dp_size > 1:
@@ -199,12 +266,18 @@ def run_family(family: str, cfg, dp_size: int, dp_rank: int) -> dict[str, Any]:
     return result
 
 
+def parse_layout(name: str) -> dict[str, Any]:
+    """``tp2-pp1-sp``, ``tp1-pp2-vpp2`` ... -> sizes (DP is whatever the world leaves over)."""
+    match = re.fullmatch(r"tp(\d+)-pp(\d+)(?:-vpp(\d+))?(-sp)?", name)
+    if match is None:
+        raise ValueError(f"layout {name!r}: expected tp<N>-pp<N>[-vpp<N>][-sp]")
+    tp, pp, vpp, sp = match.groups()
+    return {"tp": int(tp), "pp": int(pp), "vpp": int(vpp) if vpp else None, "sp": sp is not None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--vpp", type=int, default=0, help="virtual pipeline size; 0 = none")
-    parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--layouts", required=True, help="comma-separated, e.g. tp2-pp1-sp,tp1-pp2-vpp2")
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -214,31 +287,37 @@ def main() -> None:
     from megatron_dapo.config import load_config
     from megatron_dapo.parallel import destroy_model_parallel, init_distributed, init_model_parallel
 
-    overrides = [
-        f"parallel.tensor_model_parallel_size={args.tp}",
-        f"parallel.pipeline_model_parallel_size={args.pp}",
-        f"parallel.sequence_parallel={str(args.sp).lower()}",
-        "parallel.platform=cpu",
-        "model.params_dtype=fp32",
-    ]
-    if args.vpp:
-        overrides.append(f"parallel.virtual_pipeline_model_parallel_size={args.vpp}")
-    cfg = load_config(None, overrides)
-    info, _ = init_distributed(cfg.parallel)
-    init_model_parallel(cfg.parallel, seed=1)
-    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-
-    report: dict[str, Any] = {
-        "rank": info.rank,
-        "tp_rank": ps.get_tensor_model_parallel_rank(),
-        "pp_rank": ps.get_pipeline_model_parallel_rank(),
-        "dp_rank": dp_rank,
-        "dp_size": dp_size,
-        "families": {},
-    }
-    for family in args.families.split(","):
-        report["families"][family] = run_family(family, cfg, dp_size, dp_rank)
-    destroy_model_parallel()
+    report: dict[str, Any] = {"layouts": {}}
+    info = None
+    # Several layouts in one process: megatron-core's parallel state is torn down and rebuilt between them (the
+    # start-up of a torchrun costs far more than the comparisons).
+    for name in args.layouts.split(","):
+        lay = parse_layout(name)
+        overrides = [
+            f"parallel.tensor_model_parallel_size={lay['tp']}",
+            f"parallel.pipeline_model_parallel_size={lay['pp']}",
+            f"parallel.sequence_parallel={str(lay['sp']).lower()}",
+            "parallel.platform=cpu",
+            "model.params_dtype=fp32",
+        ]
+        if lay["vpp"]:
+            overrides.append(f"parallel.virtual_pipeline_model_parallel_size={lay['vpp']}")
+        cfg = load_config(None, overrides)
+        info, _ = init_distributed(cfg.parallel)
+        init_model_parallel(cfg.parallel, seed=1)
+        dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        entry: dict[str, Any] = {
+            "rank": info.rank,
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "dp_rank": dp_rank,
+            "dp_size": dp_size,
+            "families": {},
+        }
+        for family in args.families.split(","):
+            entry["families"][family] = run_family(family, cfg, dp_size, dp_rank)
+        report["layouts"][name] = entry
+        destroy_model_parallel()
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

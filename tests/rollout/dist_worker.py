@@ -31,51 +31,11 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, 1, S, S] boolean, True = masked: future positions and padding keys."""
-    s = attention_mask.shape[1]
-    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
-    return causal[None, None] | (attention_mask == 0)[:, None, None, :]
-
-
-def megatron_log_probs(model, arch, batch, temperature: float = 1.0):
-    """Log-probs of ``batch.responses`` under the Megatron model: [B, T] float64 on the last stage, else None."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    ids, pos = batch.input_ids, batch.position_ids
-    b, s = ids.shape
-    mask = causal_padding_mask(batch.attention_mask)
-    out = {}
-
-    def fwd(_it, m):
-        o = m(ids, pos, mask)
-
-        def loss_func(o):
-            out["logits"] = gather_from_tensor_model_parallel_region(o)
-            return o.sum() * 0, {}
-
-        return o, loss_func
-
-    for m in model:
-        m.eval()
-    with torch.no_grad():
-        get_forward_backward_func()(forward_step_func=fwd, data_iterator=[iter([None]) for _ in model], model=model,
-                                    num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True)
-    if not ps.is_pipeline_last_stage():
-        return None
-    logits = out["logits"][..., : arch.vocab_size].double() / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    p, t = batch.prompts.shape[1], batch.responses.shape[1]
-    # The token at input position p + k is predicted by the logits at position p + k - 1.
-    pred = logp[:, p - 1 : p + t - 1]
-    return torch.gather(pred, 2, batch.responses.unsqueeze(-1)).squeeze(-1) * batch.response_mask
-
-
 def adam_step(model, optimizer, batch) -> float:
     """One real training step: mean NLL of the sampled response tokens, megatron DDP + optimizer."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_dapo.rollout.recompute import causal_padding_mask
 
     ids, pos = batch.input_ids, batch.position_ids
     b, s = ids.shape
@@ -118,6 +78,7 @@ def main() -> None:
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.parallel import init_distributed, init_model_parallel
     from megatron_dapo.rollout.engine import RolloutEngine, teardown
+    from megatron_dapo.rollout.recompute import megatron_sampled_log_probs
     from megatron_dapo.rollout.sync import WeightSync
     from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size
     from megatron_dapo.weights.model_io import load_full_tensors
@@ -158,6 +119,10 @@ def main() -> None:
     )
 
     res: dict = {"rank": info.rank, "last_stage": ps.is_pipeline_last_stage(), "tied": arch.tie_word_embeddings}
+    from megatron_dapo.models.families import param_mappings
+
+    # What a sync must push: every HF tensor of the checkpoint at its HF shape (vocab unpadded), lm_head only if untied.
+    res["hf_bytes"] = sum(hf[n].numel() * 4 for m in param_mappings(arch) for n in m.hf)
     t = time.perf_counter()
     engine = RolloutEngine(cfg, args.hf_dir, platform, pad_token_id=0, eos_token_ids=[1])
     res["engine_start_s"] = time.perf_counter() - t
@@ -170,7 +135,7 @@ def main() -> None:
     spec = engine.train_sampling()
 
     def check(tag: str, batch, temperature: float = 1.0) -> None:
-        lp = megatron_log_probs(model, arch, batch, temperature)
+        lp = megatron_sampled_log_probs(model, arch.vocab_size, batch, temperature)
         if lp is not None:
             res[f"{tag}_max_diff"] = masked_max_diff(lp, batch.rollout_log_probs, batch.response_mask)
         res[f"{tag}_tokens"] = int(batch.response_mask.sum())
@@ -180,10 +145,26 @@ def main() -> None:
     b1 = engine.generate(prompts, spec, seed_offset=0)
     assert b1.responses.shape[0] == len(prompts) * spec.n
     assert b1.prompt_index.tolist() == [i for i in range(len(prompts)) for _ in range(spec.n)]
-    res["b1_truncated"] = int(b1.truncated.sum())
+    res["b1_truncated"] = b1.truncated.tolist()
     res["b1_lengths"] = b1.response_lengths.tolist()
+    finished = (~b1.truncated).nonzero().flatten().tolist()
+    # A response that ended before the limit ends with the stop token, which stays in the response.
+    res["b1_finished_end_with_eos"] = [int(b1.responses[i, b1.response_lengths[i] - 1]) == 1 for i in finished]
     check("b1", b1)
-    res["b1_repeat_identical"] = bool(torch.equal(engine.generate(prompts, spec, seed_offset=0).responses, b1.responses))
+    # Independent reference for the recompute itself: HF transformers on the checkpoint the actor was loaded from.
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf_model(input_ids=b1.input_ids, attention_mask=b1.attention_mask,
+                          position_ids=b1.position_ids).logits.double()
+    p_len, t_len = b1.prompts.shape[1], b1.responses.shape[1]
+    hf_lp = torch.gather(torch.log_softmax(logits, -1)[:, p_len - 1 : p_len + t_len - 1], 2,
+                         b1.responses.unsqueeze(-1)).squeeze(-1)
+    res["b1_vllm_vs_hf_max_diff"] = masked_max_diff(hf_lp, b1.rollout_log_probs, b1.response_mask)
+    del hf_model
+    again = engine.generate(prompts, spec, seed_offset=0)
+    res["b1_repeat_identical"] = bool(torch.equal(again.responses, b1.responses))
     b1_other_offset = engine.generate(prompts, spec, seed_offset=1)
     res["offset_changes_samples"] = not torch.equal(b1_other_offset.responses, b1.responses)
 
@@ -220,12 +201,30 @@ def main() -> None:
     check("greedy", bv)
     res["greedy_rows"] = int(bv.responses.shape[0])
 
+    # 4b. stop tokens: greedy continuation's 3rd token made a stop token → that row ends there, kept, not truncated.
+    no_stop = type(spec)(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=spec.max_tokens)
+    free = engine.generate(prompts[:1], no_stop, seed_offset=0)
+    stop_tok = int(free.responses[0, 2])
+    stopped = engine.generate(prompts[:1], type(spec)(n=1, temperature=0.0, top_p=1.0, top_k=-1,
+                                                      max_tokens=spec.max_tokens, stop_token_ids=(stop_tok,)),
+                              seed_offset=0)
+    n_stop = int(stopped.response_lengths[0])
+    res["stop_row_len"] = n_stop
+    res["stop_row_first_occurrence"] = int((free.responses[0] == stop_tok).nonzero()[0]) + 1
+    res["stop_row_last_is_stop"] = int(stopped.responses[0, n_stop - 1]) == stop_tok
+    res["stop_row_truncated"] = bool(stopped.truncated[0])
+    res["stop_row_prefix_equal"] = bool(torch.equal(stopped.responses[0, :n_stop], free.responses[0, :n_stop]))
+
     # 5. train, generate with stale weights (must differ from Megatron), sync, generate again (must match).
     for cycle in range(args.cycles):
         res[f"c{cycle}_loss"] = adam_step(model, optimizer, b1)
         check(f"c{cycle}_stale", engine.generate(prompts, spec, seed_offset=0))
         syncer = tiny_sync if cycle % 2 == 1 else sync
+        # The trainer's phase order (sleep/wake are no-ops on CPU, but the calls must be accepted in this order).
+        engine.sleep()
+        engine.wake_up(["weights"])
         res[f"c{cycle}_sync"] = syncer.sync(model)
+        engine.wake_up(["kv_cache"])
         b2 = engine.generate(prompts, spec, seed_offset=0)
         check(f"c{cycle}", b2)
         common = b1.response_mask.bool() & b2.response_mask.bool()
@@ -235,10 +234,12 @@ def main() -> None:
             res[f"c{cycle}_lp_change_max"] = float((b2.rollout_log_probs - b1.rollout_log_probs).abs()[same_tok].max())
         b1 = b2
 
-    # 6. megatron-core collectives still work after the generate/sync cycles.
-    x = torch.full((4,), float(ps.get_tensor_model_parallel_rank() + 1))
-    dist.all_reduce(x, group=ps.get_tensor_model_parallel_group())
-    res["tp_allreduce"] = x.tolist()
+    # 6. megatron-core's groups still work after the generate/sync cycles: all-reduce over TP and over DP.
+    for name, group in (("tp", ps.get_tensor_model_parallel_group()), ("dp", ps.get_data_parallel_group())):
+        x = torch.full((4,), float(info.rank + 1))
+        dist.all_reduce(x, group=group)
+        res[f"{name}_allreduce"] = x.tolist()
+        res[f"{name}_allreduce_expected"] = float(sum(r + 1 for r in dist.get_process_group_ranks(group)))
     res["tp_size"] = ps.get_tensor_model_parallel_world_size()
 
     t = time.perf_counter()

@@ -15,11 +15,14 @@ status is 1 when the difference is above ``--tol``.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -144,10 +147,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     res = run_verify(args)
     rank = dist.get_rank()
-    reshard = "same layout" if res.load_report["same_layout"] else "resharded on load"
+    # Which checkpoint files each rank read: its own only when the layouts match.
+    reports: list = [None] * dist.get_world_size()
+    files = [str(Path(f).relative_to(Path(args.mcore_dir).absolute())) for f in res.load_report["files"]]
+    dist.all_gather_object(reports, {"same_layout": res.load_report["same_layout"], "files": files})
     if rank == 0:
+        reshard = "same layout" if reports[0]["same_layout"] else "resharded on load"
         print(f"model TP={args.tp} PP={args.pp} VPP={args.vpp} SP={args.sp} world={dist.get_world_size()};"
               f" checkpoint {args.mcore_dir}: {reshard}", flush=True)
+        print("load_report=" + json.dumps(reports), flush=True)
     dist.barrier()
     destroy_model_parallel()
     ok = res.max_abs_diff <= args.tol

@@ -1,0 +1,144 @@
+"""Benchmark: Megatron → vLLM weight sync time against a memcpy baseline, on a locally made ~0.5 GB model.
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 --master_port 29790 benchmarks/weight_sync.py [--tp 1 --rollout-tp 1]
+
+The model is Qwen2-shaped with random weights (fp32, ~120M parameters, ~480 MB): Megatron initialises it itself and
+vLLM starts from dummy weights, so only ``config.json`` is written. For each bucket size the sync runs ``--repeats``
+times after one warm-up sync (the first sync is several times slower); the fastest run counts.
+
+Baseline: on each rank, ``clone()`` (allocate + copy) of the tensors that rank's vLLM engine holds after the sync
+(the HF tensors, sliced to the rank's vLLM TP shard). Ratio = sync time / baseline on the same rank; the slowest
+rank's ratio is reported. Last line: ``weight_sync_vs_memcpy=<ratio at the default bucket size>
+logprob_max_diff=<max |vLLM − Megatron| sampled-token log-prob after the syncs>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+MODEL = dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=2, intermediate_size=2048,
+             max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tp", type=int, default=1, help="training tensor-parallel size")
+    p.add_argument("--rollout-tp", type=int, default=1)
+    p.add_argument("--buckets-mb", default="16,64,512", help="comma-separated bucket sizes (MiB)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--work-dir", default=None, help="where config.json and vLLM's cache go (default: a temp dir)")
+    return p.parse_args()
+
+
+def vllm_shard(name: str, tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """The slice of a full HF tensor that vLLM TP rank ``rank`` keeps (column-parallel rows, row-parallel columns)."""
+    if tp == 1 or "norm" in name:
+        return tensor
+    row_parallel = name.endswith("o_proj.weight") or name.endswith("down_proj.weight")
+    return torch.chunk(tensor, tp, dim=1 if row_parallel else 0)[rank]
+
+
+def timed_min(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    args = parse()
+    from megatron_dapo.config import load_config
+    from megatron_dapo.models.builder import build_gpt_chunks
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.parallel import init_distributed, init_model_parallel
+    from megatron_dapo.rollout.engine import RolloutEngine, teardown
+    from megatron_dapo.rollout.recompute import megatron_sampled_log_probs
+    from megatron_dapo.rollout.sync import WeightSync
+    from megatron_dapo.testing.tiny_models import tiny_hf_config
+    from megatron_dapo.weights.layout import mcore_to_hf
+    from megatron_dapo.weights.model_io import iter_full_tensors
+
+    port = os.environ.get("MASTER_PORT", "")
+    work = args.work_dir or os.path.join(tempfile.gettempdir(), f"weight_sync_bench_{port}")
+    cfg = load_config(None, [
+        f"parallel.tensor_model_parallel_size={args.tp}",
+        "parallel.platform=cpu",
+        "model.params_dtype=fp32",
+        f"rollout.tensor_model_parallel_size={args.rollout_tp}",
+        "rollout.kv_cache_memory_mb=64",
+        "rollout.max_num_seqs=16",
+        "rollout.n=2",
+        "rollout.seed=3",
+        "data.max_prompt_length=16",
+        "data.max_response_length=16",
+        f"trainer.output_dir={work}",
+    ])
+    info, platform = init_distributed(cfg.parallel)
+    init_model_parallel(cfg.parallel, seed=1)
+    hf_dir = os.path.join(work, "model")
+    if info.rank == 0:
+        tiny_hf_config("qwen2", **MODEL).save_pretrained(hf_dir)  # config only: nobody reads weights from disk
+    dist.barrier()
+    arch = model_arch_from_hf(hf_dir)
+    chunks = build_gpt_chunks(arch, cfg)  # megatron-core's own random init, identical on data-parallel replicas
+    for c in chunks:
+        c.eval()
+    n_params = sum(p.numel() for c in chunks for p in c.parameters())
+    engine = RolloutEngine(cfg, hf_dir, platform, pad_token_id=0, eos_token_ids=[])
+    log = print if info.rank == 0 else (lambda *a, **k: None)
+    log(f"model: {n_params / 1e6:.1f}M parameters per rank ({n_params * 4 / 2**20:.0f} MiB fp32),"
+        f" training TP={args.tp}, rollout TP={args.rollout_tp} (rollout DP={engine.dp_size}),"
+        f" world={info.world_size}", flush=True)
+
+    t = time.perf_counter()
+    WeightSync(engine, arch, cfg).sync(chunks)
+    log(f"warm-up sync: {time.perf_counter() - t:.3f}s", flush=True)
+
+    # Baseline: clone() what this rank's engine holds after a sync.
+    held = []
+    for mapping, full in iter_full_tensors(chunks, arch):
+        for name, tensor in zip(mapping.hf, mcore_to_hf(mapping, full, arch)):
+            held.append(vllm_shard(name, tensor, args.rollout_tp, engine.tp_rank).contiguous())
+    held_bytes = sum(x.numel() * x.element_size() for x in held)
+    memcpy_s = timed_min(lambda: [x.clone() for x in held], args.repeats)  # noqa: B023 (called right here)
+    held.clear()
+
+    def slowest(value: float) -> float:
+        v = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        return float(v)
+
+    default_mb = cfg.rollout.weight_sync_bucket_mb
+    sizes = sorted({int(x) for x in args.buckets_mb.split(",")} | {default_mb})
+    ratios = {}
+    for mb in sizes:
+        sync = WeightSync(engine, arch, cfg, bucket_bytes=mb * 2**20)
+        runs = [sync.sync(chunks) for _ in range(args.repeats)]
+        best = min(runs, key=lambda r: r["timing_s/update_weights"])
+        ratio = slowest(best["timing_s/update_weights"] / memcpy_s)
+        ratios[mb] = ratio
+        log(f"bucket_mb={mb} buckets={int(best['buckets'])} sync_s={best['timing_s/update_weights']:.3f}"
+            f" (gather {best['timing_s/update_weights_gather']:.3f}"
+            f" convert {best['timing_s/update_weights_convert']:.3f}"
+            f" reload {best['timing_s/update_weights_load']:.3f}) memcpy_s={memcpy_s:.3f}"
+            f" ({held_bytes / 2**20:.0f} MiB) ratio_slowest_rank={ratio:.2f}", flush=True)
+
+    prompts = [[5 + i, 17, 300 + 7 * i, 42, 9] for i in range(4)]
+    batch = engine.generate(prompts, engine.train_sampling(), seed_offset=0)
+    lp = megatron_sampled_log_probs(chunks, arch.vocab_size, batch)
+    diff = 0.0 if lp is None else float((lp - batch.rollout_log_probs.double()).abs()[batch.response_mask.bool()].max())
+    diff = slowest(diff)
+    teardown(engine)
+    log(f"weight_sync_vs_memcpy={ratios[default_mb]:.2f} logprob_max_diff={diff:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

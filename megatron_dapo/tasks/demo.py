@@ -1,0 +1,135 @@
+"""Everything the embedded default run needs, made locally and seeded: tokenizer, data, and a tiny Qwen2 model.
+
+The model starts from random weights and gets a short *format-only* supervised warm-start: it learns to answer a
+prompt with one number and stop, but the numbers it is taught are random, so its accuracy starts near chance
+(1 / number of possible answers). Real pipelines start RL from an SFT or pretrained model; a randomly initialised
+model that has not seen the answer format samples special tokens and never stops (shared/notes/cpu-stack.md), and
+RL would spend its whole budget learning to emit EOS. What the RL run then learns — the addition table — comes from
+the reward alone.
+
+    python -m megatron_dapo.tasks.demo --out-dir outputs/quickstart
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from megatron_dapo.tasks.arithmetic import make_rows, write_dataset
+from megatron_dapo.testing.tiny_models import make_tiny_hf_model
+from megatron_dapo.testing.tokenizer import build_tiny_tokenizer
+
+MODEL_SHAPE = dict(
+    hidden_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=256,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+)
+
+
+def format_warm_start(
+    model,
+    tokenizer,
+    prompts: list[str],
+    answers: list[str],
+    steps: int,
+    seed: int,
+    lr: float = 3e-3,
+    batch_size: int = 64,
+) -> float:
+    """Teach "one number, then EOS" with *random* answers from the answer set; returns the last loss."""
+    rng = random.Random(seed)
+    eos = tokenizer.eos_token_id
+    encoded = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
+        for p in sorted(set(prompts))
+    ]
+    answer_ids = [tokenizer.encode(a, add_special_tokens=False) for a in sorted(set(answers))]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        rows, labels = [], []
+        for _ in range(batch_size):
+            p = encoded[rng.randrange(len(encoded))]
+            a = answer_ids[rng.randrange(len(answer_ids))] + [eos]
+            rows.append(p + a)
+            labels.append([-100] * len(p) + a)
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
+        loss = model(input_ids=ids, labels=lab).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return float(loss)
+
+
+def prepare(
+    out_dir: str | Path,
+    seed: int = 0,
+    max_operand: int = 4,
+    warm_start_steps: int = 150,
+    train_rows: int = 2048,
+    val_rows: int = 64,
+) -> dict:
+    """Write ``tokenizer/``, ``data/{train,val}.parquet`` and ``hf_model/`` under ``out_dir``; returns their paths."""
+    out = Path(out_dir)
+    tokenizer = build_tiny_tokenizer(out / "tokenizer")
+    data = out / "data"
+    train = make_rows(train_rows, seed=seed, max_operand=max_operand, split="train")
+    val = make_rows(val_rows, seed=seed + 1, max_operand=max_operand, split="val")
+    write_dataset(data / "train.parquet", train)
+    write_dataset(data / "val.parquet", val)
+
+    torch.manual_seed(seed)
+    model = make_tiny_hf_model("qwen2", seed=seed, vocab_size=len(tokenizer), **MODEL_SHAPE)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.bos_token_id = None
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    prompts = [r["prompt"][0]["content"] for r in train]
+    answers = [r["reward_model"]["ground_truth"] for r in train]
+    loss = format_warm_start(model, tokenizer, prompts, answers, warm_start_steps, seed)
+    hf_dir = out / "hf_model"
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    tokenizer.save_pretrained(hf_dir)
+    info = {
+        "tokenizer": str(out / "tokenizer"),
+        "train": str(data / "train.parquet"),
+        "val": str(data / "val.parquet"),
+        "hf_model": str(hf_dir),
+        "warm_start_loss": loss,
+        "num_answers": len(set(answers)),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    (out / "demo.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-operand", type=int, default=4)
+    ap.add_argument("--warm-start-steps", type=int, default=150)
+    args = ap.parse_args(argv)
+    info = prepare(args.out_dir, args.seed, args.max_operand, args.warm_start_steps)
+    print(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

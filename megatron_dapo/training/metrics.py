@@ -1,0 +1,183 @@
+"""Per-step metrics under verl's names (``verl/trainer/ppo/metric_utils.py``), computed from a step's tensors.
+
+Pure functions: no process groups, no logging. The batch is a dict of tensors with (B = sequences):
+  ``responses`` [B, R] (its width R is the response budget unless ``max_response_length`` is given),
+  ``response_mask`` [B, R] (1 = generated token), ``prompt_mask`` [B, P] (1 = prompt token; or verl's
+  ``attention_mask`` [B, P + R]), ``token_level_scores`` / ``token_level_rewards`` [B, R], ``advantages`` and
+  ``returns`` [B, R].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
+
+import torch
+
+# Sections whose time is normalised per token, and by which tokens (verl's table; ``old_log_prob`` added because
+# it is a full forward over prompt + response, like ``ref``).
+_PER_TOKEN_SECTIONS = {
+    "gen": "response",
+    "old_log_prob": "all",
+    "ref": "all",
+    "values": "all",
+    "adv": "all",
+    "update_critic": "all",
+    "update_actor": "all",
+}
+
+
+def _lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(prompt lengths, response lengths, prompt width, response width) as float tensors / ints."""
+    for key in ("responses", "response_mask"):
+        if key not in batch:
+            raise KeyError(f"metrics: the batch has no {key!r} (keys: {sorted(batch)})")
+    response_width = int(batch["responses"].shape[-1])
+    response_mask = batch["response_mask"]
+    if "prompt_mask" in batch:
+        prompt_mask = batch["prompt_mask"]
+    elif "attention_mask" in batch:
+        prompt_mask = batch["attention_mask"][:, :-response_width]
+    else:
+        raise KeyError(f"metrics: the batch needs 'prompt_mask' or 'attention_mask' (keys: {sorted(batch)})")
+    return (
+        prompt_mask.sum(-1).float(),
+        response_mask.sum(-1).float(),
+        int(prompt_mask.shape[-1]),
+        response_width,
+    )
+
+
+def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    x = x.double()
+    return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(), f"{prefix}/min": x.min().item()}
+
+
+def compute_data_metrics(
+    batch: Mapping[str, Any],
+    use_critic: bool = False,
+    max_prompt_length: Optional[int] = None,
+    max_response_length: Optional[int] = None,
+) -> dict[str, float]:
+    """verl's ``compute_data_metrics``: score/reward/advantage/return and length statistics of one training batch.
+
+    * ``critic/score/*`` and ``critic/rewards/*``: per-sequence sums of the token-level scores / rewards
+      (rewards = scores after a KL penalty), over non-aborted sequences (response length > 0).
+    * ``critic/advantages/*``, ``critic/returns/*``: over response tokens (``response_mask``).
+    * ``response_length/*``, ``prompt_length/*``: token counts; ``clip_ratio`` = share of sequences whose length
+      equals the budget (``max_*_length``, by default the padded width as in verl).
+    * ``response_length_non_aborted/*`` and ``response/aborted_ratio`` as in verl.
+    With ``use_critic`` also ``critic/values/*`` and ``critic/vf_explained_var`` from ``values``.
+    """
+    prompt_length, response_length, prompt_width, response_width = _lengths(batch)
+    max_prompt_length = prompt_width if max_prompt_length is None else max_prompt_length
+    max_response_length = response_width if max_response_length is None else max_response_length
+    scores = batch["token_level_scores"].sum(-1)
+    rewards = batch.get("token_level_rewards", batch["token_level_scores"]).sum(-1)
+    response_mask = batch["response_mask"].bool()
+
+    aborted = response_length == 0
+    if bool(aborted.all()):
+        raise ValueError("compute_data_metrics: every response in the batch is empty (all samples aborted)")
+    kept = ~aborted
+    valid_adv = torch.masked_select(batch["advantages"], response_mask)
+    valid_returns = torch.masked_select(batch["returns"], response_mask)
+    kept_length = response_length[kept]
+
+    metrics: dict[str, float] = {}
+    metrics.update(_stats("critic/score", scores[kept]))
+    metrics.update(_stats("critic/rewards", rewards[kept]))
+    metrics.update(_stats("critic/advantages", valid_adv))
+    metrics.update(_stats("critic/returns", valid_returns))
+    if use_critic:
+        valid_values = torch.masked_select(batch["values"], response_mask)
+        metrics.update(_stats("critic/values", valid_values))
+        diff_var = torch.var(valid_returns.double() - valid_values.double())
+        metrics["critic/vf_explained_var"] = (1.0 - diff_var / (torch.var(valid_returns.double()) + 1e-5)).item()
+    metrics.update(_stats("response_length", response_length))
+    metrics["response_length/clip_ratio"] = (response_length == max_response_length).double().mean().item()
+    metrics.update(_stats("response_length_non_aborted", kept_length))
+    metrics["response_length_non_aborted/clip_ratio"] = (kept_length == max_response_length).double().mean().item()
+    metrics["response/aborted_ratio"] = aborted.double().mean().item()
+    metrics.update(_stats("prompt_length", prompt_length))
+    metrics["prompt_length/clip_ratio"] = (prompt_length == max_prompt_length).double().mean().item()
+    return metrics
+
+
+def _token_counts(batch: Mapping[str, Any]) -> tuple[int, int]:
+    prompt_length, response_length, _, _ = _lengths(batch)
+    return int(prompt_length.sum().item()), int(response_length.sum().item())
+
+
+def compute_timing_metrics(timings: Mapping[str, float], batch: Mapping[str, Any]) -> dict[str, float]:
+    """``timing_s/<name>`` for every timed section and ``timing_per_token_ms/<name>`` for the sections of
+    ``_PER_TOKEN_SECTIONS`` that ran: ``gen`` per response token, the others per prompt + response token."""
+    num_prompt, num_response = _token_counts(batch)
+    tokens = {"response": num_response, "all": num_prompt + num_response}
+    out = {f"timing_s/{name}": float(value) for name, value in timings.items()}
+    for name, which in _PER_TOKEN_SECTIONS.items():
+        if name in timings and tokens[which] > 0:
+            out[f"timing_per_token_ms/{name}"] = float(timings[name]) * 1000.0 / tokens[which]
+    return out
+
+
+def compute_throughput_metrics(batch: Mapping[str, Any], timings: Mapping[str, float], n_gpus: int) -> dict[str, float]:
+    """``perf/total_num_tokens`` (prompt + response tokens of the batch), ``perf/time_per_step`` (``timings['step']``)
+    and ``perf/throughput`` = tokens / (time × devices), as in verl."""
+    if "step" not in timings:
+        raise KeyError(f"compute_throughput_metrics: timings has no 'step' entry (keys: {sorted(timings)})")
+    if n_gpus < 1:
+        raise ValueError(f"compute_throughput_metrics: n_gpus must be >= 1, got {n_gpus}")
+    num_prompt, num_response = _token_counts(batch)
+    total = num_prompt + num_response
+    step_time = float(timings["step"])
+    return {
+        "perf/total_num_tokens": total,
+        "perf/time_per_step": step_time,
+        "perf/throughput": total / (step_time * n_gpus) if step_time > 0 else math.inf,
+    }
+
+
+def compute_val_metrics(data_sources: list[str], accs: Iterable[float], n: int) -> dict[str, float]:
+    """``val-core/<data_source>/acc/mean@<n>``: mean accuracy of the ``n`` responses per prompt, averaged over the
+    prompts of each data source (every prompt has ``n`` responses, so this is the mean over that source's rows)."""
+    accs = [float(a) for a in accs]
+    if len(accs) != len(data_sources):
+        raise ValueError(f"compute_val_metrics: {len(data_sources)} data sources but {len(accs)} accuracies")
+    by_source: dict[str, list[float]] = {}
+    for source, acc in zip(data_sources, accs):
+        by_source.setdefault(source, []).append(acc)
+    return {f"val-core/{source}/acc/mean@{n}": sum(v) / len(v) for source, v in sorted(by_source.items())}
+
+
+def _reduce_op(key: str) -> str:
+    # verl reduces keys containing "max"/"min" with max/min and the rest with the mean. We look at whole words of
+    # the last name component only, so "timing_s/gen" (t-i-"min"-g) is averaged, "response_length/max" maxed.
+    words = key.rsplit("/", 1)[-1].split("_")
+    if "max" in words:
+        return "max"
+    if "min" in words:
+        return "min"
+    return "mean"
+
+
+def reduce_metrics(metrics: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Combine per-micro-batch / per-mini-batch metric dicts: mean per key over the dicts that have it, except
+    ``.../max``-like keys (max) and ``.../min``-like keys (min)."""
+    values: dict[str, list[float]] = {}
+    for item in metrics:
+        for key, value in item.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(f"reduce_metrics: metric {key!r} is a tensor of shape {tuple(value.shape)}")
+                value = value.item()
+            try:
+                values.setdefault(key, []).append(float(value))
+            except (TypeError, ValueError):
+                raise TypeError(f"reduce_metrics: metric {key!r} has a non-numeric value {value!r}") from None
+    out = {}
+    for key, vals in values.items():
+        op = _reduce_op(key)
+        out[key] = max(vals) if op == "max" else min(vals) if op == "min" else sum(vals) / len(vals)
+    return out

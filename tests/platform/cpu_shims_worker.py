@@ -1,0 +1,61 @@
+"""Fresh-interpreter check of ``apply_cpu_shims`` + ``CpuPlatform.seed`` (run by test_platform_selection.py).
+
+Prints one JSON line of observations; the test asserts on them. Usage: ``python cpu_shims_worker.py <port>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def main() -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[1], "RANK": "0", "WORLD_SIZE": "1"})
+    from megatron.core import tensor_parallel
+
+    from megatron_dapo.config import ParallelConfig
+    from megatron_dapo.parallel import destroy_model_parallel, init_distributed, init_model_parallel
+    from megatron_dapo.platform.cpu_shims import apply_cpu_shims
+
+    parallel = ParallelConfig(platform="cpu")
+    _, platform = init_distributed(parallel)  # applies the CPU shims
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    apply_cpu_shims()  # a second call must not replace anything
+    seen: dict = {
+        "idempotent": tensor_parallel.get_cuda_rng_tracker() is tracker,
+        "zeros_device": str(torch.zeros(2, device="cuda").device),
+        "cuda_method_device": str(torch.ones(2).cuda().device),
+        "current_device": str(torch.cuda.current_device()),
+        "tracker_class": type(tracker).__name__,
+    }
+    seed = 1234
+    init_model_parallel(parallel, seed=seed)  # -> CpuPlatform.seed -> seed_cpu
+    seen["seed"] = seed
+    seen["default_draw"] = torch.rand(4).tolist()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    seen["tracker_names"] = sorted(tracker.get_states())
+    start = tracker.get_states()
+    with tracker.fork():  # megatron-core's default stream name: model-parallel-rng
+        seen["model_parallel_draw"] = torch.rand(4).tolist()
+    with tracker.fork("data-parallel-rng"):
+        seen["data_parallel_draw"] = torch.rand(4).tolist()
+    # Dropout inside the tracker's fork, as megatron-core's attention does, replays from a saved state.
+    # (set_states adopts the dict it is given and forks write into it, hence the copies.)
+    x = torch.ones(64)
+    tracker.set_states(dict(start))
+    with tracker.fork():
+        first = torch.nn.functional.dropout(x, p=0.5)
+    tracker.set_states(dict(start))
+    with tracker.fork():
+        again = torch.nn.functional.dropout(x, p=0.5)
+    seen["megatron_fork_ok"] = bool(torch.equal(first, again) and 0 < int((first == 0).sum()) < 64)
+    destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    print(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main()

