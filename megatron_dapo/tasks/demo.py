@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_dapo.tasks.arithmetic import make_rows, write_dataset
+from megatron_dapo.tasks.arithmetic import make_rows, make_table_rows, write_dataset
 from megatron_dapo.testing.tiny_models import make_tiny_hf_model
 from megatron_dapo.testing.tokenizer import build_tiny_tokenizer
 
@@ -82,14 +82,13 @@ def prepare(
     max_operand: int = 4,
     warm_start_steps: int = 150,
     train_rows: int = 2048,
-    val_rows: int = 64,
 ) -> dict:
     """Write ``tokenizer/``, ``data/{train,val}.parquet`` and ``hf_model/`` under ``out_dir``; returns their paths."""
     out = Path(out_dir)
     tokenizer = build_tiny_tokenizer(out / "tokenizer")
     data = out / "data"
     train = make_rows(train_rows, seed=seed, max_operand=max_operand, split="train")
-    val = make_rows(val_rows, seed=seed + 1, max_operand=max_operand, split="val")
+    val = make_table_rows(max_operand=max_operand, split="val")
     write_dataset(data / "train.parquet", train)
     write_dataset(data / "val.parquet", val)
 

@@ -19,7 +19,12 @@ optimizer is saved in megatron-core's ``dp_reshardable`` format: a different DP 
 not (megatron-core's ``fully_reshardable`` format would allow it but fails with torch's Adam, which keeps a
 per-parameter ``step`` tensor — the case on CPU and on GPUs without TransformerEngine/Apex). RNG states are
 restored only when the layout (world size, TP, PP, VPP) is unchanged; otherwise the seeded generators are kept and
-``rng_restored`` is False.
+``rng_restored`` is False. The padded vocabulary grows with TP (``make_vocab_size_divisible_by`` × TP): the saved
+embedding/output rows load and the extra padding rows keep their initial values (megatron-core's
+``allow_shape_mismatch``). A change of the virtual pipeline size is not supported.
+
+With torch's Adam (no TransformerEngine/Apex) megatron-core's DistributedOptimizer neither restores Adam's ``step``
+nor keeps it per parameter on load; ``_restore_torch_adam_steps`` sets it from ``trainer_state.json``.
 
 Note: megatron-core's checkpoint writer starts a helper with the ``spawn`` method on the first save, which
 re-imports the launching script: scripts run under torchrun must keep their work under ``if __name__ == "__main__"``.
@@ -114,6 +119,55 @@ def _uses_distributed_optimizer(optimizer) -> bool:
 
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     return any(isinstance(o, DistributedOptimizer) for o in inner)
+
+
+def _torch_adams(optimizer) -> list:
+    """Per chained optimizer: its torch ``Adam``/``AdamW`` when it is a ``DistributedOptimizer`` over one, else None.
+
+    Without TransformerEngine/Apex (always on CPU) megatron-core runs torch's Adam, which keeps a per-parameter
+    ``step`` tensor in its state. megatron-core 0.16's DistributedOptimizer mishandles that ``step``:
+      * building its state dict asserts on a never-stepped optimizer (no ``step`` yet) — ``_prime_torch_adams``;
+      * loading leaves ``step`` at its pre-load value and makes one tensor shared by all parameters, which torch
+        then increments once per parameter per step — ``_restore_torch_adam_steps`` (from ``trainer_state.json``).
+    """
+    from megatron.core.optimizer import DistributedOptimizer
+
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        out.append(inner if isinstance(opt, DistributedOptimizer) and isinstance(inner, torch.optim.Adam) else None)
+    return out
+
+
+def _torch_adam_steps(optimizer) -> list[Optional[float]]:
+    steps = []
+    for inner in _torch_adams(optimizer):
+        values = {float(st["step"]) for st in inner.state.values() if "step" in st} if inner is not None else set()
+        # All parameters step together (megatron gives every main parameter a gradient); max() guards the record.
+        steps.append(max(values) if values else None)
+    return steps
+
+
+def _prime_torch_adams(optimizer) -> None:
+    """Give never-stepped parameters the state torch's Adam would create on its first step (zeros, step 0)."""
+    for inner in _torch_adams(optimizer):
+        for group in inner.param_groups if inner is not None else []:
+            for p in group["params"]:
+                state = inner.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+
+
+def _restore_torch_adam_steps(optimizer, steps: list[Optional[float]]) -> None:
+    for inner, step in zip(_torch_adams(optimizer), steps):
+        if inner is None or step is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                # One tensor per parameter: torch's Adam increments each parameter's step in place.
+                inner.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
 def _sharded_state_dict(model_chunks: list, optimizer, is_loading: bool) -> dict:
@@ -244,6 +298,8 @@ class CheckpointManager:
         rank = _rank()
         tmp = self.save_dir / f"{TMP_PREFIX}{step}"
         final = self.save_dir / step_dir_name(step)
+        if optimizer is not None and save_optimizer:
+            _prime_torch_adams(optimizer)
         # Fail before any rank writes anything if the rank-0-only payload cannot be serialised.
         state_text = json.dumps(
             {
@@ -253,6 +309,7 @@ class CheckpointManager:
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "has_optimizer": bool(save_optimizer and optimizer is not None),
                 "distributed_optimizer": optimizer is not None and _uses_distributed_optimizer(optimizer),
+                "torch_adam_steps": _torch_adam_steps(optimizer) if optimizer is not None else [],
                 "num_model_chunks": len(model_chunks),
                 "layout": _layout(),
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -261,15 +318,17 @@ class CheckpointManager:
         )
         if rank == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # left by a crashed save of this step
-                shutil.rmtree(tmp)
+            for stale in self.save_dir.glob(".tmp-*"):  # left by a crashed save or deletion
+                if stale.is_dir():
+                    shutil.rmtree(stale)
             (tmp / DIST_DIR).mkdir(parents=True)
             (tmp / RNG_DIR).mkdir()
         _barrier()
 
         sharded = _sharded_state_dict(model_chunks, optimizer if save_optimizer else None, is_loading=False)
         dist_checkpointing.save(sharded, str(tmp / DIST_DIR))
-        torch.save({"rank": rank, "layout": _layout(), "state": get_platform().rng_state()}, tmp / RNG_DIR / _rng_name(rank))
+        rng = {"rank": rank, "layout": _layout(), "state": get_platform().rng_state()}
+        torch.save(rng, tmp / RNG_DIR / _rng_name(rank))
         if rank == 0:
             (tmp / STATE_FILE).write_text(state_text)
             if config is not None:
@@ -345,9 +404,8 @@ class CheckpointManager:
         saved_layout, layout = state["layout"], _layout()
         restore_optimizer = bool(load_optimizer and optimizer is not None and state["has_optimizer"])
         if restore_optimizer and state["distributed_optimizer"] and _uses_distributed_optimizer(optimizer):
-            changed = [
-                k for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size") if saved_layout[k] != layout[k]
-            ]
+            sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+            changed = [k for k in sizes if saved_layout[k] != layout[k]]
             if changed:
                 raise CheckpointError(
                     f"{step_dir}: the distributed optimizer's state ({DIST_OPTIM_FORMAT}) reshards only across data "
@@ -361,6 +419,8 @@ class CheckpointManager:
                 "loads the weights only)"
             )
 
+        if restore_optimizer:
+            _prime_torch_adams(optimizer)
         sharded = _sharded_state_dict(model_chunks, optimizer if restore_optimizer else None, is_loading=True)
         loaded = dist_checkpointing.load(sharded, str(step_dir / DIST_DIR))
         for i, chunk in enumerate(model_chunks):
@@ -369,6 +429,7 @@ class CheckpointManager:
             # megatron-core copies into views of leaf parameters (fp32 + distributed optimizer): needs no_grad.
             with torch.no_grad():
                 optimizer.load_state_dict(loaded["optimizer"])
+            _restore_torch_adam_steps(optimizer, state["torch_adam_steps"])
         elif optimizer is not None:
             # Main (fp32) params were copied from the model when the optimizer was built: refresh them.
             optimizer.reload_model_params()

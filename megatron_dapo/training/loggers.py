@@ -7,8 +7,9 @@ import json
 import logging
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, Optional, TextIO
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 
@@ -49,7 +50,7 @@ class _Console:
 
 
 def _fmt(value: float) -> str:
-    if value == int(value) and abs(value) < 1e15:
+    if math.isfinite(value) and value == int(value) and abs(value) < 1e15:
         return str(int(value))
     return f"{value:.4g}"
 

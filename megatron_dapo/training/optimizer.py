@@ -27,7 +27,7 @@ def resolve_warmup_steps(optim: OptimConfig, total_steps: int) -> int:
     if optim.lr <= 0 or optim.min_lr < 0 or optim.min_lr > optim.lr:
         raise ConfigError(f"actor.optim: need lr > 0 and 0 <= min_lr <= lr, got lr={optim.lr}, min_lr={optim.min_lr}")
     if not 0.0 <= optim.lr_warmup_steps_ratio <= 1.0:
-        raise ConfigError(f"actor.optim.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio}: expected a value in [0, 1]")
+        raise ConfigError(f"actor.optim.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio}: expected a value in [0,1]")
     warmup = optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * total_steps)
     if warmup >= total_steps:
         # megatron-core's scheduler requires warm-up < decay steps; say which knob to turn instead of asserting.

@@ -4,24 +4,30 @@ after ``get_platform().synchronize()``; otherwise a phase would be charged for i
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Optional
 
-from megatron_dapo.platform import get_platform
+from megatron_dapo.platform import Platform, get_platform
 
 
 class Timer:
-    """Start/stop timer; ``elapsed`` is the sum of all start→stop intervals in seconds."""
+    """Start/stop timer; ``elapsed`` is the sum of all start→stop intervals in seconds. ``platform`` defaults to the
+    process's platform (``get_platform()``, looked up when the clock is read)."""
 
-    def __init__(self, name: str = "") -> None:
+    def __init__(self, name: str = "", platform: Optional[Platform] = None) -> None:
         self.name = name
         self.elapsed = 0.0
         self._start: Optional[float] = None
+        self._platform = platform
 
-    def start(self) -> "Timer":
+    def _sync(self) -> None:
+        (self._platform or get_platform()).synchronize()
+
+    def start(self) -> Timer:
         if self._start is not None:
             raise RuntimeError(f"timer {self.name!r} is already running")
-        get_platform().synchronize()
+        self._sync()
         self._start = time.perf_counter()
         return self
 
@@ -29,13 +35,13 @@ class Timer:
         """Stop and return the length of this interval."""
         if self._start is None:
             raise RuntimeError(f"timer {self.name!r} was stopped without being started")
-        get_platform().synchronize()
+        self._sync()
         interval = time.perf_counter() - self._start
         self._start = None
         self.elapsed += interval
         return interval
 
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -43,11 +49,11 @@ class Timer:
 
 
 @contextmanager
-def timed(name: str, timings: dict[str, float]) -> Iterator[None]:
+def timed(name: str, timings: dict[str, float], platform: Optional[Platform] = None) -> Iterator[None]:
     """Add the block's duration to ``timings[name]`` (accumulating, as verl's timer does: a phase that runs several
     times in one step, e.g. generation with dynamic sampling, reports its total). Recorded also when the block
     raises, so a failing phase still shows how long it ran."""
-    timer = Timer(name).start()
+    timer = Timer(name, platform).start()
     try:
         yield
     finally:

@@ -11,13 +11,18 @@ import torch
 ARCH_KWARGS = dict(vocab_size=100, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)
 
 
+def tiny_arch():
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.testing.tiny_models import tiny_hf_config
+
+    return model_arch_from_hf(tiny_hf_config("qwen2", **ARCH_KWARGS).to_dict())
+
+
 def build_actor(params_dtype: str, dist_opt: bool, tp: int = 1, extra: tuple[str, ...] = ()):
     """(cfg, wrapped chunks) on the current world, after (re-)initialising megatron-core's parallel state."""
     from megatron_dapo.config import load_config
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
-    from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.parallel import init_distributed, init_model_parallel
-    from megatron_dapo.testing.tiny_models import tiny_hf_config
 
     cfg = load_config(
         None,
@@ -31,8 +36,7 @@ def build_actor(params_dtype: str, dist_opt: bool, tp: int = 1, extra: tuple[str
     )
     init_distributed(cfg.parallel)
     init_model_parallel(cfg.parallel, seed=1)
-    arch = model_arch_from_hf(tiny_hf_config("qwen2", **ARCH_KWARGS).to_dict())
-    return cfg, wrap_for_training(build_gpt_chunks(arch, cfg), cfg)
+    return cfg, wrap_for_training(build_gpt_chunks(tiny_arch(), cfg), cfg)
 
 
 def named_params(chunks: list) -> list[tuple[str, torch.nn.Parameter]]:

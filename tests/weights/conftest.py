@@ -27,7 +27,8 @@ def load_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b), f"names differ: only in first {sorted(set(a) - set(b))}, second {sorted(set(b) - set(a))}"
+    only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+    assert not only_a and not only_b, f"names differ: only in first {only_a}, only in second {only_b}"
     for name in a:
         assert a[name].dtype == b[name].dtype, f"{name}: {a[name].dtype} vs {b[name].dtype}"
         assert torch.equal(a[name], b[name]), f"{name}: values differ (max |d| {(a[name] - b[name]).abs().max()})"

@@ -57,7 +57,8 @@ def test_written_layout_by_hand(tiny_hf, tmp_path):
     files = {(r, s): load_file(str(rank_file(tmp_path / "m", r, s))) for r in (0, 1) for s in (0, 1)}
     # 4 layers, PP=2: layers 0-1 on stage 0, 2-3 on stage 1, stored under their global numbers.
     assert {n.split(".")[2] for n in files[(1, 1)] if n.startswith("decoder.layers.")} == {"2", "3"}
-    assert "embedding.word_embeddings.weight" in files[(0, 0)] and "embedding.word_embeddings.weight" not in files[(0, 1)]
+    emb = "embedding.word_embeddings.weight"
+    assert emb in files[(0, 0)] and emb not in files[(0, 1)]
     assert {"output_layer.weight", "decoder.final_layernorm.weight"} <= set(files[(0, 1)])
     # 4 heads in 2 groups of head_dim 16: TP rank 1 holds group 1 = query heads 2,3 and kv head 1.
     h = "model.layers.2.self_attn."
@@ -65,7 +66,8 @@ def test_written_layout_by_hand(tiny_hf, tmp_path):
     assert torch.equal(qkv, torch.cat([sd[h + "q_proj.weight"][32:64], sd[h + "k_proj.weight"][16:32],
                                        sd[h + "v_proj.weight"][16:32]]))
     bias = files[(0, 1)]["decoder.layers.2.self_attention.linear_qkv.bias"]
-    assert torch.equal(bias, torch.cat([sd[h + "q_proj.bias"][:32], sd[h + "k_proj.bias"][:16], sd[h + "v_proj.bias"][:16]]))
+    assert torch.equal(bias, torch.cat([sd[h + "q_proj.bias"][:32], sd[h + "k_proj.bias"][:16],
+                                        sd[h + "v_proj.bias"][:16]]))
     # intermediate 96: rank 1 holds gate rows 48..95 then up rows 48..95
     fc1 = files[(1, 0)]["decoder.layers.1.mlp.linear_fc1.weight"]
     m = "model.layers.1.mlp."
@@ -73,7 +75,8 @@ def test_written_layout_by_hand(tiny_hf, tmp_path):
     # row-parallel layers split the input dimension
     assert torch.equal(files[(1, 0)]["decoder.layers.0.self_attention.linear_proj.weight"],
                        sd["model.layers.0.self_attn.o_proj.weight"][:, 32:])
-    assert torch.equal(files[(0, 1)]["decoder.layers.3.mlp.linear_fc2.weight"], sd["model.layers.3.mlp.down_proj.weight"][:, :48])
+    assert torch.equal(files[(0, 1)]["decoder.layers.3.mlp.linear_fc2.weight"],
+                       sd["model.layers.3.mlp.down_proj.weight"][:, :48])
     # vocabulary 100 padded to 256 (128 x TP): rank 0 = rows 0..99 + 28 zero rows, rank 1 = 128 zero rows
     emb0, emb1 = files[(0, 0)]["embedding.word_embeddings.weight"], files[(1, 0)]["embedding.word_embeddings.weight"]
     assert emb0.shape == emb1.shape == (128, 64)

@@ -139,7 +139,9 @@ def run_verify(args: argparse.Namespace) -> VerifyResult:
     return VerifyResult(float(diff.item()), chunks, arch, cfg, report)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, finalize: bool = True) -> int:
+    """Run the check; 0 when within ``--tol``, else 1. ``finalize=False`` keeps the default process group (a
+    caller running several checks in one torchrun)."""
     import torch.distributed as dist
 
     from megatron_dapo.parallel import destroy_model_parallel
@@ -161,7 +163,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ok = res.max_abs_diff <= args.tol
     if rank == 0:
         print(f"max_abs_logits_diff={res.max_abs_diff:.6e}", flush=True)
-    dist.destroy_process_group()
+    if finalize:
+        dist.destroy_process_group()
     return 0 if ok else 1
 
 

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The embedded default run on a fresh machine: set up .venv, make the tiny task + tokenizer + model (seeded),
+# convert it with the converter CLI, train DAPO with vLLM rollout on 2 CPU processes, export the trained model to HF,
+# plot the curves. Extra arguments are config overrides, e.g. trainer.total_training_steps=10.
+# Last line: first_val_acc=<x> final_val_acc=<y> steps=<n> wall_s=<t>
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source launch/setup_env.sh
+export OMP_NUM_THREADS=1
+OUT=outputs/quickstart
+START=$(date +%s)
+
+if [ ! -f "$OUT/hf_model/config.json" ]; then
+  echo "[quickstart] making the tiny task, tokenizer and model under $OUT"
+  python -m megatron_dapo.tasks.demo --out-dir "$OUT"
+fi
+if [ ! -f "$OUT/mcore/mcore_meta.json" ]; then
+  echo "[quickstart] converting the HF model to Megatron layout"
+  python tools/checkpoint_convert/convert.py hf-to-mcore --hf-dir "$OUT/hf_model" --save-dir "$OUT/mcore" --tp 1 --pp 1
+fi
+
+echo "[quickstart] DAPO training on 2 CPU processes (configs/tiny_cpu.yaml)"
+rm -rf "$OUT/run"
+NPROC_PER_NODE=2 MASTER_PORT="${MASTER_PORT:-29510}" launch/run_local.sh configs/tiny_cpu.yaml "$@"
+
+echo "[quickstart] exporting the last checkpoint to HF and plotting"
+python -m megatron_dapo.cli export --checkpoint "$OUT/run/checkpoints" --save-dir "$OUT/run/hf_export"
+python tools/plot_metrics.py "$OUT/run/metrics.jsonl" -o "$OUT/run/curves.png"
+
+python - "$OUT/run/metrics.jsonl" "$START" <<'PY'
+import json, sys, time
+rows = [json.loads(line) for line in open(sys.argv[1])]
+accs = [(r["step"], v) for r in rows for k, v in r.items() if k.startswith("val-core/") and "/acc/" in k]
+steps = max(r["step"] for r in rows)
+print(f"first_val_acc={accs[0][1]:.4f} final_val_acc={accs[-1][1]:.4f} steps={steps} wall_s={time.time() - float(sys.argv[2]):.0f}")
+PY

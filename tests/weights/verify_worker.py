@@ -1,0 +1,70 @@
+"""torchrun worker: several converter checks in one set of processes (one start-up of megatron-core + HF).
+
+Reads a JSON list of cases and runs them in order on every rank:
+
+* ``{"name", "kind": "main", "argv": [...]}`` — ``tools/checkpoint_convert/verify.py``'s ``main`` (its printed
+  output and exit status, without tearing down the process group). Rank 0 prints ``=== case <name> rc=<rc>``
+  after each, so the test can split stdout per case.
+* ``{"name", "kind": "save", "argv": [...], "save_dir": ...}`` — the same check through ``run_verify``, then
+  ``save_mcore_checkpoint`` from the live model at that layout; per-rank results go to ``<out>/<name>.rank<r>.json``.
+
+    torchrun --nproc_per_node=N verify_worker.py --cases cases.json --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load_verify():
+    spec = importlib.util.spec_from_file_location("verify", REPO / "tools" / "checkpoint_convert" / "verify.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["verify"] = module  # dataclasses resolve the module's string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    from megatron_dapo.parallel import destroy_model_parallel
+    from megatron_dapo.weights.mcore_checkpoint import save_mcore_checkpoint
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", required=True)
+    ap.add_argument("--out", required=True)
+    own = ap.parse_args()
+    verify = _load_verify()
+    cases = json.loads(Path(own.cases).read_text())
+    for case in cases:
+        if case["kind"] == "main":
+            rc = verify.main(case["argv"], finalize=False)
+            dist.barrier()
+            if dist.get_rank() == 0:
+                print(f"=== case {case['name']} rc={rc}", flush=True)
+        else:
+            args = verify.parse_args(case["argv"])
+            res = verify.run_verify(args)
+            saved = save_mcore_checkpoint(res.chunks, res.arch, case["save_dir"], hf_config_dir=args.hf_dir)
+            rank = dist.get_rank()
+            result = {
+                "max_abs_logits_diff": res.max_abs_diff,
+                "same_layout": res.load_report["same_layout"],
+                "files": res.load_report["files"],
+                "saved": str(saved),
+            }
+            (Path(own.out) / f"{case['name']}.rank{rank}.json").write_text(json.dumps(result))
+            dist.barrier()
+            destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
