@@ -101,14 +101,13 @@ def causal_mask(seq_len: int, device) -> torch.Tensor:
 class MegatronActor:
     """Megatron-Core model chunks (actor or frozen reference) and, for the actor, its optimizer."""
 
-    def __init__(self, chunks: list, true_vocab_size: int, actor_cfg: ActorConfig, optimizer=None, scheduler=None):
+    def __init__(self, chunks: list, true_vocab_size: int, actor_cfg: ActorConfig, optimizer=None):
         from megatron.core.distributed import finalize_model_grads
 
         self.chunks = chunks
         self.true_vocab_size = true_vocab_size
         self.cfg = actor_cfg
         self.optimizer = optimizer
-        self.scheduler = scheduler
         self.temperature = 1.0
         config = self._model_config()
         if optimizer is not None:
@@ -229,8 +228,6 @@ class MegatronActor:
         """One optimizer step on a mini-batch: forward-backward with the DAPO loss hook, then ``optimizer.step``."""
         results = self.compute_gradients(mini_batch, temperature)
         update_ok, grad_norm, _ = self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step(increment=1)
         return self._reduce_update_metrics(results, grad_norm, update_ok)
 
     def compute_gradients(self, mini_batch: dict, temperature: float) -> list[dict]:

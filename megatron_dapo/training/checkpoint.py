@@ -298,6 +298,8 @@ class CheckpointManager:
         rank = _rank()
         tmp = self.save_dir / f"{TMP_PREFIX}{step}"
         final = self.save_dir / step_dir_name(step)
+        # The generators as they are when the caller asks for the save (nothing below should draw, but be exact).
+        rng = {"rank": rank, "layout": _layout(), "state": get_platform().rng_state()}
         if optimizer is not None and save_optimizer:
             _prime_torch_adams(optimizer)
         # Fail before any rank writes anything if the rank-0-only payload cannot be serialised.
@@ -327,7 +329,6 @@ class CheckpointManager:
 
         sharded = _sharded_state_dict(model_chunks, optimizer if save_optimizer else None, is_loading=False)
         dist_checkpointing.save(sharded, str(tmp / DIST_DIR))
-        rng = {"rank": rank, "layout": _layout(), "state": get_platform().rng_state()}
         torch.save(rng, tmp / RNG_DIR / _rng_name(rank))
         if rank == 0:
             (tmp / STATE_FILE).write_text(state_text)
@@ -433,7 +434,8 @@ class CheckpointManager:
         elif optimizer is not None:
             # Main (fp32) params were copied from the model when the optimizer was built: refresh them.
             optimizer.reload_model_params()
-            log.warning("checkpoint %s: optimizer state not restored (saved: %s)", step_dir, state["has_optimizer"])
+            if _rank() == 0:
+                log.warning("checkpoint %s: optimizer state not restored (saved: %s)", step_dir, state["has_optimizer"])
 
         if scheduler is not None and state.get("scheduler") is not None:
             # megatron-core's load_state_dict *adds* the saved step count to the current one.

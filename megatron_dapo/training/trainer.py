@@ -80,8 +80,8 @@ class DAPOTrainer:
         actor_chunks = build_gpt_chunks(self.arch, cfg)
         load_mcore_checkpoint(actor_chunks, self.arch, cfg.checkpoint.load_dir)
         actor_chunks = wrap_for_training(actor_chunks, cfg)
-        optimizer, scheduler = build_optimizer(actor_chunks, cfg.actor.optim, self.total_steps)
-        self.actor = MegatronActor(actor_chunks, self.arch.vocab_size, cfg.actor, optimizer, scheduler)
+        optimizer, self.scheduler = build_optimizer(actor_chunks, cfg.actor.optim, self.total_steps)
+        self.actor = MegatronActor(actor_chunks, self.arch.vocab_size, cfg.actor, optimizer)
         self.ref: Optional[MegatronActor] = None
         if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             ref_chunks = freeze(build_gpt_chunks(self.arch, cfg))
@@ -310,6 +310,7 @@ class DAPOTrainer:
             for start in range(0, rows, mini):
                 part = {k: v[start : start + mini] for k, v in tensors.items()}
                 per_step.append(self.actor.update(part, cfg.rollout.temperature))
+        self.scheduler.step(increment=1)  # the lr schedule counts training steps, not optimizer updates (verl)
         return reduce_metrics(per_step)
 
     def validate(self) -> dict[str, float]:
@@ -326,7 +327,7 @@ class DAPOTrainer:
             step=self.global_step,
             model_chunks=self.actor.chunks,
             optimizer=self.actor.optimizer,
-            scheduler=self.actor.scheduler,
+            scheduler=self.scheduler,
             data_state=self.sampler.state_dict(),
             config=to_dict(self.cfg),
             save_optimizer=self.cfg.checkpoint.save_optimizer,
@@ -336,7 +337,7 @@ class DAPOTrainer:
         step_dir = resolve_resume(self.cfg.checkpoint.resume_mode, self.ckpt.save_dir)
         if step_dir is None:
             return
-        state = self.ckpt.load(step_dir, self.actor.chunks, self.actor.optimizer, self.actor.scheduler)
+        state = self.ckpt.load(step_dir, self.actor.chunks, self.actor.optimizer, self.scheduler)
         self.global_step = int(state["step"])
         self.sampler.load_state_dict(state["data_state"])
         if self.info.is_main:

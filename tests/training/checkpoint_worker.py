@@ -243,12 +243,15 @@ def round_trip(case: str, out: Path) -> dict[str, Any]:
 
 
 def rotation_and_crash(out: Path) -> dict[str, Any]:
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     from megatron_dapo.training.checkpoint import CheckpointManager, resolve_resume
 
     def listing(d: Path) -> list[str]:
-        return sorted(p.name for p in d.iterdir())
+        names = sorted(p.name for p in d.iterdir())
+        dist.barrier()  # every rank has looked before any starts the next save
+        return names
 
     _, chunks, optimizer, scheduler = build("fp32", False)
     save_dir = out / "rotation"
