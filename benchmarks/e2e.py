@@ -33,20 +33,44 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
         demo = Path(args.demo_dir) if args.demo_dir else Path(tmp) / "demo"
         if not (demo / "hf_model" / "config.json").is_file():
-            subprocess.run([sys.executable, "-m", "megatron_dapo.tasks.demo", "--out-dir", str(demo)], check=True,
-                           cwd=REPO, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable, "-m", "megatron_dapo.tasks.demo", "--out-dir", str(demo)],
+                check=True,
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+            )
         mcore = Path(tmp) / "mcore"
-        subprocess.run([sys.executable, "tools/checkpoint_convert/convert.py", "hf-to-mcore", "--hf-dir",
-                        str(demo / "hf_model"), "--save-dir", str(mcore)], check=True, cwd=REPO,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "tools/checkpoint_convert/convert.py",
+                "hf-to-mcore",
+                "--hf-dir",
+                str(demo / "hf_model"),
+                "--save-dir",
+                str(mcore),
+            ],
+            check=True,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+        )
         out = Path(tmp) / "run"
         cmd = [
-            "bash", "launch/run_local.sh", "configs/tiny_cpu.yaml",
-            f"model.hf_config_dir={demo / 'hf_model'}", f"checkpoint.load_dir={mcore}",
-            f"data.train_files=[{demo / 'data' / 'train.parquet'}]", "data.val_files=[]",
-            f"trainer.output_dir={out}", f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
-            "trainer.test_freq=-1", "checkpoint.save_freq=1000000", "trainer.logger=[jsonl]",
-            "actor.optim.lr_warmup_steps=0", *overrides,
+            "bash",
+            "launch/run_local.sh",
+            "configs/tiny_cpu.yaml",
+            f"model.hf_config_dir={demo / 'hf_model'}",
+            f"checkpoint.load_dir={mcore}",
+            f"data.train_files=[{demo / 'data' / 'train.parquet'}]",
+            "data.val_files=[]",
+            f"trainer.output_dir={out}",
+            f"trainer.total_training_steps={args.steps}",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "checkpoint.save_freq=1000000",
+            "trainer.logger=[jsonl]",
+            "actor.optim.lr_warmup_steps=0",
+            *overrides,
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", NPROC_PER_NODE="2", MASTER_PORT=args.port, PYTHON=sys.executable)
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

@@ -7,6 +7,14 @@ model that has not seen the answer format samples special tokens and never stops
 RL would spend its whole budget learning to emit EOS. What the RL run then learns — the addition table — comes from
 the reward alone.
 
+Two choices make the table learnable by RL in a few minutes on CPU (measured, see ``MODEL_SHAPE``):
+
+* only the output layer (untied from the input embeddings) is trained in the warm start. Training the whole model
+  on random answers teaches it that the prompt does not matter: the last hidden state becomes the same for every
+  prompt (its spread across prompts fell from 0.42 to 0.003), and RL then collapses onto the most frequent sums.
+  With the body frozen the prompt features survive and the warm start still only fixes the format;
+* weights are initialised with std 0.1 instead of 0.02, so that the random features already tell the prompts apart.
+
     python -m megatron_dapo.tasks.demo --out-dir outputs/quickstart
 """
 
@@ -23,6 +31,8 @@ from megatron_dapo.tasks.arithmetic import make_rows, make_table_rows, write_dat
 from megatron_dapo.testing.tiny_models import make_tiny_hf_model
 from megatron_dapo.testing.tokenizer import build_tiny_tokenizer
 
+# Measured with supervised training on the true table (a proxy for how fast RL can find it): from the default init
+# (std 0.02) 177 steps to 90% after a whole-model warm start; from std 0.1 with an output-layer-only warm start, 6.
 MODEL_SHAPE = dict(
     hidden_size=128,
     num_layers=2,
@@ -30,7 +40,8 @@ MODEL_SHAPE = dict(
     num_kv_heads=2,
     intermediate_size=256,
     max_position_embeddings=64,
-    tie_word_embeddings=True,
+    tie_word_embeddings=False,  # the warm start trains the output layer alone, the input embeddings stay random
+    initializer_range=0.1,
 )
 
 
@@ -44,7 +55,14 @@ def format_warm_start(
     lr: float = 3e-3,
     batch_size: int = 64,
 ) -> float:
-    """Teach "one number, then EOS" with *random* answers from the answer set; returns the last loss."""
+    """Teach "one number, then EOS" with *random* answers from the answer set; returns the last loss.
+
+    Only the output layer is trained (``model.get_output_embeddings()``, which must not be tied to the input
+    embeddings): random targets would otherwise teach the body to ignore the prompt (see the module docstring).
+    """
+    head = model.get_output_embeddings()
+    if head is None or head.weight is model.get_input_embeddings().weight:
+        raise ValueError("format_warm_start: the model needs an output layer untied from its input embeddings")
     rng = random.Random(seed)
     eos = tokenizer.eos_token_id
     encoded = [
@@ -55,7 +73,10 @@ def format_warm_start(
         for p in sorted(set(prompts))
     ]
     answer_ids = [tokenizer.encode(a, add_special_tokens=False) for a in sorted(set(answers))]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    trainable = {id(p) for p in head.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in trainable)
     model.train()
     loss = torch.tensor(0.0)
     for _ in range(steps):
@@ -72,8 +93,10 @@ def format_warm_start(
         opt.zero_grad()
         loss.backward()
         opt.step()
+    for p in model.parameters():
+        p.requires_grad_(True)
     model.eval()
-    return float(loss)
+    return float(loss.detach())
 
 
 def prepare(

@@ -16,8 +16,7 @@ from typing import Optional, Union
 
 import yaml
 
-from megatron_dapo.config import from_dict, load_config
-from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.config import ExperimentConfig, from_dict, load_config
 from megatron_dapo.training.checkpoint import CONFIG_FILE, STEP_PREFIX, CheckpointError, resolve_resume
 
 
@@ -76,7 +75,8 @@ def export_step(
         arch = model_arch_from_hf(hf_dir)
         chunks = build_gpt_chunks(arch, cfg)
         CheckpointManager(step_dir.parent).load(step_dir, chunks, load_optimizer=False, load_rng=False)
-        tmp = Path(tempfile.mkdtemp(prefix="export-mcore-", dir=Path(save_dir).parent if Path(save_dir).parent.is_dir() else None))
+        parent = Path(save_dir).parent
+        tmp = Path(tempfile.mkdtemp(prefix="export-mcore-", dir=parent if parent.is_dir() else None))
         try:
             mcore_dir = save_mcore_checkpoint(
                 chunks, arch, tmp / "mcore", cfg.model.make_vocab_size_divisible_by, hf_config_dir=hf_dir

@@ -170,8 +170,11 @@ class DAPOTrainer:
                     with timed("save_checkpoint", timings):
                         self.save_checkpoint()
             metrics.update(
-                compute_data_metrics(batch, max_prompt_length=cfg.data.max_prompt_length,
-                                     max_response_length=cfg.data.max_response_length)
+                compute_data_metrics(
+                    batch,
+                    max_prompt_length=cfg.data.max_prompt_length,
+                    max_response_length=cfg.data.max_response_length,
+                )
             )
             metrics.update(compute_timing_metrics(timings, batch))
             metrics.update(compute_throughput_metrics(batch, timings, self.info.world_size))

@@ -27,13 +27,39 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_cpu.yaml"
 
 REQUIRED_METRICS = [
-    "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean", "critic/advantages/mean",
-    "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
-    "actor/grad_norm", "actor/lr", "response_length/mean", "response_length/max", "response_length/min",
-    "response_length/clip_ratio", "prompt_length/mean", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob",
-    "timing_s/adv", "timing_s/update_actor", "timing_s/update_weights", "timing_s/step", "timing_per_token_ms/gen",
-    "perf/total_num_tokens", "perf/time_per_step", "perf/throughput", "perf/max_memory_allocated_gb",
-    "perf/cpu_memory_used_gb", "train/num_gen_batches", "rollout/logprob_diff_mean", "rollout/logprob_diff_max",
+    "critic/score/mean",
+    "critic/score/max",
+    "critic/score/min",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/min",
+    "response_length/clip_ratio",
+    "prompt_length/mean",
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/old_log_prob",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+    "timing_s/step",
+    "timing_per_token_ms/gen",
+    "perf/total_num_tokens",
+    "perf/time_per_step",
+    "perf/throughput",
+    "perf/max_memory_allocated_gb",
+    "perf/cpu_memory_used_gb",
+    "train/num_gen_batches",
+    "rollout/logprob_diff_mean",
+    "rollout/logprob_diff_max",
 ]
 
 
@@ -68,8 +94,14 @@ def overrides(demo: dict, out: Path, steps: int, **extra) -> list[str]:
 
 def launch(script: str, args: list[str], env: dict, timeout: float = 600) -> subprocess.Popen:
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, **env)
-    return subprocess.Popen(["bash", str(REPO / "launch" / script), str(CONFIG), *args], cwd=REPO, env=full_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        ["bash", str(REPO / "launch" / script), str(CONFIG), *args],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_ok(proc: subprocess.Popen, timeout: float = 600) -> str:
@@ -88,8 +120,22 @@ def read_metrics(out: Path) -> list[dict]:
 
 
 def export(checkpoints: Path, dest: Path) -> dict[str, torch.Tensor]:
-    subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "export", "--checkpoint", str(checkpoints),
-                    "--save-dir", str(dest)], cwd=REPO, check=True, capture_output=True, env=dict(os.environ))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_dapo.cli",
+            "export",
+            "--checkpoint",
+            str(checkpoints),
+            "--save-dir",
+            str(dest),
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        env=dict(os.environ),
+    )
     return load_file(str(dest / "model.safetensors"))
 
 
@@ -117,8 +163,11 @@ def test_short_run_metrics_checkpoint_export_plot(demo, tmp_path):
     assert model.config.vocab_size == 104
 
     png = tmp_path / "curves.png"
-    subprocess.run([sys.executable, str(REPO / "tools" / "plot_metrics.py"), str(out / "metrics.jsonl"), "-o",
-                    str(png)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(REPO / "tools" / "plot_metrics.py"), str(out / "metrics.jsonl"), "-o", str(png)],
+        check=True,
+        capture_output=True,
+    )
     assert png.stat().st_size > 10_000
 
 
@@ -136,12 +185,22 @@ def test_two_nodes_on_one_machine(demo, tmp_path):
 
 def test_resume_continues_where_it_stopped(demo, tmp_path):
     straight = tmp_path / "straight"
-    wait_ok(launch("run_local.sh", overrides(demo, straight, steps=4, **{"checkpoint.save_freq": 2}),
-                   {"NPROC_PER_NODE": "2", "MASTER_PORT": "29962"}))
+    wait_ok(
+        launch(
+            "run_local.sh",
+            overrides(demo, straight, steps=4, **{"checkpoint.save_freq": 2}),
+            {"NPROC_PER_NODE": "2", "MASTER_PORT": "29962"},
+        )
+    )
     resumed = tmp_path / "resumed"
     wait_ok(launch("run_local.sh", overrides(demo, resumed, steps=2), {"NPROC_PER_NODE": "2", "MASTER_PORT": "29962"}))
-    wait_ok(launch("run_local.sh", overrides(demo, resumed, steps=4, **{"trainer.val_before_train": "false"}),
-                   {"NPROC_PER_NODE": "2", "MASTER_PORT": "29962"}))
+    wait_ok(
+        launch(
+            "run_local.sh",
+            overrides(demo, resumed, steps=4, **{"trainer.val_before_train": "false"}),
+            {"NPROC_PER_NODE": "2", "MASTER_PORT": "29962"},
+        )
+    )
     rows = read_metrics(resumed)
     assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2, 3, 4]  # continued at 3, not restarted at 1
     first = {r["step"]: r for r in read_metrics(straight)}
@@ -169,11 +228,16 @@ def test_trainer_config_checks_name_the_field():
 
 def test_bad_data_row_fails_before_training_with_file_row_field(demo, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "data_source": "arithmetic",
-                               "reward_model": {}}) + "\n")
+    bad.write_text(
+        json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "data_source": "arithmetic", "reward_model": {}})
+        + "\n"
+    )
     out = tmp_path / "run"
-    proc = launch("run_local.sh", overrides(demo, out, steps=1, **{"data.train_files": f"[{bad}]"}),
-                  {"NPROC_PER_NODE": "1", "MASTER_PORT": "29963"})
+    proc = launch(
+        "run_local.sh",
+        overrides(demo, out, steps=1, **{"data.train_files": f"[{bad}]"}),
+        {"NPROC_PER_NODE": "1", "MASTER_PORT": "29963"},
+    )
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert str(bad) in log and "row 0" in log and "ground_truth" in log
