@@ -126,8 +126,11 @@ def prepare(
     answers = [r["reward_model"]["ground_truth"] for r in train]
     loss = format_warm_start(model, tokenizer, prompts, answers, warm_start_steps, seed)
     hf_dir = out / "hf_model"
+    # No tokenizer files in hf_dir: next to a config.json with model_type qwen2, transformers 5 AutoTokenizer always
+    # loads a Qwen2Tokenizer, whose byte-level pre-tokenizer splits the role words and drops the newlines of the tiny
+    # tokenizer (20 prompt tokens instead of 12), so a trainer would see prompts the warm start never saw. The
+    # tokenizer lives in its own directory (``tokenizer/``), which configs name as ``model.tokenizer_dir``.
     model.save_pretrained(hf_dir, safe_serialization=True)
-    tokenizer.save_pretrained(hf_dir)
     info = {
         "tokenizer": str(out / "tokenizer"),
         "train": str(data / "train.parquet"),
