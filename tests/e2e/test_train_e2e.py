@@ -76,6 +76,7 @@ def demo(tmp_path_factory) -> dict:
 def overrides(demo: dict, out: Path, steps: int, **extra) -> list[str]:
     items = {
         "model.hf_config_dir": demo["hf_model"],
+        "model.tokenizer_dir": demo["tokenizer"],
         "checkpoint.load_dir": demo["mcore"],
         "data.train_files": f"[{demo['train']}]",
         "data.val_files": f"[{demo['val']}]",
