@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Optional
@@ -14,7 +15,8 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     result = run_training(cfg)
-    if result:
+    # the process group is gone by now; torchrun's RANK says which process reports
+    if result and os.environ.get("RANK", "0") == "0":
         print(" ".join(f"{k}={v:.4g}" for k, v in sorted(result.items()) if isinstance(v, (int, float))))
     return 0
 
