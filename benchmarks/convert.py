@@ -51,8 +51,9 @@ print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "baseline_rss_mb": bas
 """
 
 
-def make_checkpoint(hf_dir: Path, layers: int, vocab: int, hidden: int, ffn: int, heads: int, kv_heads: int,
-                    shards: int) -> int:
+def make_checkpoint(
+    hf_dir: Path, layers: int, vocab: int, hidden: int, ffn: int, heads: int, kv_heads: int, shards: int
+) -> int:
     """Write a Qwen2-shaped fp32 checkpoint (untied) as ``shards`` safetensors files + index; returns largest bytes."""
     import torch
     from safetensors.torch import save_file
@@ -62,20 +63,22 @@ def make_checkpoint(hf_dir: Path, layers: int, vocab: int, hidden: int, ffn: int
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (heads * hd, hidden),
-            p + "self_attn.q_proj.bias": (heads * hd,),
-            p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
-            p + "self_attn.k_proj.bias": (kv_heads * hd,),
-            p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
-            p + "self_attn.v_proj.bias": (kv_heads * hd,),
-            p + "self_attn.o_proj.weight": (hidden, heads * hd),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (ffn, hidden),
-            p + "mlp.up_proj.weight": (ffn, hidden),
-            p + "mlp.down_proj.weight": (hidden, ffn),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (heads * hd, hidden),
+                p + "self_attn.q_proj.bias": (heads * hd,),
+                p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
+                p + "self_attn.k_proj.bias": (kv_heads * hd,),
+                p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
+                p + "self_attn.v_proj.bias": (kv_heads * hd,),
+                p + "self_attn.o_proj.weight": (hidden, heads * hd),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "mlp.gate_proj.weight": (ffn, hidden),
+                p + "mlp.up_proj.weight": (ffn, hidden),
+                p + "mlp.down_proj.weight": (hidden, ffn),
+            }
+        )
     shapes["model.norm.weight"] = (hidden,)
     shapes["lm_head.weight"] = (vocab, hidden)
     names = list(shapes)
@@ -93,16 +96,29 @@ def make_checkpoint(hf_dir: Path, layers: int, vocab: int, hidden: int, ffn: int
     weight_map = {}
     for i, group in enumerate(groups):
         fn = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: torch.randn(shapes[n], generator=gen) * 0.02 for n in group}, str(hf_dir / fn),
-                  metadata={"format": "pt"})
+        save_file(
+            {n: torch.randn(shapes[n], generator=gen) * 0.02 for n in group},
+            str(hf_dir / fn),
+            metadata={"format": "pt"},
+        )
         weight_map.update({n: fn for n in group})
     with open(hf_dir / "model.safetensors.index.json", "w") as f:
         json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f)
     config = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32",
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
     }
     with open(hf_dir / "config.json", "w") as f:
         json.dump(config, f, indent=2)
@@ -138,11 +154,15 @@ def main() -> int:
     try:
         hf_dir = root / "hf"
         t0 = time.perf_counter()
-        largest = make_checkpoint(hf_dir, args.layers, args.vocab, args.hidden, args.ffn, args.heads, args.kv_heads,
-                                  args.shards)
+        largest = make_checkpoint(
+            hf_dir, args.layers, args.vocab, args.hidden, args.ffn, args.heads, args.kv_heads, args.shards
+        )
         total = sum(p.stat().st_size for p in hf_dir.iterdir())
-        print(f"checkpoint: {total / 2**20:.0f} MiB in {args.shards} shards, largest tensor {largest / 2**20:.1f} MiB"
-              f" (made in {time.perf_counter() - t0:.1f}s)", flush=True)
+        print(
+            f"checkpoint: {total / 2**20:.0f} MiB in {args.shards} shards, largest tensor {largest / 2**20:.1f} MiB"
+            f" (made in {time.perf_counter() - t0:.1f}s)",
+            flush=True,
+        )
         warm_hf = root / "warm_hf"
         make_checkpoint(warm_hf, 2, 256, 64, 96, 4, 2, 2)
         env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -154,8 +174,12 @@ def main() -> int:
             shutil.rmtree(root / "copy")
             # Start each timed phase with no dirty pages from the previous one (both write ~1 GB into the cache).
             os.sync()
-            out = subprocess.run([sys.executable, "-c", CHILD, str(hf_dir), str(root / "mcore"), str(warm_hf),
-                                  str(root / "warm_mcore")], env=env, capture_output=True, text=True)
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, str(hf_dir), str(root / "mcore"), str(warm_hf), str(root / "warm_mcore")],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             if out.returncode != 0:
                 print(out.stderr, file=sys.stderr)
                 return 1
@@ -166,18 +190,24 @@ def main() -> int:
         copy_t, conv_t = min(copies), min(converts)
         peak = max(c["peak_rss_mb"] for c in children)
         baseline = min(c["baseline_rss_mb"] for c in children)
-        print(f"copy_seconds={copy_t:.3f} convert_seconds={conv_t:.3f} (all: copy {[round(c, 3) for c in copies]},"
-              f" convert {[round(c, 3) for c in converts]}; {children[0]['num_tensors']} tensors,"
-              f" {children[0]['num_bytes'] / 2**20:.0f} MiB written)")
+        print(
+            f"copy_seconds={copy_t:.3f} convert_seconds={conv_t:.3f} (all: copy {[round(c, 3) for c in copies]},"
+            f" convert {[round(c, 3) for c in converts]}; {children[0]['num_tensors']} tensors,"
+            f" {children[0]['num_bytes'] / 2**20:.0f} MiB written)"
+        )
         # CPU time is what a shared machine distorts least (wall time includes waiting for a core).
         conv_cpu = min(c["cpu_seconds"] for c in children)
-        print(f"copy_cpu_seconds={min(copy_cpus):.3f} convert_cpu_seconds={conv_cpu:.3f}"
-              f" cpu_ratio={min(copy_cpus) / conv_cpu:.3f}")
+        print(
+            f"copy_cpu_seconds={min(copy_cpus):.3f} convert_cpu_seconds={conv_cpu:.3f}"
+            f" cpu_ratio={min(copy_cpus) / conv_cpu:.3f}"
+        )
         print(f"convert_vs_copy={copy_t / conv_t:.3f}")
         print(f"peak_rss_mb={peak:.1f} baseline_rss_mb={baseline:.1f} largest_tensor_mb={largest / 2**20:.1f}")
         budget = baseline + 2 * largest / 2**20
-        print(f"peak_minus_baseline_mb={peak - baseline:.1f} target_peak_mb<={budget:.1f}"
-              f" {'OK' if peak <= budget else 'ABOVE TARGET'}")
+        print(
+            f"peak_minus_baseline_mb={peak - baseline:.1f} target_peak_mb<={budget:.1f}"
+            f" {'OK' if peak <= budget else 'ABOVE TARGET'}"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -22,8 +22,16 @@ import time
 import torch
 import torch.distributed as dist
 
-MODEL = dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=2, intermediate_size=2048,
-             max_position_embeddings=512, tie_word_embeddings=False)
+MODEL = dict(
+    vocab_size=32000,
+    hidden_size=768,
+    num_layers=12,
+    num_heads=12,
+    num_kv_heads=2,
+    intermediate_size=2048,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 def parse() -> argparse.Namespace:
@@ -68,19 +76,22 @@ def main() -> None:
 
     port = os.environ.get("MASTER_PORT", "")
     work = args.work_dir or os.path.join(tempfile.gettempdir(), f"weight_sync_bench_{port}")
-    cfg = load_config(None, [
-        f"parallel.tensor_model_parallel_size={args.tp}",
-        "parallel.platform=cpu",
-        "model.params_dtype=fp32",
-        f"rollout.tensor_model_parallel_size={args.rollout_tp}",
-        "rollout.kv_cache_memory_mb=64",
-        "rollout.max_num_seqs=16",
-        "rollout.n=2",
-        "rollout.seed=3",
-        "data.max_prompt_length=16",
-        "data.max_response_length=16",
-        f"trainer.output_dir={work}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"parallel.tensor_model_parallel_size={args.tp}",
+            "parallel.platform=cpu",
+            "model.params_dtype=fp32",
+            f"rollout.tensor_model_parallel_size={args.rollout_tp}",
+            "rollout.kv_cache_memory_mb=64",
+            "rollout.max_num_seqs=16",
+            "rollout.n=2",
+            "rollout.seed=3",
+            "data.max_prompt_length=16",
+            "data.max_response_length=16",
+            f"trainer.output_dir={work}",
+        ],
+    )
     info, platform = init_distributed(cfg.parallel)
     init_model_parallel(cfg.parallel, seed=1)
     hf_dir = os.path.join(work, "model")
@@ -94,9 +105,12 @@ def main() -> None:
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     engine = RolloutEngine(cfg, hf_dir, platform, pad_token_id=0, eos_token_ids=[])
     log = print if info.rank == 0 else (lambda *a, **k: None)
-    log(f"model: {n_params / 1e6:.1f}M parameters per rank ({n_params * 4 / 2**20:.0f} MiB fp32),"
+    log(
+        f"model: {n_params / 1e6:.1f}M parameters per rank ({n_params * 4 / 2**20:.0f} MiB fp32),"
         f" training TP={args.tp}, rollout TP={args.rollout_tp} (rollout DP={engine.dp_size}),"
-        f" world={info.world_size}", flush=True)
+        f" world={info.world_size}",
+        flush=True,
+    )
 
     t = time.perf_counter()
     WeightSync(engine, arch, cfg).sync(chunks)
@@ -125,11 +139,14 @@ def main() -> None:
         best = min(runs, key=lambda r: r["timing_s/update_weights"])
         ratio = slowest(best["timing_s/update_weights"] / memcpy_s)
         ratios[mb] = ratio
-        log(f"bucket_mb={mb} buckets={int(best['buckets'])} sync_s={best['timing_s/update_weights']:.3f}"
+        log(
+            f"bucket_mb={mb} buckets={int(best['buckets'])} sync_s={best['timing_s/update_weights']:.3f}"
             f" (gather {best['timing_s/update_weights_gather']:.3f}"
             f" convert {best['timing_s/update_weights_convert']:.3f}"
             f" reload {best['timing_s/update_weights_load']:.3f}) memcpy_s={memcpy_s:.3f}"
-            f" ({held_bytes / 2**20:.0f} MiB) ratio_slowest_rank={ratio:.2f}", flush=True)
+            f" ({held_bytes / 2**20:.0f} MiB) ratio_slowest_rank={ratio:.2f}",
+            flush=True,
+        )
 
     prompts = [[5 + i, 17, 300 + 7 * i, 42, 9] for i in range(4)]
     batch = engine.generate(prompts, engine.train_sampling(), seed_offset=0)

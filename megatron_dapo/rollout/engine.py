@@ -73,9 +73,7 @@ def validate_rollout_layout(cfg: ExperimentConfig, world_size: int, max_position
         )
     prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
     if prompt < 1 or response < 1:
-        raise ConfigError(
-            f"data.max_prompt_length={prompt} and data.max_response_length={response} must both be >= 1"
-        )
+        raise ConfigError(f"data.max_prompt_length={prompt} and data.max_response_length={response} must both be >= 1")
     max_model_len = prompt + response
     if max_model_len > max_position_embeddings:
         raise ConfigError(
@@ -137,8 +135,8 @@ class RolloutEngine:
         self.hf_dir = str(hf_dir)
         self.platform = platform
         self.pad_token_id = int(pad_token_id)
-        self.eos_token_ids = tuple(int(t) for t in eos_token_ids) if eos_token_ids is not None else _eos_ids_from_hf(
-            self.hf_dir
+        self.eos_token_ids = (
+            tuple(int(t) for t in eos_token_ids) if eos_token_ids is not None else _eos_ids_from_hf(self.hf_dir)
         )
         hf_config = load_hf_config(self.hf_dir)
         if dist.is_initialized():
@@ -264,8 +262,9 @@ class RolloutEngine:
         rows: list[tuple[int, int, list[int], list[float], bool]] = []
         if not requests:
             return rows
-        params = [self._sampling_params(sampling, request_seed(self.cfg.rollout.seed, seed_offset, i, j))
-                  for i, j in requests]
+        params = [
+            self._sampling_params(sampling, request_seed(self.cfg.rollout.seed, seed_offset, i, j)) for i, j in requests
+        ]
         outputs = self.llm.generate([{"prompt_token_ids": prompts[i]} for i, _ in requests], params, use_tqdm=False)
         for (i, j), out in zip(requests, outputs):
             completion = out.outputs[0]
@@ -300,8 +299,10 @@ class RolloutEngine:
             leader = r - r % self.tp_size
             if r != leader:
                 # A TP peer must hold exactly its leader's tokens: anything else means the ranks sampled differently.
-                if not (torch.equal(metas[r][:n_rows], metas[leader][:n_rows]) and
-                        torch.equal(toks[r][:n_tok], toks[leader][:n_tok])):
+                if not (
+                    torch.equal(metas[r][:n_rows], metas[leader][:n_rows])
+                    and torch.equal(toks[r][:n_tok], toks[leader][:n_tok])
+                ):
                     raise RuntimeError(
                         f"rollout TP ranks {leader} and {r} generated different tokens for the same requests: their"
                         " sampling diverged (per-request seeds should prevent this; check for non-seeded sampling)"
@@ -309,8 +310,15 @@ class RolloutEngine:
                 continue
             offset = 0
             for i, j, length, trunc in metas[r][:n_rows].tolist():
-                gathered.append((i, j, toks[r][offset : offset + length].tolist(),
-                                 lps[r][offset : offset + length].tolist(), bool(trunc)))
+                gathered.append(
+                    (
+                        i,
+                        j,
+                        toks[r][offset : offset + length].tolist(),
+                        lps[r][offset : offset + length].tolist(),
+                        bool(trunc),
+                    )
+                )
                 offset += length
         gathered.sort(key=lambda row: (row[0], row[1]))
         return gathered

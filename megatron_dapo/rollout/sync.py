@@ -101,8 +101,9 @@ class WeightSync:
     ``bucket_bytes`` overrides ``rollout.weight_sync_bucket_mb`` (tests and the benchmark use tiny or odd sizes).
     """
 
-    def __init__(self, engine: RolloutEngine, arch: ModelArch, cfg: ExperimentConfig,
-                 bucket_bytes: Optional[int] = None) -> None:
+    def __init__(
+        self, engine: RolloutEngine, arch: ModelArch, cfg: ExperimentConfig, bucket_bytes: Optional[int] = None
+    ) -> None:
         self.engine = engine
         self.arch = arch
         self.cfg = cfg
@@ -156,8 +157,11 @@ class WeightSync:
         for module in _group_by_module(entries):
             size = sum(e.numel for e in module) * module[0].dtype.itemsize
             head = module[0]
-            if current and (current_bytes + size > self.bucket_bytes or head.stage != current[0].stage
-                            or head.dtype != current[0].dtype):
+            if current and (
+                current_bytes + size > self.bucket_bytes
+                or head.stage != current[0].stage
+                or head.dtype != current[0].dtype
+            ):
                 buckets.append(_Bucket(current[0].stage, current[0].dtype, tuple(current)))
                 current, current_bytes = [], 0
             current.extend(module)
@@ -230,8 +234,15 @@ class WeightSync:
             "buckets": float(len(self._buckets)),
         }
 
-    def _bucket_tensors(self, bucket: _Bucket, by_name: dict[str, LocalParam], pp_rank: int, pp_group,
-                        pp_ranks: Optional[list[int]], device: torch.device) -> list[torch.Tensor]:
+    def _bucket_tensors(
+        self,
+        bucket: _Bucket,
+        by_name: dict[str, LocalParam],
+        pp_rank: int,
+        pp_group,
+        pp_ranks: Optional[list[int]],
+        device: torch.device,
+    ) -> list[torch.Tensor]:
         """The bucket's full Megatron tensors on this rank: TP-gathered by the owner, broadcast over PP if needed."""
         if pp_group is None:
             return [gather_full_tensor(by_name[e.mapping.mcore]) for e in bucket.entries]

@@ -450,7 +450,9 @@ class CheckpointManager:
                 rng_restored = True
             elif _rank() == 0:
                 log.warning(
-                    "checkpoint %s: RNG states not restored, parallel layout changed %s -> %s", step_dir, saved_layout,
+                    "checkpoint %s: RNG states not restored, parallel layout changed %s -> %s",
+                    step_dir,
+                    saved_layout,
                     layout,
                 )
         config = None

@@ -116,9 +116,7 @@ def check_hf_tensors(reader: SafetensorsDir, arch: ModelArch, mappings: Sequence
             f" found ({len(found)}): {_fmt_list(sorted(found))}"
         )
     if unexpected:
-        problems.append(
-            f"unexpected HF tensors for {arch.family.name} ({len(unexpected)}): {_fmt_list(unexpected)}"
-        )
+        problems.append(f"unexpected HF tensors for {arch.family.name} ({len(unexpected)}): {_fmt_list(unexpected)}")
     if problems:
         raise CheckpointError(f"{reader.directory}: " + "; ".join(problems))
     bad = [
@@ -134,7 +132,10 @@ def _check_layout(arch: ModelArch, tp: int, pp: int) -> None:
     try:
         validate_parallel_layout(
             ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
-            tp * pp, arch.num_layers, arch.num_attention_heads, arch.num_query_groups,
+            tp * pp,
+            arch.num_layers,
+            arch.num_attention_heads,
+            arch.num_query_groups,
         )
     except ConfigError as e:
         raise CheckpointError(f"cannot convert to TP={tp} PP={pp}: {e}") from e
@@ -147,8 +148,9 @@ def _check_layout(arch: ModelArch, tp: int, pp: int) -> None:
 Run = tuple[int, int, int]  # (index of the HF tensor in mapping.hf, or -1 for padding rows; first row; rows)
 
 
-def shard_row_plan(mapping: ParamMapping, hf_rows: Sequence[int], arch: ModelArch, padded_vocab: int, tp_size: int,
-                   tp_rank: int) -> list[Run]:
+def shard_row_plan(
+    mapping: ParamMapping, hf_rows: Sequence[int], arch: ModelArch, padded_vocab: int, tp_size: int, tp_rank: int
+) -> list[Run]:
     """Which rows of which HF tensor make up TP rank ``tp_rank``'s slice of ``mapping``, as runs of whole rows.
 
     Derived by pushing row *numbers* through the layout module's own ``hf_to_mcore`` and ``tp_shard`` (no second
@@ -282,8 +284,15 @@ class _Planner:
         return [tuple(tp_shard(full, m.kind, m.tp_dim, self.tp, r).shape) for r in range(self.tp)]
 
 
-def convert_hf_to_mcore(hf_dir: PathLike, save_dir: PathLike, tp: int = 1, pp: int = 1, dtype: Optional[str] = None,
-                        make_vocab_size_divisible_by: int = 128, overwrite: bool = False) -> ConversionResult:
+def convert_hf_to_mcore(
+    hf_dir: PathLike,
+    save_dir: PathLike,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: Optional[str] = None,
+    make_vocab_size_divisible_by: int = 128,
+    overwrite: bool = False,
+) -> ConversionResult:
     """HF safetensors checkpoint → our per-rank Megatron checkpoint at TP=``tp``, PP=``pp``.
 
     ``dtype`` (fp32 | bf16 | fp16) casts every tensor; None keeps each tensor's HF dtype (bit-exact round trip).
@@ -406,8 +415,13 @@ def _config_for_dtype(cfg: dict, dtypes: set[torch.dtype]) -> dict:
     return cfg
 
 
-def convert_mcore_to_hf(load_dir: PathLike, save_dir: PathLike, hf_config_dir: Optional[PathLike] = None,
-                        max_shard_size: Union[int, str] = "2GB", overwrite: bool = False) -> ConversionResult:
+def convert_mcore_to_hf(
+    load_dir: PathLike,
+    save_dir: PathLike,
+    hf_config_dir: Optional[PathLike] = None,
+    max_shard_size: Union[int, str] = "2GB",
+    overwrite: bool = False,
+) -> ConversionResult:
     """Our Megatron checkpoint (any TP/PP) → HF safetensors (+ index when sharded), config.json, tokenizer files."""
     start = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
@@ -440,8 +454,9 @@ def convert_mcore_to_hf(load_dir: PathLike, save_dir: PathLike, hf_config_dir: O
                 for r in range(ckpt.tp):
                     got = ckpt.info(name, r).shape
                     if got != shard_shapes[r]:
-                        bad.append(f"{rank_file(load_dir, r, ckpt.stage(name))}:{name}: expected {shard_shapes[r]},"
-                                   f" got {got}")
+                        bad.append(
+                            f"{rank_file(load_dir, r, ckpt.stage(name))}:{name}: expected {shard_shapes[r]}, got {got}"
+                        )
         if bad:
             raise CheckpointError(f"{load_dir}: shape mismatches ({len(bad)}): " + "; ".join(bad))
 
@@ -519,11 +534,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> ConversionResult:
     if args.direction == "hf-to-mcore":
-        return convert_hf_to_mcore(args.hf_dir, args.save_dir, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                   overwrite=args.overwrite)
-    return convert_mcore_to_hf(args.load_dir, args.save_dir, hf_config_dir=args.hf_config_dir,
-                               max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+        return convert_hf_to_mcore(
+            args.hf_dir,
+            args.save_dir,
+            tp=args.tp,
+            pp=args.pp,
+            dtype=args.dtype,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            overwrite=args.overwrite,
+        )
+    return convert_mcore_to_hf(
+        args.load_dir,
+        args.save_dir,
+        hf_config_dir=args.hf_config_dir,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -110,8 +110,16 @@ def stage_names(
 def arch_mismatches(a: ModelArch, b: ModelArch) -> list[str]:
     """Architecture fields that differ (what decides tensor names and shapes)."""
     fields = (
-        "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-        "head_dim", "tie_word_embeddings", "qkv_bias", "qk_layernorm",
+        "vocab_size",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_query_groups",
+        "head_dim",
+        "tie_word_embeddings",
+        "qkv_bias",
+        "qk_layernorm",
     )
     out = [f"family: {a.family.name} vs {b.family.name}"] if a.family.name != b.family.name else []
     out += [f"{f}: {getattr(a, f)} vs {getattr(b, f)}" for f in fields if getattr(a, f) != getattr(b, f)]
@@ -182,8 +190,15 @@ def write_meta(directory: PathLike, meta: dict) -> None:
         json.dump(meta, f, indent=2, sort_keys=True)
 
 
-def make_meta(arch: ModelArch, tp: int, pp: int, dtype: str, padded_vocab: int, make_vocab_size_divisible_by: int,
-              vpp: Optional[int] = None) -> dict[str, Any]:
+def make_meta(
+    arch: ModelArch,
+    tp: int,
+    pp: int,
+    dtype: str,
+    padded_vocab: int,
+    make_vocab_size_divisible_by: int,
+    vpp: Optional[int] = None,
+) -> dict[str, Any]:
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -375,8 +390,14 @@ def _dp_rank_zero() -> bool:
 
 
 @torch.no_grad()
-def save_mcore_checkpoint(chunks: list, arch: ModelArch, save_dir: PathLike, make_vocab_size_divisible_by: int = 128,
-                          hf_config_dir: Optional[PathLike] = None, overwrite: bool = False) -> Path:
+def save_mcore_checkpoint(
+    chunks: list,
+    arch: ModelArch,
+    save_dir: PathLike,
+    make_vocab_size_divisible_by: int = 128,
+    hf_config_dir: Optional[PathLike] = None,
+    overwrite: bool = False,
+) -> Path:
     """Write the live model in our format at its current TP/PP layout. Collective over the default group.
 
     Every (TP, PP) rank of data-parallel rank 0 writes its own file (with VPP, its chunks' parameters together);
@@ -448,8 +469,15 @@ def save_mcore_checkpoint(chunks: list, arch: ModelArch, save_dir: PathLike, mak
         try:
             all_dtypes = sorted({d for ds, _ in infos for d in ds})
             pads = {p for _, p in infos if p is not None}
-            meta = make_meta(arch, tp, pp, all_dtypes[0] if len(all_dtypes) == 1 else "mixed", pads.pop(),
-                             make_vocab_size_divisible_by, vpp)
+            meta = make_meta(
+                arch,
+                tp,
+                pp,
+                all_dtypes[0] if len(all_dtypes) == 1 else "mixed",
+                pads.pop(),
+                make_vocab_size_divisible_by,
+                vpp,
+            )
             write_meta(tmp, meta)
             hf_dst = tmp / HF_CONFIG_SUBDIR
             if hf_config_dir is not None:

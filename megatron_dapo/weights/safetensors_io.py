@@ -322,7 +322,6 @@ class BufferPool:
         self._buffers.clear()
 
 
-
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -379,8 +378,9 @@ class StreamingSafetensorsWriter:
     def write(self, name: str, tensor: torch.Tensor, scratch: Optional[BufferPool] = None) -> None:
         self.write_parts(name, [tensor], scratch)
 
-    def write_parts(self, name: str, parts: Sequence[Union[torch.Tensor, FileSlice]],
-                    scratch: Optional[BufferPool] = None) -> None:
+    def write_parts(
+        self, name: str, parts: Sequence[Union[torch.Tensor, FileSlice]], scratch: Optional[BufferPool] = None
+    ) -> None:
         """Write tensor ``name`` given as pieces whose concatenation along dim 0 is the tensor.
 
         Lets a converter write a fused or padded tensor straight from views of its inputs, or from rows of its input

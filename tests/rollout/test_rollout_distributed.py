@@ -28,18 +28,34 @@ STALE_MIN = 0.05  # an unsynced engine after an Adam step at lr 3e-2 is off by >
 LAYOUTS = [
     pytest.param(dict(tp=2, pp=1, rollout_tp=2, nproc=2, ckpt="llama_tied", port=29760, extra=[]), id="tp2-pp1-rtp2"),
     pytest.param(dict(tp=1, pp=2, rollout_tp=1, nproc=2, ckpt="qwen2", port=29762, extra=[]), id="tp1-pp2-rtp1"),
-    pytest.param(dict(tp=1, pp=1, rollout_tp=2, nproc=2, ckpt="qwen3", port=29764, extra=["--distributed-optimizer"]),
-                 id="tp1-pp1-dp2-rtp2-distopt"),
-    pytest.param(dict(tp=2, pp=2, rollout_tp=2, nproc=4, ckpt="qwen2_tied", port=29766, extra=[]),
-                 id="tp2-pp2-rtp2-w4", marks=pytest.mark.slow),
+    pytest.param(
+        dict(tp=1, pp=1, rollout_tp=2, nproc=2, ckpt="qwen3", port=29764, extra=["--distributed-optimizer"]),
+        id="tp1-pp1-dp2-rtp2-distopt",
+    ),
+    pytest.param(
+        dict(tp=2, pp=2, rollout_tp=2, nproc=4, ckpt="qwen2_tied", port=29766, extra=[]),
+        id="tp2-pp2-rtp2-w4",
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
     out = tmp_path / "res"
-    args = ["--hf-dir", str(tiny_checkpoints[layout["ckpt"]]), "--out", str(out), "--tp", str(layout["tp"]),
-            "--pp", str(layout["pp"]), "--rollout-tp", str(layout["rollout_tp"]), *layout["extra"]]
+    args = [
+        "--hf-dir",
+        str(tiny_checkpoints[layout["ckpt"]]),
+        "--out",
+        str(out),
+        "--tp",
+        str(layout["tp"]),
+        "--pp",
+        str(layout["pp"]),
+        "--rollout-tp",
+        str(layout["rollout_tp"]),
+        *layout["extra"],
+    ]
     # A hang in teardown (wrong destruction order) shows up as this timeout.
     run_torchrun(WORKER, nproc=layout["nproc"], args=args, port=layout["port"], timeout=600)
     results = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(layout["nproc"])]

@@ -58,20 +58,42 @@ def test_build_rollout_batch_fixed_length_select_and_errors():
 
 
 def test_sampling_specs_from_config():
-    cfg = load_config(None, ["rollout.n=4", "rollout.temperature=0.9", "rollout.top_p=0.95", "rollout.top_k=20",
-                             "data.max_response_length=33", "rollout.val_kwargs.n=2"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.n=4",
+            "rollout.temperature=0.9",
+            "rollout.top_p=0.95",
+            "rollout.top_k=20",
+            "data.max_response_length=33",
+            "rollout.val_kwargs.n=2",
+        ],
+    )
     train = SamplingSpec.for_training(cfg, [7, 8])
     assert (train.n, train.temperature, train.top_p, train.top_k, train.max_tokens, train.stop_token_ids) == (
-        4, 0.9, 0.95, 20, 33, (7, 8))
+        4,
+        0.9,
+        0.95,
+        20,
+        33,
+        (7, 8),
+    )
     assert not train.greedy
     greedy = SamplingSpec.for_validation(cfg, [7])
     assert greedy.greedy and (greedy.n, greedy.top_p, greedy.top_k, greedy.max_tokens) == (2, 1.0, -1, 33)
-    cfg2 = load_config(None, ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0.6",
-                              "rollout.val_kwargs.top_p=0.7"])
+    cfg2 = load_config(
+        None,
+        ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0.6", "rollout.val_kwargs.top_p=0.7"],
+    )
     sampled = SamplingSpec.for_validation(cfg2)
     assert (sampled.temperature, sampled.top_p) == (0.6, 0.7) and not sampled.greedy
-    for bad, match in [(dict(n=0), "n=0"), (dict(top_p=0.0), "top_p"), (dict(top_k=0), "top_k"),
-                       (dict(temperature=-1.0), "temperature"), (dict(max_tokens=0), "max_tokens")]:
+    for bad, match in [
+        (dict(n=0), "n=0"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(max_tokens=0), "max_tokens"),
+    ]:
         kwargs = dict(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=4) | bad
         with pytest.raises(ValueError, match=match):
             SamplingSpec(**kwargs)
@@ -102,21 +124,25 @@ def test_logprob_diff_metrics_hand_computed():
     assert m["rollout/logprob_diff_max"] == pytest.approx(0.5)
     assert m["rollout/logprob_diff_mean"] == pytest.approx((0.1 + 0.0 + 0.5 + 0.25) / 4)
     assert logprob_diff_metrics(train, rollout, torch.zeros_like(mask)) == {
-        "rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
+        "rollout/logprob_diff_mean": 0.0,
+        "rollout/logprob_diff_max": 0.0,
+    }
     with pytest.raises(ValueError, match="shapes differ"):
         logprob_diff_metrics(train, rollout[:, :2], mask)
 
 
 def test_validate_rollout_layout():
-    cfg = load_config(None, ["rollout.tensor_model_parallel_size=2", "data.max_prompt_length=20",
-                             "data.max_response_length=12"])
+    cfg = load_config(
+        None, ["rollout.tensor_model_parallel_size=2", "data.max_prompt_length=20", "data.max_response_length=12"]
+    )
     assert validate_rollout_layout(cfg, world_size=4, max_position_embeddings=32) == (32, 2)
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 must be >= 1 and divide the world size 3"):
         validate_rollout_layout(cfg, world_size=3, max_position_embeddings=64)
     with pytest.raises(ConfigError, match=r"20 \+ 12 = 32 exceeds the model's max_position_embeddings=31"):
         validate_rollout_layout(cfg, world_size=2, max_position_embeddings=31)
-    small = load_config(None, ["rollout.max_num_batched_tokens=16", "data.max_prompt_length=20",
-                               "data.max_response_length=12"])
+    small = load_config(
+        None, ["rollout.max_num_batched_tokens=16", "data.max_prompt_length=20", "data.max_response_length=12"]
+    )
     with pytest.raises(ConfigError, match="rollout.max_num_batched_tokens=16 must be >="):
         validate_rollout_layout(small, world_size=1, max_position_embeddings=64)
 

@@ -68,8 +68,12 @@ def test_weights_only_checkpoint_refreshes_main_params(run: dict) -> None:
     # the distributed optimizer's fp32 main shards are re-copied from them (the perturbation is gone).
     for r in run["ranks"]:
         res = r["bf16-distopt"]["weights_only"]
-        assert res == {"optimizer_restored": False, "has_optimizer": False, "param_max_diff": 0.0,
-                       "main_vs_model_max_diff": 0.0}
+        assert res == {
+            "optimizer_restored": False,
+            "has_optimizer": False,
+            "param_max_diff": 0.0,
+            "main_vs_model_max_diff": 0.0,
+        }
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -37,8 +37,13 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows == [
         {"step": 1, "critic/score/mean": 0.25, "actor/entropy": 1.5, "response_length/mean": 12.0},
-        {"step": 2, "critic/score/mean": 0.5, "actor/entropy": 1.25, "response_length/mean": 10.0,
-         "val-core/math/acc/mean@1": 0.5},
+        {
+            "step": 2,
+            "critic/score/mean": 0.5,
+            "actor/entropy": 1.25,
+            "response_length/mean": 10.0,
+            "val-core/math/acc/mean@1": 0.5,
+        },
         # NaN is kept readable for strict JSON parsers; non-scalars are not logged.
         {"step": 3, "critic/score/mean": "nan", "actor/entropy": 1.0},
     ]

@@ -149,10 +149,21 @@ def test_val_metrics_per_data_source() -> None:
 def test_reduce_metrics() -> None:
     got = reduce_metrics(
         [
-            {"actor/pg_loss": 1.0, "response_length/max": 3, "critic/score/min": 0.5, "timing_s/gen": 1.0,
-             "perf/max_memory_allocated_gb": 2.0},
-            {"actor/pg_loss": 2.0, "response_length/max": 5, "critic/score/min": -1.0, "timing_s/gen": 3.0,
-             "perf/max_memory_allocated_gb": 1.0, "actor/grad_norm": torch.tensor(4.0)},
+            {
+                "actor/pg_loss": 1.0,
+                "response_length/max": 3,
+                "critic/score/min": 0.5,
+                "timing_s/gen": 1.0,
+                "perf/max_memory_allocated_gb": 2.0,
+            },
+            {
+                "actor/pg_loss": 2.0,
+                "response_length/max": 5,
+                "critic/score/min": -1.0,
+                "timing_s/gen": 3.0,
+                "perf/max_memory_allocated_gb": 1.0,
+                "actor/grad_norm": torch.tensor(4.0),
+            },
         ]
     )
     assert got == {

@@ -36,7 +36,12 @@ def test_round_trip_tp2_pp2_is_bit_exact(tiny_hf, tmp_path, family, tie):
         assert len(set(index["weight_map"].values())) >= 3
     res = convert_hf_to_mcore(hf, tmp_path / "mcore", tp=2, pp=2)
     assert sorted(p.name for p in (tmp_path / "mcore").iterdir()) == [
-        "hf_config", META_NAME, "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"
+        "hf_config",
+        META_NAME,
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+        "mp_rank_01_000",
+        "mp_rank_01_001",
     ]
     assert res.num_tensors == sum(len(load_file(str(rank_file(res.save_dir, r, s)))) for r in (0, 1) for s in (0, 1))
     back = convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "hf2")
@@ -63,20 +68,25 @@ def test_written_layout_by_hand(tiny_hf, tmp_path):
     # 4 heads in 2 groups of head_dim 16: TP rank 1 holds group 1 = query heads 2,3 and kv head 1.
     h = "model.layers.2.self_attn."
     qkv = files[(1, 1)]["decoder.layers.2.self_attention.linear_qkv.weight"]
-    assert torch.equal(qkv, torch.cat([sd[h + "q_proj.weight"][32:64], sd[h + "k_proj.weight"][16:32],
-                                       sd[h + "v_proj.weight"][16:32]]))
+    assert torch.equal(
+        qkv, torch.cat([sd[h + "q_proj.weight"][32:64], sd[h + "k_proj.weight"][16:32], sd[h + "v_proj.weight"][16:32]])
+    )
     bias = files[(0, 1)]["decoder.layers.2.self_attention.linear_qkv.bias"]
-    assert torch.equal(bias, torch.cat([sd[h + "q_proj.bias"][:32], sd[h + "k_proj.bias"][:16],
-                                        sd[h + "v_proj.bias"][:16]]))
+    assert torch.equal(
+        bias, torch.cat([sd[h + "q_proj.bias"][:32], sd[h + "k_proj.bias"][:16], sd[h + "v_proj.bias"][:16]])
+    )
     # intermediate 96: rank 1 holds gate rows 48..95 then up rows 48..95
     fc1 = files[(1, 0)]["decoder.layers.1.mlp.linear_fc1.weight"]
     m = "model.layers.1.mlp."
     assert torch.equal(fc1, torch.cat([sd[m + "gate_proj.weight"][48:], sd[m + "up_proj.weight"][48:]]))
     # row-parallel layers split the input dimension
-    assert torch.equal(files[(1, 0)]["decoder.layers.0.self_attention.linear_proj.weight"],
-                       sd["model.layers.0.self_attn.o_proj.weight"][:, 32:])
-    assert torch.equal(files[(0, 1)]["decoder.layers.3.mlp.linear_fc2.weight"],
-                       sd["model.layers.3.mlp.down_proj.weight"][:, :48])
+    assert torch.equal(
+        files[(1, 0)]["decoder.layers.0.self_attention.linear_proj.weight"],
+        sd["model.layers.0.self_attn.o_proj.weight"][:, 32:],
+    )
+    assert torch.equal(
+        files[(0, 1)]["decoder.layers.3.mlp.linear_fc2.weight"], sd["model.layers.3.mlp.down_proj.weight"][:, :48]
+    )
     # vocabulary 100 padded to 256 (128 x TP): rank 0 = rows 0..99 + 28 zero rows, rank 1 = 128 zero rows
     emb0, emb1 = files[(0, 0)]["embedding.word_embeddings.weight"], files[(1, 0)]["embedding.word_embeddings.weight"]
     assert emb0.shape == emb1.shape == (128, 64)
@@ -101,8 +111,13 @@ def test_row_plans_match_the_layout_module():
     """The converter's file-to-file row plans give exactly ``tp_shard(hf_to_mcore(...))`` for every parameter."""
     from megatron_dapo.testing.tiny_models import make_tiny_hf_model
 
-    for family, kw in [("qwen2", {}), ("qwen3", {}), ("llama", {}), ("qwen2", {"num_kv_heads": 4}),
-                       ("qwen2", {"num_kv_heads": 1})]:
+    for family, kw in [
+        ("qwen2", {}),
+        ("qwen3", {}),
+        ("llama", {}),
+        ("qwen2", {"num_kv_heads": 4}),
+        ("qwen2", {"num_kv_heads": 1}),
+    ]:
         model = make_tiny_hf_model(family, **kw)
         sd, arch = model.state_dict(), model_arch_from_hf(model.config.to_dict())
         for tp in (1, 2, 4):
@@ -182,8 +197,20 @@ def test_cli(tiny_hf, tmp_path):
     assert again.returncode == 1
     assert "error:" in again.stderr and "already exists" in again.stderr and "--overwrite" in again.stderr
     back = subprocess.run(
-        [sys.executable, tool, "mcore-to-hf", "--load-dir", str(tmp_path / "m"), "--save-dir", str(tmp_path / "hf2"),
-         "--max-shard-size", "100KB"], capture_output=True, text=True, cwd=REPO,
+        [
+            sys.executable,
+            tool,
+            "mcore-to-hf",
+            "--load-dir",
+            str(tmp_path / "m"),
+            "--save-dir",
+            str(tmp_path / "hf2"),
+            "--max-shard-size",
+            "100KB",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert back.returncode == 0, back.stderr
     assert_same_tensors(load_hf_tensors(hf), load_hf_tensors(tmp_path / "hf2"))

@@ -60,9 +60,11 @@ def test_shape_mismatch_names_tensor_expected_and_got(tiny_hf, tmp_path):
         t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:16].clone()
 
     hf = _edited_copy(tiny_hf("qwen2"), tmp_path / "hf", shrink)
-    with pytest.raises(CheckpointError,
-                       match=r"shape mismatches \(1\): model.layers.0.self_attn.k_proj.weight: expected \(32, 64\),"
-                             r" got \(16, 64\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"shape mismatches \(1\): model.layers.0.self_attn.k_proj.weight: expected \(32, 64\),"
+        r" got \(16, 64\)",
+    ):
         convert_hf_to_mcore(hf, tmp_path / "m")
 
 
@@ -87,8 +89,11 @@ def test_existing_save_dir_is_refused_then_replaced_only_with_overwrite(tiny_hf,
     hf = tiny_hf("qwen2", True)
     convert_hf_to_mcore(hf, tmp_path / "m", tp=2)
     before = _digest(tmp_path / "m")
-    with pytest.raises(CheckpointError, match=r"already exists and is not empty \(contains: hf_config, mcore_meta.json,"
-                                              r" mp_rank_00_000, mp_rank_01_000\); pass --overwrite"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"already exists and is not empty \(contains: hf_config, mcore_meta.json,"
+        r" mp_rank_00_000, mp_rank_01_000\); pass --overwrite",
+    ):
         convert_hf_to_mcore(hf, tmp_path / "m", pp=2)
     assert _digest(tmp_path / "m") == before
     with pytest.raises(CheckpointError, match="is the input directory"):

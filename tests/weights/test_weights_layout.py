@@ -103,8 +103,13 @@ def test_pp_layer_range_matches_megatron_core(num_layers, pp, vpp):
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     cfg = TransformerConfig(
-        num_layers=num_layers, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        num_layers=num_layers,
+        hidden_size=8,
+        num_attention_heads=2,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
     )
     covered = []
     for rank in range(pp):
@@ -119,9 +124,7 @@ def test_pp_layer_range_matches_megatron_core(num_layers, pp, vpp):
 
 def test_pp_layer_range_hand_example_with_virtual_stages():
     # 8 layers, PP=2, VPP=2: chunks of 2 layers dealt round-robin over the pipeline ranks.
-    assert [list(pp_layer_range(8, 2, r, 2, v)) for v in range(2) for r in range(2)] == [
-        [0, 1], [2, 3], [4, 5], [6, 7]
-    ]
+    assert [list(pp_layer_range(8, 2, r, 2, v)) for v in range(2) for r in range(2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert list(pp_layer_range(8, 2, 1)) == [4, 5, 6, 7]
     with pytest.raises(ValueError, match="not divisible"):
         pp_layer_range(6, 4, 0)

@@ -57,19 +57,59 @@ def four_process_run(tiny_hf, tmp_path_factory):
     for family, tie, sp in FAMILIES:
         hf = tiny_hf(family, tie)
         convert_hf_to_mcore(hf, work / f"m_{family}", tp=2, pp=2)
-        argv = ["--hf-dir", str(hf), "--mcore-dir", str(work / f"m_{family}"), "--tp", "2", "--pp", "2",
-                "--tol", str(TOL)] + (["--sp"] if sp else [])
+        argv = [
+            "--hf-dir",
+            str(hf),
+            "--mcore-dir",
+            str(work / f"m_{family}"),
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--tol",
+            str(TOL),
+        ] + (["--sp"] if sp else [])
         cases.append({"name": family, "kind": "main", "argv": argv})
     # Another seed's llama (same shapes) against the llama HF model: the check must fail.
     convert_hf_to_mcore(tiny_hf("llama", seed=1), work / "m_llama_seed1", tp=2, pp=2)
-    cases.append({"name": "wrong", "kind": "main", "argv": [
-        "--hf-dir", str(tiny_hf("llama")), "--mcore-dir", str(work / "m_llama_seed1"), "--tp", "2", "--pp", "2"]})
+    cases.append(
+        {
+            "name": "wrong",
+            "kind": "main",
+            "argv": [
+                "--hf-dir",
+                str(tiny_hf("llama")),
+                "--mcore-dir",
+                str(work / "m_llama_seed1"),
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+            ],
+        }
+    )
     # Converted at TP=2 PP=1, run at TP=1 PP=2 VPP=2 DP=2: vocabulary re-padded 256 → 128, tied output layer built
     # from the embedding; then saved from that layout.
     convert_hf_to_mcore(tiny_hf("qwen2", True), work / "m_tp2pp1", tp=2, pp=1)
-    cases.append({"name": "vpp", "kind": "save", "save_dir": str(work / "saved"), "argv": [
-        "--hf-dir", str(tiny_hf("qwen2", True)), "--mcore-dir", str(work / "m_tp2pp1"), "--tp", "1", "--pp", "2",
-        "--vpp", "2"]})
+    cases.append(
+        {
+            "name": "vpp",
+            "kind": "save",
+            "save_dir": str(work / "saved"),
+            "argv": [
+                "--hf-dir",
+                str(tiny_hf("qwen2", True)),
+                "--mcore-dir",
+                str(work / "m_tp2pp1"),
+                "--tp",
+                "1",
+                "--pp",
+                "2",
+                "--vpp",
+                "2",
+            ],
+        }
+    )
     (work / "cases.json").write_text(json.dumps(cases))
     (work / "out").mkdir()
     stdout = run_torchrun(WORKER, 4, ["--cases", work / "cases.json", "--out", work / "out"], port=29701, timeout=500)
@@ -111,8 +151,10 @@ def test_reshard_with_virtual_stages_and_data_parallel_then_save(four_process_ru
     expected_entries = ["hf_config", "mcore_meta.json", "mp_rank_00_000", "mp_rank_00_001"]
     assert sorted(p.name for p in saved.iterdir()) == expected_entries
     # With VPP=2 pipeline rank 0 holds layers 0 and 2, rank 1 layers 1 and 3 (global names in the files).
-    layers = [{n.split(".")[2] for n in load_file(str(rank_file(saved, 0, p))) if n.startswith("decoder.layers.")}
-              for p in (0, 1)]
+    layers = [
+        {n.split(".")[2] for n in load_file(str(rank_file(saved, 0, p))) if n.startswith("decoder.layers.")}
+        for p in (0, 1)
+    ]
     assert layers == [{"0", "2"}, {"1", "3"}]
     assert "output_layer.weight" in load_file(str(rank_file(saved, 0, 1)))
     back = convert_mcore_to_hf(saved, tmp_path / "hf2")
@@ -124,12 +166,16 @@ def test_verify_script_at_a_different_layout(tiny_hf, tmp_path):
     hf = tiny_hf("qwen3")
     convert_hf_to_mcore(hf, tmp_path / "m", tp=2, pp=1)
     out = run_torchrun(
-        VERIFY, 2, ["--hf-dir", hf, "--mcore-dir", tmp_path / "m", "--tp", "1", "--pp", "2", "--tol", str(TOL)],
-        port=29702, timeout=400,
+        VERIFY,
+        2,
+        ["--hf-dir", hf, "--mcore-dir", tmp_path / "m", "--tp", "1", "--pp", "2", "--tol", str(TOL)],
+        port=29702,
+        timeout=400,
     )
     lines = out.splitlines()
     assert 0.0 <= _diff(lines) <= TOL
     assert any("resharded on load" in ln for ln in lines)
     # Both stages read both old TP files of the one old stage.
-    assert [sorted(r["files"]) for r in _load_report(lines)] == [["mp_rank_00_000/model.safetensors",
-                                                                  "mp_rank_01_000/model.safetensors"]] * 2
+    assert [sorted(r["files"]) for r in _load_report(lines)] == [
+        ["mp_rank_00_000/model.safetensors", "mp_rank_01_000/model.safetensors"]
+    ] * 2

@@ -78,8 +78,9 @@ def run_verify(args: argparse.Namespace) -> VerifyResult:
     cfg = load_config(None, overrides)
     info, platform = init_distributed(cfg.parallel)
     arch = model_arch_from_hf(args.hf_dir)
-    validate_parallel_layout(cfg.parallel, info.world_size, arch.num_layers, arch.num_attention_heads,
-                             arch.num_query_groups)
+    validate_parallel_layout(
+        cfg.parallel, info.world_size, arch.num_layers, arch.num_attention_heads, arch.num_query_groups
+    )
     init_model_parallel(cfg.parallel, seed=args.seed + 1)
     chunks = build_gpt_chunks(arch, cfg)
     report = load_mcore_checkpoint(chunks, arch, args.mcore_dir)
@@ -109,8 +110,13 @@ def run_verify(args: argparse.Namespace) -> VerifyResult:
     data = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
     with torch.no_grad():
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data, model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=b, seq_length=s, micro_batch_size=1, forward_only=True,
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=b,
+            seq_length=s,
+            micro_batch_size=1,
+            forward_only=True,
         )
 
     # One rank holds the reference: the last stage's TP rank 0 of data-parallel replica 0.
@@ -133,8 +139,11 @@ def run_verify(args: argparse.Namespace) -> VerifyResult:
         # Columns >= vocab_size belong to padding rows, not tokens: excluded from the comparison.
         d = (got[..., : arch.vocab_size] - ref).abs().max().item()
         diff[0] = d if math.isfinite(d) else float("inf")
-        print(f"reference rank {info.rank}: logits {tuple(got.shape)} (padded vocab {padded}, compared"
-              f" {arch.vocab_size} columns)", flush=True)
+        print(
+            f"reference rank {info.rank}: logits {tuple(got.shape)} (padded vocab {padded}, compared"
+            f" {arch.vocab_size} columns)",
+            flush=True,
+        )
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return VerifyResult(float(diff.item()), chunks, arch, cfg, report)
 
@@ -155,8 +164,11 @@ def main(argv: Optional[Sequence[str]] = None, finalize: bool = True) -> int:
     dist.all_gather_object(reports, {"same_layout": res.load_report["same_layout"], "files": files})
     if rank == 0:
         reshard = "same layout" if reports[0]["same_layout"] else "resharded on load"
-        print(f"model TP={args.tp} PP={args.pp} VPP={args.vpp} SP={args.sp} world={dist.get_world_size()};"
-              f" checkpoint {args.mcore_dir}: {reshard}", flush=True)
+        print(
+            f"model TP={args.tp} PP={args.pp} VPP={args.vpp} SP={args.sp} world={dist.get_world_size()};"
+            f" checkpoint {args.mcore_dir}: {reshard}",
+            flush=True,
+        )
         print("load_report=" + json.dumps(reports), flush=True)
     dist.barrier()
     destroy_model_parallel()
