@@ -2,12 +2,13 @@
 # The embedded default run on a fresh machine: set up .venv, make the tiny task + tokenizer + model (seeded),
 # convert it with the converter CLI, train DAPO with vLLM rollout on 2 CPU processes, export the trained model to HF,
 # plot the curves. Extra arguments are config overrides, e.g. trainer.total_training_steps=10.
+# QUICKSTART_DIR (default outputs/quickstart) is where everything goes; its run/ is replaced on every call.
 # Last line: first_val_acc=<x> final_val_acc=<y> steps=<n> wall_s=<t>
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
 export OMP_NUM_THREADS=1
-OUT=outputs/quickstart
+OUT="${QUICKSTART_DIR:-outputs/quickstart}"
 START=$(date +%s)
 
 if [ ! -f "$OUT/hf_model/config.json" ]; then
@@ -21,7 +22,10 @@ fi
 
 echo "[quickstart] DAPO training on 2 CPU processes (configs/tiny_cpu.yaml)"
 rm -rf "$OUT/run"
-NPROC_PER_NODE=2 MASTER_PORT="${MASTER_PORT:-29510}" launch/run_local.sh configs/tiny_cpu.yaml "$@"
+NPROC_PER_NODE=2 MASTER_PORT="${MASTER_PORT:-29510}" launch/run_local.sh configs/tiny_cpu.yaml \
+  model.hf_config_dir="$OUT/hf_model" model.tokenizer_dir="$OUT/tokenizer" checkpoint.load_dir="$OUT/mcore" \
+  data.train_files="[$OUT/data/train.parquet]" data.val_files="[$OUT/data/val.parquet]" \
+  trainer.output_dir="$OUT/run" "$@"
 
 echo "[quickstart] exporting the last checkpoint to HF and plotting"
 python -m megatron_dapo.cli export --checkpoint "$OUT/run/checkpoints" --save-dir "$OUT/run/hf_export"
