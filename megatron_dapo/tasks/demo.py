@@ -115,7 +115,6 @@ def prepare(
     write_dataset(data / "train.parquet", train)
     write_dataset(data / "val.parquet", val)
 
-    torch.manual_seed(seed)
     model = make_tiny_hf_model("qwen2", seed=seed, vocab_size=len(tokenizer), **MODEL_SHAPE)
     model.config.eos_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
