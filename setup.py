@@ -23,7 +23,10 @@ EXTRAS = {
     # Ascend NPUs. MindSpeed is installed from its source repository (see README, "Ascend NPU").
     "npu": ["torch", "torch-npu", "vllm-ascend"],
     "logging": ["tensorboard", "wandb", "matplotlib"],
-    "test": ["pytest>=8", "hypothesis>=6", "ruff", "matplotlib", "tensorboard", "sentencepiece", "pandas"],
+    # launch/ray_launch.py (placement groups + actors; tested with ray 2.60.0). The driver's Ray must match the
+    # cluster's version, so the bound is loose: install the cluster's version.
+    "ray": ["ray>=2.9"],
+    "test": ["pytest>=8", "hypothesis>=6", "ruff", "matplotlib", "tensorboard", "sentencepiece", "pandas", "ray>=2.9"],
 }
 
 setup(

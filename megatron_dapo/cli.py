@@ -1,24 +1,39 @@
-"""``megatron-dapo`` command line: train | convert | export."""
+"""``megatron-dapo`` command line: train | check | convert | export | eval."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Optional
 
 
 def _train(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     from megatron_dapo.config import load_config
+    from megatron_dapo.training.failure import reap_children
     from megatron_dapo.training.trainer import run_training
 
-    cfg = load_config(args.config, args.overrides)
-    result = run_training(cfg)
+    cfg = load_config(args.config, args.overrides + (["trainer.verbose=true"] if args.verbose else []))
+    try:
+        # record(): torchrun's failure summary then shows this rank's own exception as the root cause.
+        result = record(run_training)(cfg)
+    finally:
+        reap_children()  # no vLLM, reward or checkpoint helper outlives the run, whatever happened
     # the process group is gone by now; torchrun's RANK says which process reports
     if result and os.environ.get("RANK", "0") == "0":
         print(" ".join(f"{k}={v:.4g}" for k, v in sorted(result.items()) if isinstance(v, (int, float))))
     return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from megatron_dapo.check import main as check_main
+
+    return check_main(args.check_argv)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -35,6 +50,41 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+# A dotted ``section.key=value`` override, as opposed to a data file path (``--data`` takes several values, so
+# argparse hands it the overrides that follow; they are moved back here).
+_OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+=")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.data import DataError
+    from megatron_dapo.evaluation import ModelInputError, run_eval
+
+    data = [d for d in args.data if not _OVERRIDE.match(d)]
+    overrides = [d for d in args.data if _OVERRIDE.match(d)] + list(args.overrides)
+    try:
+        summary = run_eval(
+            args.model,
+            data,
+            args.output_dir,
+            config_path=args.config,
+            overrides=overrides,
+            tokenizer_dir=args.tokenizer,
+            n=args.n,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_response_length=args.max_response_length,
+        )
+    except (ModelInputError, ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if os.environ.get("RANK", "0") == "0":
+        for source, metrics in summary.items():
+            print(f"{source}: {json.dumps(metrics, sort_keys=True)}")
+        print(f"wrote {args.output_dir}/summary.json and {args.output_dir}/samples.jsonl")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-dapo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,7 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run DAPO training (launch under torchrun; see launch/run_node.sh)")
     train.add_argument("config", help="experiment YAML (configs/*.yaml)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_model_parallel_size=2")
+    train.add_argument(
+        "--verbose", action="store_true", help="library INFO logs and every metric on the console (trainer.verbose)"
+    )
     train.set_defaults(func=_train)
+
+    check = sub.add_parser(
+        "check",
+        help="validate config, model, data, rewards and checkpoint and print the launch plan (no torchrun)",
+        add_help=False,
+    )
+    check.add_argument("check_argv", nargs=argparse.REMAINDER, help="see python -m megatron_dapo.check -h")
+    check.set_defaults(func=_check)
 
     convert = sub.add_parser(
         "convert", help="HF ⇄ Megatron checkpoint conversion (hf-to-mcore | mcore-to-hf)", add_help=False
@@ -56,10 +117,40 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, default=None, help="step to export (default: latest)")
     export.add_argument("--config", default=None, help="experiment YAML (default: the config saved with the step)")
     export.set_defaults(func=_export)
+
+    ev = sub.add_parser(
+        "eval",
+        help="generate on eval sets; mean@n / pass@k / maj@k per data source (docs/evaluation_and_ray.md)",
+    )
+    ev.add_argument(
+        "--model",
+        required=True,
+        help="HF model dir, converter output (hf-to-mcore) or training checkpoint (global_step_<n> or save_dir)",
+    )
+    ev.add_argument("--data", required=True, nargs="+", help="verl-format parquet/jsonl files (several allowed)")
+    ev.add_argument("--output-dir", required=True, help="writes summary.json and samples.jsonl here")
+    ev.add_argument("--n", type=int, default=None, help="responses per prompt (default: rollout.val_kwargs.n)")
+    ev.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: rollout.val_kwargs)")
+    ev.add_argument("--top-p", type=float, default=None, help="default: rollout.val_kwargs.top_p")
+    ev.add_argument("--max-response-length", type=int, default=None, help="default: data.max_response_length")
+    ev.add_argument("--tokenizer", default=None, help="tokenizer dir (default: model.tokenizer_dir, else the model)")
+    ev.add_argument(
+        "--config", default=None, help="experiment YAML (default: the one saved with a training checkpoint)"
+    )
+    ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.tensor_model_parallel_size=2")
+    ev.set_defaults(func=_eval)
     return parser
 
 
+# Subcommands whose arguments (``-h`` included) belong to their own parser.
+_PASS_THROUGH = {"check": ("check_argv", _check), "convert": ("convert_argv", _convert)}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _PASS_THROUGH:
+        field, func = _PASS_THROUGH[argv[0]]
+        return func(argparse.Namespace(**{field: argv[1:]}))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

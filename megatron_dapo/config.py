@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,7 +19,20 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A configuration value is missing, unknown, of the wrong type or inconsistent with another value."""
+    """A configuration value is missing, unknown, of the wrong type or inconsistent with another value.
+
+    ``problems`` lists every problem found (a check that collects several reports them all at once).
+    """
+
+    def __init__(self, message: str, problems: Optional[list[str]] = None) -> None:
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
+
+    @classmethod
+    def of(cls, problems: list[str]) -> ConfigError:
+        if len(problems) == 1:
+            return cls(problems[0])
+        return cls(f"{len(problems)} config problems:\n  - " + "\n  - ".join(problems), problems)
 
 
 # --------------------------------------------------------------------------------------------------- sections
@@ -44,7 +58,6 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     platform: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    timeout_minutes: int = 30
 
 
 @dataclass
@@ -147,7 +160,11 @@ class RolloutConfig:
 class FilterGroupsConfig:
     enable: bool = False
     metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "acc"
-    max_num_gen_batches: int = 0  # 0 = unlimited
+    # Generation batches per step before the batch counts as exhausted; 0 = one pass over the training prompts.
+    max_num_gen_batches: int = 0
+    # What an exhausted step does: "train" on the groups kept so far (filled up with zero-advantage groups that are
+    # left out of the loss), "stop" the run cleanly (final validation + checkpoint), or "error" (verl's behaviour).
+    on_exhausted: Literal["train", "stop", "error"] = "train"
 
 
 @dataclass
@@ -209,7 +226,14 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     rollout_data_dir: Optional[str] = None
     seed: int = 1
-    progress_bar: bool = True
+    progress_bar: bool = True  # rank 0, when stderr is a terminal
+    console_every: int = 10  # the console's compact metrics table: a row every N steps (and on validation steps)
+    verbose: bool = False  # library INFO logs and every metric of every step on the console, as well as in files
+    # Upper bound on every collective wait and every wait on a helper process (checkpoint writer): a hung run fails
+    # with an error naming what it waited for instead of hanging.
+    collective_timeout_s: float = 600.0
+    # Non-finite loss / gradient norm / loss inputs skip the update; this many skips in a row stop the run.
+    max_consecutive_skipped_updates: int = 3
 
 
 @dataclass
@@ -242,7 +266,9 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
         raw = loaded or {}
     for item in overrides or []:
         apply_override(raw, item)
-    return from_dict(ExperimentConfig, raw)
+    cfg = from_dict(ExperimentConfig, raw)
+    check_values(cfg)
+    return cfg
 
 
 def apply_override(raw: dict, item: str) -> None:
@@ -397,3 +423,210 @@ def validate_parallel_layout(
     if parallel.sequence_parallel and tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
     return world_size // (tp * pp)
+
+
+# --------------------------------------------------------------------------------------------------- value checks
+
+
+def _range_problems(cfg: ExperimentConfig) -> list[str]:
+    """Every value against its valid range; one line per problem, naming the key, the value and what is valid."""
+    problems: list[str] = []
+
+    def need(key: str, value: Any, ok: bool, expected: str, fix: str = "") -> None:
+        if not ok:
+            problems.append(f"{key}={value!r}: expected {expected}" + (f"; {fix}" if fix else ""))
+
+    def positive_int(key: str, value: Any, allow_none: bool = False) -> None:
+        need(key, value, (allow_none and value is None) or (isinstance(value, int) and value >= 1), "an integer >= 1")
+
+    def in_unit(key: str, value: float, low_open: bool = False, high_open: bool = True) -> None:
+        lo_ok = value > 0 if low_open else value >= 0
+        hi_ok = value < 1 if high_open else value <= 1
+        interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
+        need(key, value, lo_ok and hi_ok, f"a value in {interval}")
+
+    m, p, a, o, r, d = cfg.model, cfg.parallel, cfg.actor, cfg.actor.optim, cfg.rollout, cfg.data
+    positive_int("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
+    in_unit("model.attention_dropout", m.attention_dropout)
+    in_unit("model.hidden_dropout", m.hidden_dropout)
+    positive_int("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size)
+    positive_int("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size)
+    positive_int("parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size, True)
+    need(
+        "checkpoint.save_freq",
+        cfg.checkpoint.save_freq,
+        cfg.checkpoint.save_freq == -1 or cfg.checkpoint.save_freq >= 1,
+        "-1 (save at the end only) or a number of steps >= 1",
+    )
+    positive_int("data.max_prompt_length", d.max_prompt_length)
+    positive_int("data.max_response_length", d.max_response_length)
+    positive_int("data.train_batch_size", d.train_batch_size)
+    positive_int("data.gen_batch_size", d.gen_batch_size, True)
+    positive_int("data.val_batch_size", d.val_batch_size, True)
+    need("actor.optim.lr", o.lr, o.lr > 0 and math.isfinite(o.lr), "a finite value > 0")
+    need("actor.optim.min_lr", o.min_lr, 0 <= o.min_lr <= o.lr, f"a value in [0, actor.optim.lr={o.lr}]")
+    need("actor.optim.lr_warmup_steps", o.lr_warmup_steps, o.lr_warmup_steps >= 0, "an integer >= 0")
+    in_unit("actor.optim.lr_warmup_steps_ratio", o.lr_warmup_steps_ratio, high_open=False)
+    need("actor.optim.weight_decay", o.weight_decay, 0 <= o.weight_decay < 1, "a value in [0, 1)")
+    in_unit("actor.optim.adam_beta1", o.adam_beta1)
+    in_unit("actor.optim.adam_beta2", o.adam_beta2)
+    need("actor.optim.adam_eps", o.adam_eps, o.adam_eps > 0, "a value > 0")
+    need("actor.optim.clip_grad", o.clip_grad, o.clip_grad >= 0, "a value >= 0 (0 = no clipping)")
+    positive_int("actor.ppo_mini_batch_size", a.ppo_mini_batch_size)
+    positive_int("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu)
+    positive_int("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu)
+    positive_int("actor.ppo_epochs", a.ppo_epochs)
+    positive_int("actor.log_prob_micro_batch_size_per_gpu", a.log_prob_micro_batch_size_per_gpu)
+    need(
+        "actor.clip_ratio_low",
+        a.clip_ratio_low,
+        0 <= a.clip_ratio_low < 1,
+        "a value in [0, 1): the lower clip bound is 1 - clip_ratio_low and must stay positive",
+    )
+    need("actor.clip_ratio_high", a.clip_ratio_high, a.clip_ratio_high >= 0, "a value >= 0")
+    need("actor.clip_ratio_c", a.clip_ratio_c, a.clip_ratio_c > 1, "a value > 1 (the dual-clip bound, verl's rule)")
+    need("actor.entropy_coeff", a.entropy_coeff, math.isfinite(a.entropy_coeff), "a finite number")
+    need("actor.kl_loss_coef", a.kl_loss_coef, a.kl_loss_coef >= 0, "a value >= 0")
+    positive_int("rollout.tensor_model_parallel_size", r.tensor_model_parallel_size)
+    positive_int("rollout.n", r.n)
+    need("rollout.temperature", r.temperature, r.temperature >= 0, "a value >= 0 (0 = greedy)")
+    need("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "a value in (0, 1]")
+    need("rollout.top_k", r.top_k, r.top_k == -1 or r.top_k >= 1, "-1 (off) or an integer >= 1")
+    in_unit("rollout.gpu_memory_utilization", r.gpu_memory_utilization, low_open=True, high_open=False)
+    positive_int("rollout.kv_cache_memory_mb", r.kv_cache_memory_mb)
+    positive_int("rollout.max_num_seqs", r.max_num_seqs)
+    positive_int("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb)
+    positive_int("rollout.max_num_batched_tokens", r.max_num_batched_tokens, True)
+    v = r.val_kwargs
+    need("rollout.val_kwargs.temperature", v.temperature, v.temperature >= 0, "a value >= 0 (0 = greedy)")
+    need("rollout.val_kwargs.top_p", v.top_p, 0 < v.top_p <= 1, "a value in (0, 1]")
+    need("rollout.val_kwargs.top_k", v.top_k, v.top_k == -1 or v.top_k >= 1, "-1 (off) or an integer >= 1")
+    positive_int("rollout.val_kwargs.n", v.n)
+    al = cfg.algorithm
+    in_unit("algorithm.gamma", al.gamma, high_open=False)
+    need("algorithm.kl_ctrl.kl_coef", al.kl_ctrl.kl_coef, al.kl_ctrl.kl_coef >= 0, "a value >= 0")
+    need("algorithm.kl_ctrl.target_kl", al.kl_ctrl.target_kl, al.kl_ctrl.target_kl > 0, "a value > 0")
+    need("algorithm.kl_ctrl.horizon", al.kl_ctrl.horizon, al.kl_ctrl.horizon >= 1, "an integer >= 1")
+    need(
+        "algorithm.filter_groups.max_num_gen_batches",
+        al.filter_groups.max_num_gen_batches,
+        al.filter_groups.max_num_gen_batches >= 0,
+        "an integer >= 0 (0 = one pass over the training prompts)",
+    )
+    need(
+        "algorithm.rollout_is_threshold",
+        al.rollout_is_threshold,
+        al.rollout_is_threshold is None or al.rollout_is_threshold > 0,
+        "null (off) or a value > 0",
+    )
+    ob = cfg.reward.overlong_buffer
+    positive_int("reward.overlong_buffer.len", ob.len)
+    need(
+        "reward.overlong_buffer.penalty_factor",
+        ob.penalty_factor,
+        0 <= ob.penalty_factor < math.inf,
+        "a finite value >= 0",
+    )
+    rw = cfg.reward
+    need("reward.num_workers", rw.num_workers, rw.num_workers >= 0, "an integer >= 0 (0 = score in-process)")
+    need("reward.timeout_s", rw.timeout_s, 0 < rw.timeout_s < math.inf, "a value > 0 (seconds per scorer call)")
+    need("reward.error_score", rw.error_score, math.isfinite(rw.error_score), "a finite number")
+    need("reward.max_logged_errors", rw.max_logged_errors, rw.max_logged_errors >= 0, "an integer >= 0")
+    need(
+        "reward.custom_function.weight",
+        rw.custom_function.weight,
+        math.isfinite(rw.custom_function.weight),
+        "a finite number",
+    )
+    t = cfg.trainer
+    positive_int("trainer.total_epochs", t.total_epochs)
+    positive_int("trainer.total_training_steps", t.total_training_steps, True)
+    need(
+        "trainer.test_freq",
+        t.test_freq,
+        t.test_freq == -1 or t.test_freq >= 1,
+        "-1 (validate at the end only) or a number of steps >= 1",
+    )
+    need(
+        "trainer.collective_timeout_s",
+        t.collective_timeout_s,
+        0 < t.collective_timeout_s < math.inf,
+        "a finite value > 0 (seconds)",
+    )
+    positive_int("trainer.max_consecutive_skipped_updates", t.max_consecutive_skipped_updates)
+    positive_int("trainer.console_every", t.console_every)
+    return problems
+
+
+def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
+    """Settings that are each valid but cannot work together; each line says how to fix it."""
+    problems: list[str] = []
+    a, d, r, fg = cfg.actor, cfg.data, cfg.rollout, cfg.algorithm.filter_groups
+    if (
+        a.ppo_mini_batch_size >= 1
+        and d.train_batch_size >= 1
+        and (a.ppo_mini_batch_size > d.train_batch_size or d.train_batch_size % a.ppo_mini_batch_size)
+    ):
+        problems.append(
+            f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide data.train_batch_size="
+            f"{d.train_batch_size}: set actor.ppo_mini_batch_size to a divisor of it (e.g. {d.train_batch_size})"
+        )
+    if fg.enable and r.n < 2:
+        problems.append(
+            f"algorithm.filter_groups.enable=true needs rollout.n >= 2 (got {r.n}): a group of one is never filtered; "
+            "raise rollout.n or disable algorithm.filter_groups.enable"
+        )
+    if fg.enable and r.temperature == 0:
+        problems.append(
+            "algorithm.filter_groups.enable=true with rollout.temperature=0: greedy sampling gives all rollout.n "
+            "responses of a prompt the same text, so every group has equal rewards and dynamic sampling can never "
+            "fill a batch; set rollout.temperature > 0 (e.g. 1.0) or disable algorithm.filter_groups.enable"
+        )
+    if r.n > 1 and r.temperature == 0 and cfg.algorithm.adv_estimator in ("grpo", "rloo"):
+        problems.append(
+            f"rollout.n={r.n} with rollout.temperature=0: the n greedy responses of a prompt are identical, so every "
+            f"group-relative advantage ({cfg.algorithm.adv_estimator}) is zero and nothing trains; set "
+            "rollout.temperature > 0"
+        )
+    ob = cfg.reward.overlong_buffer
+    if ob.enable and ob.len >= d.max_response_length:
+        problems.append(
+            f"reward.overlong_buffer.len={ob.len} must be shorter than data.max_response_length="
+            f"{d.max_response_length}: the buffer is the tail of the response budget; lower it (DAPO uses 4096 of "
+            "20480)"
+        )
+    o, steps = a.optim, cfg.trainer.total_training_steps
+    if steps is not None and steps >= 1:
+        warmup = o.lr_warmup_steps if o.lr_warmup_steps > 0 else int(o.lr_warmup_steps_ratio * steps)
+        if warmup >= steps:
+            problems.append(
+                f"actor.optim.lr_warmup_steps={o.lr_warmup_steps} (lr_warmup_steps_ratio={o.lr_warmup_steps_ratio}) "
+                f"gives {warmup} warm-up steps, not fewer than trainer.total_training_steps={steps}: the learning rate "
+                f"would never reach actor.optim.lr; set actor.optim.lr_warmup_steps to at most {max(steps - 1, 0)} "
+                "(or raise trainer.total_training_steps)"
+            )
+    return problems
+
+
+def check_values(cfg: ExperimentConfig) -> None:
+    """Range and cross-field checks that need neither files nor a model; all problems are reported at once."""
+    problems = _range_problems(cfg)
+    if not problems:  # cross-field messages assume each value is in range
+        problems = _cross_field_problems(cfg)
+    if problems:
+        raise ConfigError.of(problems)
+
+
+def validate_config(cfg: ExperimentConfig) -> None:
+    """Everything a training run needs that can be checked before any file is read or model built."""
+    problems = []
+    if not cfg.checkpoint.load_dir:
+        problems.append("checkpoint.load_dir is required: the converter's output (megatron-dapo convert hf-to-mcore)")
+    if not cfg.data.train_files:
+        problems.append("data.train_files is required: one or more parquet/jsonl files of prompts")
+    try:
+        check_values(cfg)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+    if problems:
+        raise ConfigError.of(problems)

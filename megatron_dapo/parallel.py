@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -33,8 +35,18 @@ def dist_info_from_env() -> DistInfo:
     )
 
 
-def init_distributed(parallel: ParallelConfig) -> tuple[DistInfo, Platform]:
-    """Choose the platform, bind the device and create the default process group (idempotent)."""
+_CONTROL_GROUP: Optional[dist.ProcessGroup] = None
+
+
+def init_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -> tuple[DistInfo, Platform]:
+    """Choose the platform, bind the device and create the default process group (idempotent).
+
+    ``timeout_s`` bounds every collective wait (gloo, NCCL, HCCL): a peer that died or hangs surfaces as an error
+    instead of a hang. Besides the default group (the platform's backend) a CPU ``gloo`` group over all ranks is
+    created for the trainer's small host-side control messages (stop requests, skip decisions): see
+    ``control_group``.
+    """
+    global _CONTROL_GROUP
     platform = init_platform(parallel.platform)
     info = dist_info_from_env()
     platform.set_device(info.local_rank)
@@ -45,12 +57,28 @@ def init_distributed(parallel: ParallelConfig) -> tuple[DistInfo, Platform]:
             backend=platform.dist_backend,
             rank=info.rank,
             world_size=info.world_size,
-            timeout=datetime.timedelta(minutes=parallel.timeout_minutes),
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
+    if _CONTROL_GROUP is None and dist.get_backend() != "gloo":
+        _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return info, platform
 
 
-def init_model_parallel(parallel: ParallelConfig, seed: int = 1) -> None:
+def control_group() -> Optional[dist.ProcessGroup]:
+    """A group over all ranks that takes CPU tensors (``None`` = the default group, when that is gloo already)."""
+    return _CONTROL_GROUP
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is True on at least one (one tiny all-reduce on the control group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=control_group())
+    return bool(value.item())
+
+
+def init_model_parallel(parallel: ParallelConfig, seed: int = 1, timeout_s: float = 600.0) -> None:
     """Create megatron-core's TP/PP/DP groups (gloo groups too, for CPU-side collectives) and seed RNG streams."""
     from megatron.core import parallel_state
 
@@ -60,6 +88,7 @@ def init_model_parallel(parallel: ParallelConfig, seed: int = 1) -> None:
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     from megatron_dapo.platform import get_platform
 

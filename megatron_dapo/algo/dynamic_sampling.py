@@ -122,6 +122,7 @@ class DynamicSamplingAccumulator:
 
     def _reset(self) -> None:
         self._groups: list[tuple[int, list[int]]] = []  # (part index, rows) per kept group, arrival order
+        self._dropped: list[tuple[int, list[int]]] = []  # the groups the filter dropped, for take_partial's filler
         self._parts: list[Batch] = []
         self._part_group_ids: list[list[Hashable]] = []
         self.num_gen_batches = 0
@@ -189,22 +190,23 @@ class DynamicSamplingAccumulator:
         for row, g in enumerate(index.tolist()):
             rows_of[g].append(row)
         for rows in rows_of:
-            if keep[rows[0]]:
-                self._groups.append((part, rows))
+            (self._groups if keep[rows[0]] else self._dropped).append((part, rows))
+
+    def is_exhausted(self, max_num_gen_batches: int) -> bool:
+        """The batch is not full and ``max_num_gen_batches`` (> 0) generation batches were generated."""
+        return not self.is_full() and 0 < max_num_gen_batches <= self.num_gen_batches
 
     def check_budget(self, max_num_gen_batches: int) -> None:
-        """Raise ``RuntimeError`` if the batch is not full and ``max_num_gen_batches`` (> 0) batches were generated.
-
-        ``max_num_gen_batches <= 0`` means unlimited (never raises).
-        """
-        if self.is_full() or max_num_gen_batches <= 0 or self.num_gen_batches < max_num_gen_batches:
+        """Raise ``RuntimeError`` if the batch is exhausted (see ``is_exhausted``; ``<= 0`` never raises)."""
+        if not self.is_exhausted(max_num_gen_batches):
             return
         raise RuntimeError(
             f"dynamic sampling kept {self.num_prompts_kept} of {self.num_prompts_generated} generated prompts "
             f"({self.num_trajectories_generated} trajectories) after {self.num_gen_batches} generation batches, "
             f"but a training step needs {self.train_batch_size} prompts with a non-zero reward spread "
             f"(algorithm.filter_groups.max_num_gen_batches={max_num_gen_batches}). Raise "
-            "algorithm.filter_groups.max_num_gen_batches (0 = unlimited) or data.gen_batch_size, or check the "
+            "algorithm.filter_groups.max_num_gen_batches or data.gen_batch_size, set "
+            "algorithm.filter_groups.on_exhausted=train (train on what was kept) or stop, or check the "
             "rewards: most groups got identical rewards (data too easy/too hard, or a broken reward function)."
         )
 
@@ -219,7 +221,33 @@ class DynamicSamplingAccumulator:
             raise RuntimeError(
                 f"take() before the batch is full: {self.num_prompts_kept} of {self.train_batch_size} prompts kept"
             )
-        chosen = self._groups[: self.train_batch_size]
+        out, ids = self._assemble(self._groups[: self.train_batch_size])
+        self._reset()
+        return (out, ids) if return_group_ids else out
+
+    def take_partial(self) -> tuple[Batch, list[Hashable], torch.Tensor]:
+        """An exhausted step's batch: every kept group, then dropped (all-equal) groups as filler up to
+        ``train_batch_size`` groups, so that the batch has its configured size. Resets the accumulator.
+
+        Returns ``(batch, group_ids, filler)`` with ``filler[B]`` True on the filler rows. A filler group has equal
+        rewards, so its group-relative advantage is zero; the caller leaves it out of the loss (and its
+        normalisers) through the loss mask. Dropped groups are reused in turn when there are fewer than needed.
+        """
+        if self.num_prompts_generated == 0:
+            raise RuntimeError("take_partial() before anything was generated")
+        kept = self._groups[: self.train_batch_size]
+        missing = self.train_batch_size - len(kept)
+        filler = [self._dropped[i % len(self._dropped)] for i in range(missing)] if missing else []
+        out, ids = self._assemble(kept + filler)
+        filler_rows = sum(len(rows) for _, rows in filler)
+        is_filler = torch.zeros(len(ids), dtype=torch.bool)
+        # _assemble keeps the order of `chosen`, so the filler rows are the last ones.
+        if filler_rows:
+            is_filler[-filler_rows:] = True
+        self._reset()
+        return out, ids, is_filler
+
+    def _assemble(self, chosen: list[tuple[int, list[int]]]) -> tuple[Batch, list[Hashable]]:
         pieces: list[Batch] = []
         ids: list[Hashable] = []
         # consecutive groups from the same generation batch are selected in one go
@@ -231,6 +259,4 @@ class DynamicSamplingAccumulator:
             pieces.append(select_rows(self._parts[run_part], run_rows))
             ids.extend((run_part, self._part_group_ids[run_part][r]) for r in run_rows)
             run_part, run_rows = part, list(rows)
-        out = concat_batches(pieces)
-        self._reset()
-        return (out, ids) if return_group_ids else out
+        return concat_batches(pieces), ids

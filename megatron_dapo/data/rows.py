@@ -64,8 +64,15 @@ def read_records(path: str | Path) -> list[dict]:
         except Exception as exc:  # pyarrow raises several types; all mean "not a readable parquet file"
             raise DataError(f"{path}: cannot read as parquet: {exc}") from exc
     records: list[dict] = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{path}: row {len(records)} (line {line_no}): not valid UTF-8 (byte {raw[exc.start]:#04x} at "
+                    f"column {exc.start + 1}); jsonl files must be UTF-8 encoded"
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["RewardManager", "RewardResult", "load_reward_function", "overlong_penalty"]
+__all__ = ["InvalidRewardError", "RewardManager", "RewardResult", "load_reward_function", "overlong_penalty"]
 
 _LAZY = {
+    "InvalidRewardError": "megatron_dapo.reward.custom",
     "RewardManager": "megatron_dapo.reward.manager",
     "RewardResult": "megatron_dapo.reward.manager",
     "load_reward_function": "megatron_dapo.reward.custom",

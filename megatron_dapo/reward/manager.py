@@ -14,10 +14,21 @@ use and kept. At most one scorer per worker is in flight, so each call's deadlin
 scorer that runs past ``reward.timeout_s`` is interrupted inside the worker (SIGALRM); one that does not return
 within ``timeout_s + max(2, timeout_s)`` (the grace is a constructor argument; stuck in C code, signals blocked)
 has the pool killed and recreated, and the other in-flight calls are resubmitted. If a worker dies, the calls
-that were in flight are re-run one at a time, so only the culprit fails. A scorer that raises or times out scores
-``reward.error_score`` and is counted (``reward/num_errors``, ``reward/num_timeouts``); the first
-``reward.max_logged_errors`` failures of a call are logged with their traceback. ``reward.num_workers = 0``
-scores in-process, without timeouts (debugging).
+that were in flight are re-run one at a time, so only the culprit fails.
+
+In-process scoring (``reward.num_workers = 0``) enforces ``reward.timeout_s`` with the same SIGALRM timer
+(:func:`megatron_dapo.reward.custom.call_with_timeout`) when the manager is called from the main thread of the main
+interpreter, restoring the previous SIGALRM handler, signal mask and timer afterwards. It cannot stop code that
+never returns to the interpreter (a C extension that loops without checking for signals, or that blocks SIGALRM):
+such a scorer hangs the caller, where the pool would kill its worker. Called from any other thread, no timer can
+be armed: the call runs without a limit and the manager logs a warning once.
+
+Results: a scorer's result must be a finite number or a dict with a finite ``score`` (rules in
+:mod:`megatron_dapo.reward.custom`). A scorer that raises, times out or returns anything else (NaN, inf, None, a
+bool, a string, ...) scores ``reward.error_score`` and is counted (``reward/num_errors``, ``reward/num_timeouts``);
+the first ``reward.max_logged_errors`` failures of a call are logged with the data source, the function
+(``path:name`` or ``math_dapo``) and the offending value or traceback. The scores a :class:`RewardResult` carries
+are therefore always finite; the manager checks this before returning.
 
 The worker processes import only :mod:`megatron_dapo.reward.custom` and :mod:`megatron_dapo.reward.math_dapo`
 (no torch), plus the ``megatron_dapo`` package ``__init__``; the main module must be import-safe (guarded by
@@ -28,7 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import multiprocessing
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -40,15 +53,19 @@ from typing import Any
 import torch
 
 from megatron_dapo.config import ConfigError, RewardConfig
-from megatron_dapo.reward import custom, math_dapo
+from megatron_dapo.reward import custom
 from megatron_dapo.reward.overlong import overlong_penalty
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MATH_DAPO_SOURCES", "RewardManager", "RewardResult", "route_data_source"]
+__all__ = ["MATH_DAPO_SOURCES", "RewardInvariantError", "RewardManager", "RewardResult", "route_data_source"]
 
 MATH_DAPO_SOURCES: tuple[str, ...] = ("math_dapo", "math", "math_dapo_reasoning")
 _WARMUP_TIMEOUT_S = 120.0
+
+
+class RewardInvariantError(RuntimeError):
+    """The reward manager was about to return a non-finite reward: a bug in this module, not in a scorer."""
 
 
 def route_data_source(data_source: str) -> str:
@@ -66,7 +83,8 @@ class RewardResult:
         token_level_scores: ``[B, T]`` float32, zero except the final reward on the last valid response token
             (position ``T - 1`` for an empty response, like verl's ``[-1]`` index).
         scores: ``[B]`` float32 final rewards (scorer score + overlong shaping).
-        extra: per-response lists of length ``B``: ``score`` (the scorer's score, before shaping), ``acc``,
+        extra: per-response lists of length ``B``: ``score`` (the scorer's score, before shaping), ``acc`` (bool,
+            or None when the scorer gave none and its score was not 0 or 1; False for a failed call),
             ``overlong_reward`` (0.0 when shaping is off), ``overlong`` (the response was truncated at
             ``max_response_length``: use it for ``reward.overlong_filter``), and the scorer's other dict keys
             (``pred`` for math_dapo); missing values are None.
@@ -140,6 +158,7 @@ class RewardManager:
                 f"reward.overlong_buffer.len={ob.len} must be in (0, data.max_response_length="
                 f"{self.max_response_length}]"
             )
+        _check_reward_config(config)
         self.custom_specs = _custom_specs(config)
         # load once in the caller's process: configuration errors surface here, not as per-sample errors
         self._custom_fn = custom.build_reward_function(self.custom_specs)
@@ -149,6 +168,8 @@ class RewardManager:
             max(2.0, self.timeout_s) if hard_timeout_grace_s is None else float(hard_timeout_grace_s)
         )
         self._executor: ProcessPoolExecutor | None = None
+        self._warned_timeout_unenforced = False
+        self._warned_acc = False
 
     # ------------------------------------------------------------------ pool
 
@@ -207,19 +228,36 @@ class RewardManager:
 
     # ------------------------------------------------------------------ scoring
 
+    def _scorer_label(self, kind: str) -> str:
+        if kind == "math_dapo" or self._custom_fn is None:
+            return custom.MATH_DAPO_LABEL if kind == "math_dapo" else kind
+        return self._custom_fn.describe()
+
+    def _warn_timeout_unenforced(self) -> None:
+        if self._warned_timeout_unenforced:
+            return
+        self._warned_timeout_unenforced = True
+        logger.warning(
+            "reward.timeout_s=%g is NOT enforced: in-process scoring (reward.num_workers=0) interrupts a scorer with "
+            "SIGALRM, which works only in the main thread of the main interpreter, and the reward manager is called "
+            "from thread %r. A scorer that never returns will hang this call; set reward.num_workers >= 1 to score "
+            "in worker processes, whose time limit always holds. (Logged once.)",
+            self.timeout_s,
+            threading.current_thread().name,
+        )
+
     def _score_inline(self, kind: str, args: tuple) -> tuple[str, Any]:
         data_source, solution_str, ground_truth, extra_info = args
-        try:
-            if kind == "math_dapo":
-                return "ok", math_dapo.compute_score(solution_str, ground_truth)
-            assert self._custom_fn is not None
-            return "ok", self._custom_fn(
-                data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
-            )
-        except Exception:  # noqa: BLE001 - counted and logged by the caller
-            import traceback
-
-            return "error", traceback.format_exc()
+        return custom.score_response(
+            kind,
+            self._custom_fn,
+            data_source,
+            solution_str,
+            ground_truth,
+            extra_info,
+            self.timeout_s,
+            self._warn_timeout_unenforced,
+        )
 
     def _score_pool(self, kinds: list[str], args: list[tuple]) -> list[tuple[str, Any]]:
         """Score every item in the pool, at most one in flight per worker.
@@ -245,8 +283,11 @@ class RewardManager:
                 else:
                     suspects.append(i)
                 return True
-            except custom.ScorerTimeout:
-                outcomes[i] = ("timeout", f"reward function exceeded timeout_s={self.timeout_s}")
+            except custom.ScorerTimeout:  # the alarm fired as the worker was returning
+                outcomes[i] = (
+                    "timeout",
+                    f"reward function {self._scorer_label(kinds[i])} exceeded reward.timeout_s={self.timeout_s:g} s",
+                )
             except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable result
                 outcomes[i] = ("error", f"{type(exc).__name__}: {exc}")
             return False
@@ -284,7 +325,11 @@ class RewardManager:
                 continue
             for fut in expired:
                 i, _ = inflight.pop(fut)
-                outcomes[i] = ("timeout", f"reward function did not return within {hard_s:.1f} s; worker killed")
+                outcomes[i] = (
+                    "timeout",
+                    f"reward function {self._scorer_label(kinds[i])} did not return within {hard_s:.1f} s "
+                    f"(reward.timeout_s={self.timeout_s:g} plus a grace period); its worker was killed",
+                )
             logger.warning("reward worker stuck past the hard deadline (%.1f s); restarting the pool", hard_s)
             for fut, (i, _) in list(inflight.items()):
                 if fut.done() and not fut.cancelled() and fut.exception() is None:
@@ -376,13 +421,13 @@ class RewardManager:
         rows: list[dict[str, Any]] = []
         for i, (status, payload) in enumerate(outcomes):
             if status == "ok":
-                try:
-                    row = self._normalise_result(payload)
-                except Exception as exc:  # noqa: BLE001 - a malformed result counts as an error
-                    status, payload = "error", f"{type(exc).__name__}: {exc}"
-                else:
-                    rows.append(row)
-                    continue
+                row, note = payload
+                _check_row(row, i)
+                if note is not None and not self._warned_acc:
+                    self._warned_acc = True
+                    logger.warning("%s (data_source=%r; logged once)", note, data_sources[i])
+                rows.append(row)
+                continue
             if status == "timeout":
                 num_timeouts += 1
             else:
@@ -390,10 +435,11 @@ class RewardManager:
             if logged < self.config.max_logged_errors:
                 logged += 1
                 logger.warning(
-                    "reward %s for response %d (data_source=%r); scoring it %s:\n%s",
+                    "reward %s for response %d (data_source=%r, function %s); scoring it %s:\n%s",
                     "timeout" if status == "timeout" else "error",
                     i,
                     data_sources[i],
+                    self._scorer_label(kinds[i]),
                     self.config.error_score,
                     payload,
                 )
@@ -411,6 +457,13 @@ class RewardManager:
         if width:
             last = torch.where(lengths > 0, lengths - 1, torch.full_like(lengths, width - 1))
             token_level_scores[torch.arange(batch), last] = final
+        if not (bool(torch.isfinite(final).all()) and bool(torch.isfinite(token_level_scores).all())):
+            bad = torch.nonzero(~torch.isfinite(final)).flatten().tolist()
+            raise RewardInvariantError(
+                f"internal error in megatron_dapo/reward/manager.py: non-finite final rewards for responses {bad} "
+                f"(scores {[rows[i]['score'] for i in bad]}, overlong shaping {[float(shaping[i]) for i in bad]}); "
+                "every scorer result is checked before this point, so this is a bug here"
+            )
 
         keys: list[str] = ["score", "acc"]
         for row in rows:
@@ -433,16 +486,34 @@ class RewardManager:
             overlong=truncated,
         )
 
-    @staticmethod
-    def _normalise_result(result: Any) -> dict[str, Any]:
-        """Dict with a float ``score`` and an ``acc`` (verl: a float result's ``acc`` is the score; we also default
-        a dict result's missing ``acc`` to its score)."""
-        if isinstance(result, dict):
-            if "score" not in result:
-                raise KeyError(f"reward function returned a dict without 'score': keys {sorted(result)}")
-            row = dict(result)
-            row["score"] = float(row["score"])
-            row.setdefault("acc", row["score"])
-            return row
-        score = float(result)
-        return {"score": score, "acc": score}
+
+def _check_reward_config(config: RewardConfig) -> None:
+    """Values that would let a NaN out of the manager or a scorer run forever (also checked by the config loader,
+    but a ``RewardConfig`` can be built directly)."""
+    problems = []
+    if not math.isfinite(config.error_score):
+        problems.append(f"reward.error_score={config.error_score!r}: expected a finite number")
+    if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
+        problems.append(
+            f"reward.timeout_s={config.timeout_s!r}: expected a finite number of seconds > 0 (every scorer call has "
+            "a time limit; use a large value, e.g. 3600, to debug a slow scorer)"
+        )
+    if config.num_workers < 0:
+        problems.append(f"reward.num_workers={config.num_workers!r}: expected an integer >= 0 (0 = in-process)")
+    if config.max_logged_errors < 0:
+        problems.append(f"reward.max_logged_errors={config.max_logged_errors!r}: expected an integer >= 0")
+    ob = config.overlong_buffer
+    if ob.enable and not math.isfinite(ob.penalty_factor):
+        problems.append(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor!r}: expected a finite number")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _check_row(row: Any, index: int) -> None:
+    """The invariant of every "ok" scorer outcome (see :func:`megatron_dapo.reward.custom.normalise_result`)."""
+    score = row.get("score") if isinstance(row, dict) else None
+    if type(score) is not float or not math.isfinite(score):
+        raise RewardInvariantError(
+            f"internal error in megatron_dapo/reward/manager.py: response {index} was scored ok with a row that is "
+            f"not a dict with a finite float 'score': {custom.short_repr(row)}"
+        )

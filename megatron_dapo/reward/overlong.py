@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +24,8 @@ def overlong_penalty(
     """
     if buffer_len <= 0:
         raise ValueError(f"reward.overlong_buffer.len must be > 0, got {buffer_len}")
+    if not math.isfinite(penalty_factor):
+        raise ValueError(f"reward.overlong_buffer.penalty_factor must be a finite number, got {penalty_factor!r}")
     if max_response_length < buffer_len:
         raise ValueError(
             f"reward.overlong_buffer.len={buffer_len} exceeds data.max_response_length={max_response_length}"

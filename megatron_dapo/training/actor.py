@@ -17,6 +17,7 @@ micro-batch split. The DAPO math itself is in ``megatron_dapo.algo`` (pure funct
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.algo.kl import kl_penalty
-from megatron_dapo.algo.logprobs import vocab_parallel_log_probs
+from megatron_dapo.algo.logprobs import response_log_probs
 from megatron_dapo.algo.policy_loss import agg_loss, agg_normalisers, compute_policy_loss_terms, policy_loss_metric_sums
 from megatron_dapo.config import ActorConfig
 
@@ -94,6 +95,19 @@ def make_micro_batch(batch: dict, rows: list[int], field_names: tuple[str, ...],
     return MicroBatch(tokens, position_ids, response_index, responses, fields)
 
 
+LOSS_INPUT_FIELDS = ("old_log_probs", "advantages", "ref_log_probs", "rollout_is_weights")
+
+
+def _loss_inputs_finite(mini_batch: dict, rows: slice) -> bool:
+    """Whether this rank's rows of the loss inputs are finite wherever the loss mask lets them into the loss."""
+    mask = mini_batch.get("loss_mask", mini_batch["response_mask"])[rows].bool()
+    for name in LOSS_INPUT_FIELDS:
+        value = mini_batch.get(name)
+        if value is not None and not bool(torch.isfinite(value[rows][mask]).all()):
+            return False
+    return True
+
+
 def causal_mask(seq_len: int, device) -> torch.Tensor:
     return torch.triu(torch.ones((1, 1, seq_len, seq_len), dtype=torch.bool, device=device), diagonal=1)
 
@@ -138,15 +152,19 @@ class MegatronActor:
             output = model(tokens, mb.position_ids.to(device), causal_mask(tokens.shape[1], device))
 
             def loss_func(logits):
-                index = mb.response_index.to(device)
-                resp_logits = torch.gather(logits, 1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-                log_probs, entropy = vocab_parallel_log_probs(
-                    resp_logits,
+                # Response positions are read straight from the full-sequence logits, chunk by chunk (no gathered
+                # copy, no [T, V] fp32 tensor); the gradient is written into the logits' storage, which nothing
+                # reads after this hook's backward.
+                log_probs, entropy = response_log_probs(
+                    logits,
+                    mb.response_index.to(device),
                     mb.response_tokens.to(device),
                     self.true_vocab_size,
                     self.temperature,
                     vocab_start=vocab_start_rank * logits.shape[-1],
                     tp_group=tp_group,
+                    entropy_requires_grad=self.cfg.entropy_coeff != 0,
+                    grad_into_logits=True,
                 )
                 return loss_fn(log_probs, entropy, {k: v.to(device) for k, v in mb.fields.items()})
 
@@ -225,10 +243,57 @@ class MegatronActor:
     # ------------------------------------------------------------------------------------------- update
 
     def update(self, mini_batch: dict, temperature: float) -> dict[str, float]:
-        """One optimizer step on a mini-batch: forward-backward with the DAPO loss hook, then ``optimizer.step``."""
+        """One optimizer step on a mini-batch: forward-backward with the DAPO loss hook, then a guarded step.
+
+        The step is applied only when the loss, the gradient norm and the loss inputs are finite on every rank (one
+        reduction over all ranks, so no rank steps alone); otherwise parameters and optimizer state are left as
+        they were and ``actor/update_ok`` is 0, with ``nonfinite`` naming what was not finite.
+        """
+        inputs_ok = _loss_inputs_finite(mini_batch, dp_slice(mini_batch["responses"].shape[0]))
         results = self.compute_gradients(mini_batch, temperature)
-        update_ok, grad_norm, _ = self.optimizer.step()
-        return self._reduce_update_metrics(results, grad_norm, update_ok)
+        loss_ok = all(math.isfinite(float(res["pg_loss"])) for res in results)  # empty off the last stage
+        applied, grad_norm, nonfinite = self._guarded_step(loss_ok, inputs_ok)
+        metrics = self._reduce_update_metrics(results, grad_norm, applied)
+        metrics["nonfinite"] = nonfinite  # type: ignore[assignment]  # popped by the trainer
+        return metrics
+
+    def _guarded_step(self, loss_ok: bool, inputs_ok: bool) -> tuple[bool, float, list[str]]:
+        """megatron-core's ``optimizer.step()`` split at its seams so that a non-finite value skips the update.
+
+        ``prepare_grads`` (fp16 loss-scale check included), ``get_grad_norm`` (reduced over the model-parallel
+        group, and DP for the distributed optimizer), one agreement over all ranks, then clipping and
+        ``step_with_ready_grads`` only when everything was finite. bf16/fp32 have no loss scaler, so without this a
+        NaN update would be applied.
+        """
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        from megatron_dapo.parallel import control_group
+
+        optimizer = self.optimizer
+        found_inf = bool(optimizer.prepare_grads())
+        grad_norm = float("nan") if found_inf else float(optimizer.get_grad_norm())
+        flags = torch.tensor([not loss_ok, not math.isfinite(grad_norm), not inputs_ok, found_inf], dtype=torch.float32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control_group())
+        names = (
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "loss inputs (old/ref log-probs, advantages, IS weights)",
+            "fp16 gradients (loss scaler)",
+        )
+        nonfinite = [name for name, bad in zip(names, flags.tolist()) if bad]
+        if nonfinite:
+            return False, grad_norm, nonfinite
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            params = [] if getattr(inner, "is_stub_optimizer", False) else inner.get_parameters()
+            if params and inner.config.clip_grad > 0.0:
+                clip_grad_by_total_norm_fp32(
+                    params,
+                    max_norm=inner.config.clip_grad,
+                    total_norm=grad_norm,
+                    use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                )
+        return bool(optimizer.step_with_ready_grads()), grad_norm, []
 
     def compute_gradients(self, mini_batch: dict, temperature: float) -> list[dict]:
         """Forward-backward of a mini-batch with the DAPO loss hook; gradients land in the DDP grad buffers."""

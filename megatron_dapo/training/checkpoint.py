@@ -26,8 +26,24 @@ embedding/output rows load and the extra padding rows keep their initial values 
 With torch's Adam (no TransformerEngine/Apex) megatron-core's DistributedOptimizer neither restores Adam's ``step``
 nor keeps it per parameter on load; ``_restore_torch_adam_steps`` sets it from ``trainer_state.json``.
 
-Note: megatron-core's checkpoint writer starts a helper with the ``spawn`` method on the first save, which
-re-imports the launching script: scripts run under torchrun must keep their work under ``if __name__ == "__main__"``.
+Integrity: ``manifest.json`` in the step directory lists every file with its size and CRC-32
+(``megatron_dapo/weights/integrity.py``), hashed as the bytes are written: megatron-core's tensor files through our
+writer helpers (``_write_buckets_bounded``), rng/trainer_state/config as we write them; only megatron-core's three small
+bookkeeping files (``common.pt``, ``.metadata``, ``metadata.json``), written inside megatron-core, are hashed by rank 0
+right after they are written (page cache). ``load``/``resolve_resume`` verify sizes and checksums first (the ranks
+split the files, one collective agrees) and raise ``CheckpointIntegrityError`` naming the step directory, the file
+and expected vs found ("truncated" / "corrupt"); ``resume_mode=auto`` falls back to the newest intact checkpoint
+with a warning. A checkpoint without a manifest (written before manifests existed) loads with a warning.
+
+No non-finite weight: ``save`` refuses (before any rank writes anything) a state whose floating model or optimizer
+tensors hold NaN/inf, naming the first such tensor.
+
+Bounded writes: megatron-core's writer forks one helper process per file and waits for them without a time limit
+(``count_queue.join()`` in ``FileSystemWriterAsync.write_preloaded_data_multiproc``: a killed helper hangs the save
+forever). We keep its planner, file layout and finalisation but run the helpers ourselves
+(``_BoundedTorchDistSaveStrategy``): the rank polls each helper's liveness and gives up after ``timeout_s`` with a
+``CheckpointError`` naming the helper's pid, its file and the step; the temporary directory is never published.
+megatron-core's spawn-started results-queue server is not started (our queue is in-process).
 """
 
 from __future__ import annotations
@@ -35,14 +51,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import re
 import shutil
+import signal
 import time
+import zlib
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
+
+from megatron_dapo.weights.integrity import (
+    MANIFEST_NAME,
+    FileRecord,
+    HashingWriter,
+    file_crc32,
+    first_non_finite,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
 
 log = logging.getLogger("megatron_dapo.checkpoint")
 
@@ -55,11 +86,18 @@ RNG_DIR = "rng"
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
 DIST_OPTIM_FORMAT = "dp_reshardable"
+DEFAULT_TIMEOUT_S = 600.0
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+# Written by megatron-core itself (rank 0), hashed right after it wrote them.
+_MCORE_BOOKKEEPING = ("common.pt", ".metadata", "metadata.json")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or does not fit the model/optimizer it is loaded into."""
+
+
+class CheckpointIntegrityError(CheckpointError):
+    """A checkpoint's files do not match its manifest (truncated / corrupt / missing), or it was refused on save."""
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -76,6 +114,283 @@ def _world() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _all_gather(obj: Any) -> list:
+    """Every rank's ``obj`` (one collective), in rank order; ``[obj]`` without torch.distributed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree_error(local: Optional[str]) -> Optional[str]:
+    """The lowest failing rank's message on every rank (None when no rank failed). Collective."""
+    msgs = _all_gather(local)
+    failed = [(r, m) for r, m in enumerate(msgs) if m]
+    if not failed:
+        return None
+    rank, msg = failed[0]
+    more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+    return f"rank {rank}: {msg}{more}" if len(msgs) > 1 else msg
+
+
+# --------------------------------------------------------------------------------------------- integrity
+
+
+def _write_bytes_hashed(path: Path, data: bytes) -> FileRecord:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return FileRecord(str(path), len(data), zlib.crc32(data))
+
+
+def _torch_save_hashed(obj: Any, path: Path) -> FileRecord:
+    with open(path, "wb") as raw:
+        stream = HashingWriter(raw)
+        torch.save(obj, stream)
+        raw.flush()
+        os.fsync(raw.fileno())
+    return FileRecord(str(path), stream.size, stream.crc)
+
+
+def _named_state_tensors(tree: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(name, local tensor) of every tensor in a megatron-core sharded state dict: ShardedTensor/factory data by
+    their checkpoint key, tensors inside ShardedObjects and plain entries by key/path."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    out: list[tuple[str, torch.Tensor]] = []
+
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, (ShardedTensor, ShardedTensorFactory)):
+            if isinstance(x.data, torch.Tensor):
+                out.append((x.key, x.data))
+        elif isinstance(x, ShardedObject):
+            walk(x.data, x.key)
+        elif isinstance(x, torch.Tensor):
+            out.append((path, x))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{path}.{i}" if path else str(i))
+
+    walk(tree, prefix)
+    return out
+
+
+def _manifest_problem(step_dir: Path, checksum: bool) -> Optional[str]:
+    """This rank's share of verifying ``step_dir`` against its manifest: a message, or None when intact.
+
+    Every rank stats every file (cheap); the checksums (a full read) are split round-robin across the ranks.
+    """
+    try:
+        records = read_manifest(step_dir)
+    except ValueError as e:
+        return f"{e}"
+    if records is None:
+        return None
+    ordered = [records[k] for k in sorted(records)]
+    problem = verify_files(step_dir, ordered, checksum=False)
+    if problem is None and checksum:
+        problem = verify_files(step_dir, ordered[_rank() :: _world()], checksum=True)
+    return None if problem is None else str(problem)
+
+
+_verified: dict[str, tuple[int, int]] = {}  # step dir -> (mtime_ns, size) of the manifest whose checksums passed
+
+
+def _manifest_stamp(step_dir: Path) -> Optional[tuple[int, int]]:
+    try:
+        st = (step_dir / MANIFEST_NAME).stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def checkpoint_problem(step_dir: Union[str, Path], collective: Optional[bool] = None) -> Optional[str]:
+    """Why ``step_dir`` cannot be loaded (incomplete, or a file that does not match the manifest), or None.
+
+    Collective when torch.distributed is initialized (``collective=None``): the ranks split the checksum reads and
+    agree with one ``all_gather_object``, so every rank returns the same answer. Checksums of a directory already
+    verified in this process (same manifest) are not re-read; sizes always are.
+    """
+    step_dir = Path(step_dir)
+    if collective is None:
+        collective = dist.is_initialized() and dist.get_world_size() > 1
+    missing = missing_parts(step_dir) if step_dir.is_dir() else ["the directory itself"]
+    local: Optional[str] = None
+    if missing:
+        local = f"incomplete (missing: {', '.join(missing)})"
+    else:
+        key, stamp = str(step_dir.resolve()), _manifest_stamp(step_dir)
+        checksum = stamp is None or _verified.get(key) != stamp
+        if collective:
+            local = _manifest_problem(step_dir, checksum)
+        else:
+            # One process verifies everything itself.
+            try:
+                records = read_manifest(step_dir)
+                found = (
+                    None if records is None else verify_files(step_dir, [records[k] for k in sorted(records)], checksum)
+                )
+                local = None if found is None else str(found)
+            except ValueError as e:
+                local = str(e)
+    if collective:
+        msgs = _all_gather(local)
+        local = next((m for m in msgs if m), None)
+    if local is None and not missing and _manifest_stamp(step_dir) is not None:
+        _verified[str(step_dir.resolve())] = _manifest_stamp(step_dir)
+    return local
+
+
+def _warn_if_no_manifest(step_dir: Path) -> None:
+    if step_dir.is_dir() and not (step_dir / MANIFEST_NAME).is_file() and _rank() == 0:
+        log.warning(
+            "checkpoint %s has no %s (saved before manifests existed): loading it without an integrity check",
+            step_dir,
+            MANIFEST_NAME,
+        )
+
+
+# ------------------------------------------------------------------------------------------ bounded writer
+
+
+def _write_bucket_hashed(transform_list: list, proc_idx: int, bucket: Any, results: Any) -> None:
+    """Helper-process body: megatron-core's ``write_preloaded_data`` with the file stream hashed as it is written.
+
+    Puts ``(proc_idx, write_results, size, crc32)`` or ``(proc_idx, error text)`` on ``results``.
+    """
+    import inspect
+
+    from torch.distributed.checkpoint.filesystem import _write_item
+
+    try:
+        file_name, storage_key, (bytes_data, tensor_data) = bucket
+        extra = {}
+        if "serialization_format" in inspect.signature(_write_item).parameters:
+            from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+            extra["serialization_format"] = SerializationFormat.TORCH_SAVE
+        write_results = []
+        with open(file_name, "wb") as raw:
+            stream = HashingWriter(raw)
+            for item, data in list(bytes_data) + list(tensor_data):
+                write_results.append(_write_item(*transform_list, stream, data, item, storage_key, **extra))
+            raw.flush()
+            os.fsync(raw.fileno())
+        results.put((proc_idx, write_results, stream.size, stream.crc))
+    except BaseException as e:  # noqa: BLE001 - reported to the rank, which raises it named
+        results.put((proc_idx, f"{type(e).__name__}: {e}"))
+
+
+def _signal_name(exitcode: int) -> str:
+    try:
+        return f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
+    except ValueError:
+        return f"exit code {exitcode}"
+
+
+def _write_buckets_bounded(
+    transform_list: list,
+    timeout_s: float,
+    label: str,
+    records: list,
+    errors: list,
+    rank: int,
+    write_buckets: list,
+    results_queue: Any,
+) -> None:
+    """Replaces ``FileSystemWriterAsync.write_preloaded_data_multiproc``: one forked helper per file (as megatron-core
+    does), but every wait is bounded. A helper that dies without a result or does not finish within ``timeout_s`` is
+    reported in ``errors`` (the rank raises after agreeing with the others); nothing raises here, so no rank leaves
+    the others waiting in a collective."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_write_bucket_hashed, args=(transform_list, i, bucket, results), daemon=True)
+        for i, bucket in enumerate(write_buckets)
+    ]
+    for p in procs:
+        p.start()
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    exited_at: dict[int, float] = {}
+    error: Optional[str] = None
+
+    def what(i: int) -> str:
+        return f"checkpoint writer helper pid {procs[i].pid} (writing {write_buckets[i][0]}) for {label}"
+
+    while len(done) < len(procs) and error is None:
+        try:
+            got = results.get(timeout=0.2)
+        except queue.Empty:
+            now = time.monotonic()
+            for i, p in enumerate(procs):
+                if i in done or p.exitcode is None:
+                    continue
+                # Exited: its result may still be in the pipe; a clean exit gets a short grace period.
+                exited_at.setdefault(i, now)
+                if p.exitcode != 0 or now - exited_at[i] > 5.0:
+                    error = f"{what(i)} died ({_signal_name(p.exitcode)}) before finishing its file"
+                    break
+            if error is None and now > deadline:
+                late = [i for i in range(len(procs)) if i not in done]
+                error = f"{what(late[0])} did not finish within timeout_s={timeout_s:g}"
+            continue
+        if isinstance(got[1], str):
+            error = f"{what(got[0])} failed: {got[1]}"
+        else:
+            done[got[0]] = got[1]
+            records.append(FileRecord(write_buckets[got[0]][0], got[2], got[3]))
+    for p in procs:
+        if p.exitcode is None and error is not None:
+            p.kill()
+        p.join(timeout=5.0)
+    results.close()
+    if error is not None:
+        errors.append(error)
+        results_queue.put(RuntimeError(error))
+    else:
+        results_queue.put(done)
+
+
+def _bounded_save_strategy(timeout_s: float, label: str):
+    """megatron-core's torch_dist save strategy with its file writing replaced by ``_write_buckets_bounded``."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    class _BoundedTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
+        def __init__(self) -> None:
+            super().__init__("torch_dist", 1)
+            self.records: list[FileRecord] = []
+            self.errors: list[str] = []
+
+        def async_save(self, sharded_state_dict, checkpoint_dir):
+            # The writer takes megatron-core's module-level results queue, which would start a spawn-method
+            # server process; we write synchronously, so an in-process queue suffices (swapped only for this call).
+            saved = filesystem_async._results_queue
+            filesystem_async._results_queue = queue.Queue()
+            try:
+                return super().async_save(sharded_state_dict, checkpoint_dir)
+            finally:
+                filesystem_async._results_queue = saved
+
+        def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
+            request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+            if request.async_fn is None:
+                return request
+            transforms = [writer.transforms] if hasattr(writer, "transforms") else []
+            fn = partial(_write_buckets_bounded, transforms, timeout_s, label, self.records, self.errors)
+            return request._replace(async_fn=fn)
+
+    return _BoundedTorchDistSaveStrategy()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -226,11 +541,14 @@ def complete_checkpoints(save_dir: Union[str, Path]) -> list[tuple[int, Path]]:
 
 
 def resolve_resume(resume_mode: str, save_dir: Optional[Union[str, Path]]) -> Optional[Path]:
-    """Which checkpoint to resume from.
+    """Which checkpoint to resume from, verified against its manifest (``checkpoint_problem``).
 
-    ``disable`` → None; ``auto`` → the step directory named by ``<save_dir>/latest`` (or, without a marker, the
-    highest complete step directory), None when there is none; anything else is a path to a step directory, which
-    must exist and be complete.
+    ``disable`` → None; ``auto`` → the newest intact checkpoint: the step directory named by ``<save_dir>/latest``
+    first, then the other complete ``global_step_<n>`` directories from the highest step down; every damaged one
+    passed over is logged as a WARNING with the reason. None when ``save_dir`` holds no checkpoint at all;
+    ``CheckpointIntegrityError`` (naming the newest one's damage) when it holds only damaged ones. Anything else is
+    a path to a step directory, which must exist, be complete and match its manifest.
+    Collective when torch.distributed is initialized (every rank calls it; see ``checkpoint_problem``).
     """
     if resume_mode == "disable":
         return None
@@ -238,19 +556,30 @@ def resolve_resume(resume_mode: str, save_dir: Optional[Union[str, Path]]) -> Op
         if save_dir is None or not Path(save_dir).is_dir():
             return None
         save_dir = Path(save_dir)
+        candidates: list[Path] = []
         marker = save_dir / LATEST
         if marker.is_file():
-            name = marker.read_text().strip()
-            target = save_dir / name
-            missing = missing_parts(target) if target.is_dir() else ["the directory itself"]
-            if missing:
-                raise CheckpointError(
-                    f"checkpoint.resume_mode=auto: {marker} names {name!r} but {target} is incomplete (missing: "
-                    f"{', '.join(missing)}); pass checkpoint.resume_mode=<step dir> or disable"
-                )
-            return target
-        found = complete_checkpoints(save_dir)
-        return found[-1][1] if found else None
+            candidates.append(save_dir / marker.read_text().strip())
+        steps = []
+        for child in save_dir.iterdir():
+            m = _STEP_RE.match(child.name)
+            if m and child.is_dir():
+                steps.append((int(m.group(1)), child))
+        candidates += [p for _, p in sorted(steps, reverse=True) if p not in candidates]
+        first_damage = None
+        for target in candidates:
+            problem = checkpoint_problem(target)
+            if problem is None:
+                return target
+            why = f"{target} is damaged: {problem}"
+            if _rank() == 0:
+                log.warning("checkpoint.resume_mode=auto: skipping %s; trying an older checkpoint", why)
+            first_damage = first_damage or why
+        if first_damage is None:
+            return None
+        raise CheckpointIntegrityError(
+            f"checkpoint.resume_mode=auto: no intact checkpoint in {save_dir}; newest: {first_damage}"
+        )
     path = Path(resume_mode)
     if not path.is_dir():
         raise CheckpointError(
@@ -266,6 +595,11 @@ def resolve_resume(resume_mode: str, save_dir: Optional[Union[str, Path]]) -> Op
             f"checkpoint.resume_mode={resume_mode!r}: {path} is not a complete checkpoint (missing: "
             f"{', '.join(missing)}){hint}"
         )
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointIntegrityError(
+            f"checkpoint.resume_mode={resume_mode!r}: checkpoint {path} is damaged: {problem}"
+        )
     return path
 
 
@@ -275,9 +609,18 @@ def resolve_resume(resume_mode: str, save_dir: Optional[Union[str, Path]]) -> Op
 class CheckpointManager:
     """Save/load training checkpoints under ``save_dir``; keep at most ``max_ckpt_to_keep`` (None/<=0: all)."""
 
-    def __init__(self, save_dir: Union[str, Path], max_ckpt_to_keep: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        save_dir: Union[str, Path],
+        max_ckpt_to_keep: Optional[int] = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        """``timeout_s`` bounds every wait on megatron-core's checkpoint-writer helper processes during ``save``."""
+        if not timeout_s or timeout_s <= 0:
+            raise ValueError(f"CheckpointManager(timeout_s={timeout_s!r}): expected a positive number of seconds")
         self.save_dir = Path(save_dir)
         self.max_ckpt_to_keep = max_ckpt_to_keep
+        self.timeout_s = float(timeout_s)
 
     def save(
         self,
@@ -289,9 +632,15 @@ class CheckpointManager:
         config: Optional[dict] = None,
         save_optimizer: bool = True,
     ) -> Path:
-        """Collective (every rank calls it). Returns the final step directory."""
+        """Collective (every rank calls it). Returns the final step directory.
+
+        Raises ``CheckpointIntegrityError`` (every rank, nothing written) when a floating model/optimizer tensor is
+        non-finite, and ``CheckpointError`` (every rank, temporary directory unpublished, ``latest`` unchanged) when
+        writing fails, e.g. a writer helper dies or does not finish within ``timeout_s``.
+        """
         from megatron.core import dist_checkpointing
 
+        from megatron_dapo.models.builder import unwrap
         from megatron_dapo.platform import get_platform
 
         started = time.perf_counter()
@@ -318,6 +667,22 @@ class CheckpointManager:
             },
             indent=2,
         )
+        sharded = _sharded_state_dict(model_chunks, optimizer if save_optimizer else None, is_loading=False)
+        # Model tensors by module name (layer index included), then the optimizer's state by checkpoint key.
+        named = [
+            (f"model{i}.{n}", t)
+            for i, chunk in enumerate(model_chunks)
+            for n, t in unwrap(chunk).state_dict(keep_vars=True).items()
+            if isinstance(t, torch.Tensor)
+        ]
+        named += _named_state_tensors(sharded.get("optimizer"), "optimizer")
+        bad = [(r, name) for r, name in enumerate(_all_gather(first_non_finite(named))) if name]
+        if bad:
+            where = f" on rank {bad[0][0]}" if _world() > 1 else ""
+            raise CheckpointIntegrityError(
+                f"refusing to save checkpoint {final}: tensor {bad[0][1]!r}{where} holds non-finite values (NaN/inf);"
+                f" nothing was written, {self.save_dir / LATEST} and earlier checkpoints are unchanged"
+            )
         if rank == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
             for stale in self.save_dir.glob(".tmp-*"):  # left by a crashed save or deletion
@@ -327,18 +692,50 @@ class CheckpointManager:
             (tmp / RNG_DIR).mkdir()
         _barrier()
 
-        sharded = _sharded_state_dict(model_chunks, optimizer if save_optimizer else None, is_loading=False)
-        dist_checkpointing.save(sharded, str(tmp / DIST_DIR))
-        torch.save(rng, tmp / RNG_DIR / _rng_name(rank))
+        strategy = _bounded_save_strategy(self.timeout_s, f"{final.name} (being written in {tmp})")
+        request = dist_checkpointing.save(
+            sharded, str(tmp / DIST_DIR), sharded_strategy=strategy, async_sharded_save=True
+        )
+        local_error = None
+        try:
+            args = list(request.async_fn_args)
+            if request.preload_fn is not None:
+                args[1] = request.preload_fn()
+            if request.async_fn is not None:
+                request.async_fn(*args, **request.async_fn_kwargs)
+            local_error = strategy.errors[0] if strategy.errors else None
+        except Exception as e:  # noqa: BLE001 - agreed below so that no rank waits for a failed one
+            local_error = f"{type(e).__name__}: {e}"
+        error = _agree_error(local_error)
+        if error is not None:
+            raise CheckpointError(
+                f"saving checkpoint {final} failed: {error}; {tmp} was not published, {self.save_dir / LATEST} "
+                "is unchanged"
+            )
+        for finalize in request.finalize_fns:  # megatron-core's .metadata and metadata.json (collective)
+            finalize()
+
+        records = list(strategy.records)
+        records.append(_torch_save_hashed(rng, tmp / RNG_DIR / _rng_name(rank)))
         if rank == 0:
-            (tmp / STATE_FILE).write_text(state_text)
+            records.append(_write_bytes_hashed(tmp / STATE_FILE, state_text.encode("utf-8")))
             if config is not None:
                 import yaml
 
-                (tmp / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
-        _barrier()  # every rank's files are in place
+                text = yaml.safe_dump(config, sort_keys=False)
+                records.append(_write_bytes_hashed(tmp / CONFIG_FILE, text.encode("utf-8")))
+            for name in _MCORE_BOOKKEEPING:
+                path = tmp / DIST_DIR / name
+                if path.is_file():
+                    size, crc = file_crc32(path)
+                    records.append(FileRecord(str(path), size, crc))
+        # Every rank's files are in place; rank 0 gets their records (this is the barrier).
+        everyone = _all_gather([(os.path.relpath(r.path, tmp), r.size, r.crc32) for r in records])
 
         if rank == 0:
+            write_manifest(
+                tmp, [FileRecord(Path(rel).as_posix(), size, crc) for recs in everyone for rel, size, crc in recs]
+            )
             self._commit(tmp, final)
             self._rotate(keep=final)
         _barrier()
@@ -392,6 +789,10 @@ class CheckpointManager:
         missing = missing_parts(step_dir) if step_dir.is_dir() else ["the directory itself"]
         if missing:
             raise CheckpointError(f"cannot load checkpoint {step_dir}: incomplete (missing: {', '.join(missing)})")
+        problem = checkpoint_problem(step_dir)
+        if problem is not None:
+            raise CheckpointIntegrityError(f"cannot load checkpoint {step_dir}: damaged: {problem}")
+        _warn_if_no_manifest(step_dir)
         state = json.loads((step_dir / STATE_FILE).read_text())
         if state.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(

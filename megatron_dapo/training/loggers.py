@@ -36,14 +36,46 @@ def _json_value(value: float) -> Any:
 
 
 class _Console:
-    """One compact line per step: ``step 3 | critic/score/mean=0.250 | ...`` (keys sorted)."""
+    """Compact by default: a fixed-width row of the key metrics (``console.COLUMNS``) every ``every`` steps, on the
+    first step and on every step that validated, with the header repeated every 20 rows. ``verbose``: one line
+    per step with every metric (``step 3 | critic/score/mean=0.250 | ...``, keys sorted)."""
 
-    def __init__(self, stream: TextIO) -> None:
+    HEADER_EVERY = 20
+
+    def __init__(
+        self,
+        stream: TextIO,
+        every: int = 1,
+        total_steps: Optional[int] = None,
+        verbose: bool = False,
+        progress: Optional[Any] = None,
+    ) -> None:
         self.stream = stream
+        self.every = max(1, every)
+        self.total_steps = total_steps
+        self.verbose = verbose
+        self.progress = progress
+        self.rows = 0
+
+    def _write(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.write(text, self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        parts = [f"step {step}"] + [f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())]
-        print(" | ".join(parts), file=self.stream, flush=True)
+        if self.verbose:
+            self._write(" | ".join([f"step {step}"] + [f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())]))
+            return
+        from megatron_dapo.training.console import format_header, format_row
+
+        validated = any(k.startswith("val-core/") for k in metrics)
+        if not (validated or step <= 1 or step % self.every == 0 or step == self.total_steps):
+            return
+        if self.rows % self.HEADER_EVERY == 0:
+            self._write(format_header())
+        self._write(format_row(metrics, step, self.total_steps))
+        self.rows += 1
 
     def close(self) -> None:
         pass
@@ -103,6 +135,7 @@ class _Wandb:
 class MetricsLogger:
     """Fan one metrics dict per step out to the configured backends.
 
+    ``console`` prints the compact table (see ``_Console``; ``verbose`` prints every metric of every step),
     ``jsonl`` writes ``<output_dir>/metrics.jsonl`` (one object per step with ``"step"``, appended so a resumed run
     continues the file), ``tensorboard`` writes event files under ``<output_dir>/tensorboard``, ``wandb`` logs to
     the project/experiment given. Non-scalar values are skipped.
@@ -117,6 +150,10 @@ class MetricsLogger:
         config_dict: Optional[dict] = None,
         enabled: bool = True,
         stream: Optional[TextIO] = None,
+        console_every: int = 1,
+        total_steps: Optional[int] = None,
+        verbose: bool = False,
+        progress: Optional[Any] = None,
     ) -> None:
         if isinstance(backends, str):
             backends = [backends]
@@ -130,7 +167,7 @@ class MetricsLogger:
         out = Path(output_dir)
         for name in dict.fromkeys(backends):  # keep order, drop duplicates
             if name == "console":
-                self.backends[name] = _Console(stream or sys.stdout)
+                self.backends[name] = _Console(stream or sys.stdout, console_every, total_steps, verbose, progress)
             elif name == "jsonl":
                 self.backends[name] = _Jsonl(out / "metrics.jsonl")
             elif name == "tensorboard":

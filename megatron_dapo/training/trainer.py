@@ -7,6 +7,7 @@ reference (when a KL term is on) and a member of the colocated vLLM engine. Only
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -17,17 +18,25 @@ from megatron_dapo.algo.advantages import compute_advantages
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingAccumulator
 from megatron_dapo.algo.kl import apply_kl_penalty_to_rewards, get_kl_controller
 from megatron_dapo.algo.policy_loss import compute_rollout_is_weights
-from megatron_dapo.config import ConfigError, ExperimentConfig, to_dict, validate_parallel_layout
+from megatron_dapo.config import ExperimentConfig, to_dict, validate_config, validate_parallel_layout
 from megatron_dapo.data import PromptSampler, build_dataset
 from megatron_dapo.models.builder import build_gpt_chunks, freeze, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
-from megatron_dapo.parallel import init_distributed, init_model_parallel
+from megatron_dapo.parallel import any_rank, init_distributed, init_model_parallel
 from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.rollout.engine import RolloutEngine, teardown
 from megatron_dapo.rollout.sync import WeightSync, logprob_diff_metrics
 from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec
 from megatron_dapo.training.actor import MegatronActor
 from megatron_dapo.training.checkpoint import CheckpointManager, resolve_resume
+from megatron_dapo.training.console import ProgressBar, setup_logging
+from megatron_dapo.training.failure import (
+    NonFiniteUpdateError,
+    PeerFailure,
+    StopRequest,
+    all_ranks_in_handler,
+    record_failure,
+)
 from megatron_dapo.training.loggers import MetricsLogger, RolloutDumper
 from megatron_dapo.training.metrics import (
     compute_data_metrics,
@@ -42,14 +51,13 @@ from megatron_dapo.weights.mcore_checkpoint import load_mcore_checkpoint
 
 log = logging.getLogger("megatron_dapo.trainer")
 
-FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
-
 
 class DAPOTrainer:
     def __init__(self, cfg: ExperimentConfig) -> None:
         self.cfg = cfg
-        check_config(cfg)
-        self.info, self.platform = init_distributed(cfg.parallel)
+        validate_config(cfg)
+        timeout_s = cfg.trainer.collective_timeout_s
+        self.info, self.platform = init_distributed(cfg.parallel, timeout_s=timeout_s)
         hf_dir = cfg.model.hf_config_dir or str(Path(cfg.checkpoint.load_dir) / "hf_config")
         self.arch = model_arch_from_hf(hf_dir)
         self.dp_size = validate_parallel_layout(
@@ -59,7 +67,7 @@ class DAPOTrainer:
             self.arch.num_attention_heads,
             self.arch.num_query_groups,
         )
-        init_model_parallel(cfg.parallel, seed=cfg.trainer.seed)
+        init_model_parallel(cfg.parallel, seed=cfg.trainer.seed, timeout_s=timeout_s)
 
         from transformers import AutoTokenizer
 
@@ -104,9 +112,10 @@ class DAPOTrainer:
         # Checkpoints, logs.
         out = Path(cfg.trainer.output_dir)
         self.ckpt = CheckpointManager(
-            cfg.checkpoint.save_dir or str(out / "checkpoints"), cfg.checkpoint.max_ckpt_to_keep
+            cfg.checkpoint.save_dir or str(out / "checkpoints"), cfg.checkpoint.max_ckpt_to_keep, timeout_s=timeout_s
         )
         main = self.info.is_main
+        self.progress = ProgressBar(self.total_steps, 0, enabled=main and cfg.trainer.progress_bar)
         self.logger = MetricsLogger(
             cfg.trainer.logger,
             str(out),
@@ -114,29 +123,88 @@ class DAPOTrainer:
             cfg.trainer.experiment_name,
             to_dict(cfg),
             enabled=main,
+            console_every=cfg.trainer.console_every,
+            total_steps=self.total_steps,
+            verbose=cfg.trainer.verbose,
+            progress=self.progress,
         )
         self.dumper = RolloutDumper(cfg.trainer.rollout_data_dir) if cfg.trainer.rollout_data_dir and main else None
+        # Run state. ``global_step`` is the last *completed* step: its update is applied (what a checkpoint of it
+        # holds). ``_boundary`` is the data position and RNG at that point, for a checkpoint after a failure.
         self.global_step = 0
+        self.saved_step: Optional[int] = None
+        self.num_skipped_updates = 0
+        self.consecutive_skipped_updates = 0
+        self.num_partial_batches = 0
+        self.num_empty_steps = 0  # exhausted steps that kept nothing, so had no update
+        self._last_val_step: Optional[int] = None
+        self._update_in_progress = False
+        self._saving = False
+        self._boundary = self._snapshot()
+        self.stop_request = StopRequest()
 
     # ================================================================================================ the loop
 
     def fit(self) -> dict[str, float]:
-        """Train for ``total_steps``; returns the last validation metrics."""
-        cfg = self.cfg
+        """Train for ``total_steps``; returns the last validation metrics.
+
+        Ends early, cleanly (checkpoint, exit 0), on SIGTERM/SIGINT or when dynamic sampling is exhausted with
+        ``on_exhausted=stop``. Any other failure saves the last completed step (unless it is saved already or the
+        failure interrupted its parameter update) and re-raises.
+        """
         self._maybe_resume()
+        if self.global_step >= self.total_steps:
+            if self.info.is_main:
+                log.warning(
+                    "nothing to do: the run is complete (resumed at step %d, trainer.total_training_steps=%d); "
+                    "raise trainer.total_training_steps to train further",
+                    self.global_step,
+                    self.total_steps,
+                )
+            return {}
+        self.stop_request.install()
+        try:
+            return self._train_loop()
+        except BaseException as exc:
+            self._save_after_failure(exc)
+            raise
+        finally:
+            self.stop_request.restore()
+
+    def _train_loop(self) -> dict[str, float]:
+        cfg = self.cfg
         self.weight_sync.sync(self.actor.chunks)  # the engine starts from dummy weights
         val_metrics: dict[str, float] = {}
         if self.val_data is not None and cfg.trainer.val_before_train:
             val_metrics = self.validate()
             self.logger.log(val_metrics, step=self.global_step)
-        progress = self._progress_bar()
+            self._last_val_step = self.global_step
+        self.progress.start_at(self.global_step)
         while self.global_step < self.total_steps:
-            self.global_step += 1
-            step, timings, metrics = self.global_step, {}, {}
-            with timed("step", timings):
-                # 1-3. Rollout, rewards, dynamic sampling until the batch is full.
-                batch, gen_metrics = self.collect_batch(step, timings)
-                metrics.update(gen_metrics)
+            step_val = self.train_step(self.global_step + 1)
+            if step_val is None:  # dynamic sampling exhausted with on_exhausted=stop
+                return self._stop_early("dynamic sampling was exhausted (algorithm.filter_groups.on_exhausted=stop)")
+            val_metrics = step_val or val_metrics
+            if any_rank(self.stop_request.requested):
+                return self._stop_early(f"a stop was requested ({self.stop_request.signal_name or 'signal'} on a rank)")
+        return val_metrics
+
+    def train_step(self, step: int) -> Optional[dict[str, float]]:
+        """One training step, logged. Returns its validation metrics ({} when it did not validate), or None when
+        dynamic sampling was exhausted and ``on_exhausted=stop`` (nothing of this step was applied)."""
+        cfg = self.cfg
+        timings: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        val_metrics: dict[str, float] = {}
+        with timed("step", timings):
+            # 1-3. Rollout, rewards, dynamic sampling until the batch is full (or exhausted).
+            collected = self.collect_batch(step, timings)
+            if collected is None:
+                return None
+            batch, gen_metrics = collected
+            metrics.update(gen_metrics)
+            trains = bool(batch["loss_mask"].any())
+            if trains:
                 # 4. Old-policy (and reference) log-probs from the Megatron models.
                 with timed("old_log_prob", timings):
                     old = self.actor.compute_log_probs(batch, cfg.rollout.temperature, calculate_entropy=True)
@@ -144,61 +212,91 @@ class DAPOTrainer:
                 metrics.update(
                     logprob_diff_metrics(old["log_probs"], batch["rollout_log_probs"], batch["response_mask"])
                 )
+                metrics.update(_nonfinite_counts(batch, "old_log_probs", "actor/num_nonfinite_old_log_probs"))
                 if self.ref is not None:
                     with timed("ref", timings):
                         batch["ref_log_probs"] = self.ref.compute_log_probs(batch, cfg.rollout.temperature)["log_probs"]
+                    metrics.update(_nonfinite_counts(batch, "ref_log_probs", "actor/num_nonfinite_ref_log_probs"))
                 # 5. Rewards → advantages.
                 with timed("adv", timings):
                     metrics.update(self.compute_advantages(batch))
-                # 6. Policy update: ppo_epochs × mini-batches through forward_backward_func + optimizer step.
+                # 6. Policy update: ppo_epochs × mini-batches through forward_backward_func + guarded optimizer step.
                 with timed("update_actor", timings):
-                    metrics.update(self.update_actor(batch))
+                    metrics.update(self.update_actor(batch, step))
                 # 7. Weight sync into the running vLLM engine.
                 with timed("update_weights", timings):
                     self.weight_sync.sync(self.actor.chunks)
-                # 8. Validation and checkpoint.
-                last = step >= self.total_steps
-                if (
-                    self.val_data is not None
-                    and cfg.trainer.test_freq > 0
-                    and (step % cfg.trainer.test_freq == 0 or last)
-                ):
-                    with timed("testing", timings):
-                        val_metrics = self.validate()
-                    metrics.update(val_metrics)
-                if (cfg.checkpoint.save_freq > 0 and step % cfg.checkpoint.save_freq == 0) or last:
-                    with timed("save_checkpoint", timings):
-                        self.save_checkpoint()
-            metrics.update(
-                compute_data_metrics(
-                    batch,
-                    max_prompt_length=cfg.data.max_prompt_length,
-                    max_response_length=cfg.data.max_response_length,
-                )
+            else:
+                # Exhausted with nothing kept: no update (the weights and the engine stay as they are).
+                self.num_empty_steps += 1
+                batch["advantages"] = torch.zeros_like(batch["token_level_scores"])
+                batch["returns"] = torch.zeros_like(batch["token_level_scores"])
+                self.global_step = step
+                self._boundary = self._snapshot()
+            metrics["train/skipped_updates"] = float(self.num_empty_steps)
+            # 8. Validation and checkpoint.
+            last = step >= self.total_steps
+            if self.val_data is not None and cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
+                with timed("testing", timings):
+                    val_metrics = self.validate()
+                metrics.update(val_metrics)
+            if (cfg.checkpoint.save_freq > 0 and step % cfg.checkpoint.save_freq == 0) or last:
+                with timed("save_checkpoint", timings):
+                    self.save_checkpoint()
+        metrics.update(
+            compute_data_metrics(
+                batch,
+                max_prompt_length=cfg.data.max_prompt_length,
+                max_response_length=cfg.data.max_response_length,
             )
-            metrics.update(compute_timing_metrics(timings, batch))
-            metrics.update(compute_throughput_metrics(batch, timings, self.info.world_size))
-            metrics["perf/max_memory_allocated_gb"] = self.platform.max_memory_allocated_gb()
-            metrics["perf/cpu_memory_used_gb"] = _rss_gb()
-            metrics["training/global_step"] = step
-            metrics["training/epoch"] = self.sampler.epoch
-            self.logger.log(metrics, step=step)
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(score=f"{metrics.get('critic/score/mean', 0):.3f}")
-        if progress is not None:
-            progress.close()
+        )
+        metrics.update(compute_timing_metrics(timings, batch))
+        metrics.update(compute_throughput_metrics(batch, timings, self.info.world_size))
+        metrics["perf/max_memory_allocated_gb"] = self.platform.max_memory_allocated_gb()
+        metrics["perf/cpu_memory_used_gb"] = _rss_gb()
+        metrics["training/global_step"] = step
+        metrics["training/epoch"] = self.sampler.epoch
+        self.logger.log(metrics, step=step)
+        self.progress.update(metrics)
+        if val_metrics:
+            self._last_val_step = step
+        return val_metrics
+
+    def _stop_early(self, why: str) -> dict[str, float]:
+        """End the run cleanly at the last completed step: final validation (unless that step has one), a
+        checkpoint (unless it is saved), and a message saying why."""
+        val_metrics: dict[str, float] = {}
+        if self.val_data is not None and self._last_val_step != self.global_step:
+            val_metrics = self.validate()
+            self.logger.log(val_metrics, step=self.global_step)
+        if self.global_step > 0 and self.saved_step != self.global_step:
+            self.save_checkpoint()
+        if self.info.is_main:
+            log.warning(
+                "stopping after step %d of %d: %s; the last checkpoint is step %s in %s",
+                self.global_step,
+                self.total_steps,
+                why,
+                self.saved_step,
+                self.ckpt.save_dir,
+            )
         return val_metrics
 
     # ================================================================================================ phases
 
-    def collect_batch(self, step: int, timings: dict) -> tuple[dict, dict]:
-        """Generate and score generation batches, keeping informative groups, until the training batch is full."""
+    def collect_batch(self, step: int, timings: dict) -> Optional[tuple[dict, dict]]:
+        """Generate and score generation batches, keeping informative groups, until the training batch is full.
+
+        When dynamic sampling is exhausted (``max_num_gen_batches`` generation batches, or one pass over the
+        training prompts when that is 0) ``on_exhausted`` decides: ``train`` returns what was kept, filled up with
+        dropped (all-equal, zero-advantage) groups whose loss mask is zero; ``stop`` returns None; ``error`` raises.
+        """
         cfg = self.cfg
         fg = cfg.algorithm.filter_groups
         acc = DynamicSamplingAccumulator(cfg.data.train_batch_size, cfg.rollout.n, enable=fg.enable)
+        budget = fg.max_num_gen_batches or -(-len(self.train_data) // self.gen_batch_size)
         reward_metrics = []
-        while not acc.is_full():
+        while not acc.is_full() and not acc.is_exhausted(budget):
             items = [self.train_data[i] for i in self.sampler.next_batch()]
             with timed("gen", timings):
                 rollout = self.engine.generate(
@@ -209,13 +307,36 @@ class DAPOTrainer:
             with timed("reward", timings):
                 gen_batch, rmetrics = self.score(rollout, items)
             reward_metrics.append(rmetrics)
+            reward_metrics.append(_nonfinite_counts(gen_batch, "rollout_log_probs", "rollout/num_nonfinite_log_probs"))
             ids = [f"{step}-{acc.num_gen_batches}-{int(i)}" for i in rollout.prompt_index]
             acc.add(gen_batch, ids, gen_batch[_filter_key(fg.metric)] if fg.enable else None)
-            acc.check_budget(fg.max_num_gen_batches)
         metrics = dict(acc.metrics())  # before take(), which resets the counters
-        batch, group_ids = acc.take(return_group_ids=True)
-        batch["group_ids"] = group_ids
         metrics.update(reduce_metrics(reward_metrics))
+        if acc.is_full():
+            batch, group_ids = acc.take(return_group_ids=True)
+            batch["filler"] = torch.zeros(len(group_ids), dtype=torch.bool)
+            metrics["train/partial_batch"] = 0.0
+        elif fg.on_exhausted == "error":
+            acc.check_budget(budget)
+        elif fg.on_exhausted == "stop":
+            return None
+        else:
+            batch, group_ids, filler = acc.take_partial()
+            batch["loss_mask"][filler] = 0
+            batch["filler"] = filler
+            self.num_partial_batches += 1
+            metrics["train/partial_batch"] = 1.0
+            if self.info.is_main:
+                log.warning(
+                    "step %d: dynamic sampling exhausted after %d generation batches with %d of %d prompts kept; "
+                    "training on those (algorithm.filter_groups.on_exhausted=train)%s",
+                    step,
+                    int(metrics["train/num_gen_batches"]),
+                    int(metrics["train/num_prompts_kept"]),
+                    cfg.data.train_batch_size,
+                    "" if bool(batch["loss_mask"].any()) else ": none, so the update is skipped",
+                )
+        batch["group_ids"] = group_ids
         if self.dumper is not None:
             self.dumper.dump(step, batch["prompt_text"], batch["response_text"], batch["scores"].tolist())
         return batch, metrics
@@ -270,14 +391,17 @@ class DAPOTrainer:
                 self.kl_ctrl.value,
                 cfg.algorithm.kl_penalty,
             )
-            self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size)
+            # verl passes the number of responses (batch rows) as n_steps.
+            self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=int(rewards.shape[0]))
             metrics.update(kl_metrics)
         batch["token_level_rewards"] = rewards
+        trained_rows = ~batch["filler"]
         advantages, returns = compute_advantages(
             cfg.algorithm.adv_estimator,
             scores=rewards.sum(-1),
             group_ids=batch["group_ids"],
-            response_mask=batch["response_mask"],
+            # Filler groups of an exhausted step are not trained: keep them out of batch-level statistics.
+            response_mask=batch["response_mask"] * trained_rows.unsqueeze(-1),
             token_level_rewards=rewards,
             norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
             gamma=cfg.algorithm.gamma,
@@ -292,7 +416,9 @@ class DAPOTrainer:
             )
         return metrics
 
-    def update_actor(self, batch: dict) -> dict[str, float]:
+    def update_actor(self, batch: dict, step: int) -> dict[str, float]:
+        """``ppo_epochs`` × mini-batches of guarded optimizer steps. A skipped update (non-finite loss, gradient
+        norm or loss inputs) changes nothing; too many in a row stop the run with ``NonFiniteUpdateError``."""
         cfg = self.cfg
         rows = batch["responses"].shape[0]
         mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
@@ -309,12 +435,53 @@ class DAPOTrainer:
         )
         tensors = {k: batch[k] for k in keys if k in batch}
         per_step = []
+        applied = 0
+        self._update_in_progress = True
         for _ in range(cfg.actor.ppo_epochs):
             for start in range(0, rows, mini):
                 part = {k: v[start : start + mini] for k, v in tensors.items()}
-                per_step.append(self.actor.update(part, cfg.rollout.temperature))
-        self.scheduler.step(increment=1)  # the lr schedule counts training steps, not optimizer updates (verl)
-        return reduce_metrics(per_step)
+                if not bool(part["loss_mask"].any()):
+                    continue  # only filler rows: nothing to train, so no optimizer step (Adam would still move)
+                metrics = self.actor.update(part, cfg.rollout.temperature)
+                nonfinite = metrics.pop("nonfinite")
+                if nonfinite:
+                    self._on_skipped_update(step, nonfinite)
+                else:
+                    applied += 1
+                    self.consecutive_skipped_updates = 0
+                per_step.append(metrics)
+        if applied:
+            self.scheduler.step(increment=1)  # the lr schedule counts training steps, not optimizer updates (verl)
+        # The step's update is complete: this is what a checkpoint of ``step`` holds.
+        self.global_step = step
+        self._update_in_progress = False
+        self._boundary = self._snapshot()
+        out = reduce_metrics(per_step) if per_step else {}
+        out["actor/num_skipped_updates"] = float(self.num_skipped_updates)
+        return out
+
+    def _on_skipped_update(self, step: int, nonfinite: list[str]) -> None:
+        self.num_skipped_updates += 1
+        self.consecutive_skipped_updates += 1
+        limit = self.cfg.trainer.max_consecutive_skipped_updates
+        what = ", ".join(nonfinite)
+        if self.info.is_main:
+            log.warning(
+                "step %d: update skipped, not finite: %s (%d in a row; the run stops at "
+                "trainer.max_consecutive_skipped_updates=%d)",
+                step,
+                what,
+                self.consecutive_skipped_updates,
+                limit,
+            )
+        if self.consecutive_skipped_updates >= limit:
+            self._update_in_progress = False  # nothing was applied: the state is still that of the last good step
+            raise NonFiniteUpdateError(
+                f"step {step}: {self.consecutive_skipped_updates} consecutive updates skipped because {what} was "
+                f"not finite (trainer.max_consecutive_skipped_updates={limit}); the run stops without saving, so "
+                f"the last checkpoint (step {self.saved_step}) stays latest in {self.ckpt.save_dir}. Lower "
+                "actor.optim.lr, check actor.optim.clip_grad, or look for a broken reward or data rows"
+            )
 
     def validate(self) -> dict[str, float]:
         """Generate with the validation sampling parameters on the whole validation set; accuracy per data source."""
@@ -326,6 +493,7 @@ class DAPOTrainer:
     # ================================================================================================ state
 
     def save_checkpoint(self) -> None:
+        self._saving = True
         self.ckpt.save(
             step=self.global_step,
             model_chunks=self.actor.chunks,
@@ -335,14 +503,57 @@ class DAPOTrainer:
             config=to_dict(self.cfg),
             save_optimizer=self.cfg.checkpoint.save_optimizer,
         )
+        self._saving = False
+        self.saved_step = self.global_step
+
+    def _snapshot(self) -> dict:
+        """Data position and RNG at a step boundary (what a checkpoint of that step must hold)."""
+        return {"data": self.sampler.state_dict(), "rng": self.platform.rng_state()}
+
+    def _save_after_failure(self, exc: BaseException) -> None:
+        """Keep the last completed step when the loop fails, if that is safe and not done already."""
+        step, main = self.global_step, self.info.is_main
+        why_not = None
+        if isinstance(exc, NonFiniteUpdateError):
+            return
+        if isinstance(exc, KeyboardInterrupt):
+            why_not = "interrupted by a second signal"
+        elif self._update_in_progress:
+            why_not = f"the failure interrupted step {step + 1}'s parameter update, so no consistent state is left"
+        elif self._saving:
+            why_not = "the failure happened while saving"
+        elif step == 0 or self.saved_step == step:
+            return
+        if why_not is None and not all_ranks_in_handler(
+            self.info.world_size, min(60.0, self.cfg.trainer.collective_timeout_s)
+        ):
+            why_not = "not every rank reached the failure handler (the others are blocked or gone)"
+        if why_not is not None:
+            if main:
+                log.error(
+                    "not saving step %d after the failure: %s; last checkpoint: step %s", step, why_not, self.saved_step
+                )
+            return
+        try:
+            self.sampler.load_state_dict(self._boundary["data"])
+            self.platform.set_rng_state(self._boundary["rng"])
+            self.save_checkpoint()
+            if main:
+                log.error(
+                    "the run failed; saved its last completed step %d to %s before exiting", step, self.ckpt.save_dir
+                )
+        except Exception as save_exc:  # noqa: BLE001 - the original failure is what the caller raises
+            if main:
+                log.error("saving step %d after the failure failed too: %r", step, save_exc)
 
     def _maybe_resume(self) -> None:
         step_dir = resolve_resume(self.cfg.checkpoint.resume_mode, self.ckpt.save_dir)
         if step_dir is None:
             return
         state = self.ckpt.load(step_dir, self.actor.chunks, self.actor.optimizer, self.scheduler)
-        self.global_step = int(state["step"])
+        self.global_step = self.saved_step = int(state["step"])
         self.sampler.load_state_dict(state["data_state"])
+        self._boundary = self._snapshot()
         if self.info.is_main:
             log.info("resumed from %s at step %d", step_dir, self.global_step)
 
@@ -351,15 +562,9 @@ class DAPOTrainer:
             return self.cfg.trainer.total_training_steps
         return self.cfg.trainer.total_epochs * len(self.sampler)
 
-    def _progress_bar(self):
-        if not (self.info.is_main and self.cfg.trainer.progress_bar):
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.total_steps, initial=self.global_step, desc="dapo", dynamic_ncols=True)
-
     def close(self) -> None:
         """Tear down in the order that keeps every group alive until it is no longer used."""
+        self.progress.close()
         self.reward.close()
         self.logger.close()
         teardown(self.engine)
@@ -368,30 +573,18 @@ class DAPOTrainer:
 # ==================================================================================================== helpers
 
 
-def check_config(cfg: ExperimentConfig) -> None:
-    """Cross-field checks that need no model (the model-dependent ones run once the HF config is read)."""
-    if not cfg.checkpoint.load_dir:
-        raise ConfigError("checkpoint.load_dir is required: the converter's output (megatron-dapo convert hf-to-mcore)")
-    if not cfg.data.train_files:
-        raise ConfigError("data.train_files is required: one or more parquet/jsonl files of prompts")
-    if (
-        cfg.actor.ppo_mini_batch_size > cfg.data.train_batch_size
-        or cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size
-    ):
-        raise ConfigError(
-            f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must divide data.train_batch_size="
-            f"{cfg.data.train_batch_size}"
-        )
-    if cfg.algorithm.filter_groups.enable and cfg.rollout.n < 2:
-        raise ConfigError("algorithm.filter_groups.enable needs rollout.n >= 2 (groups of one are never filtered)")
-
-
 def _pad(t: torch.Tensor, width: int, value, left: bool = False) -> torch.Tensor:
     """Pad the last dimension of a ``[B, W]`` tensor to ``width`` (on the left for prompts)."""
     extra = width - t.shape[-1]
     if extra < 0:
         raise ValueError(f"batch width {t.shape[-1]} exceeds the configured maximum {width}")
     return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
+
+
+def _nonfinite_counts(batch: dict, key: str, metric: str) -> dict[str, float]:
+    """How many of ``batch[key]``'s response tokens are not finite (they also make the step's update skip)."""
+    values = batch[key][batch["response_mask"].bool()]
+    return {metric: float((~torch.isfinite(values)).sum())}
 
 
 def _filter_key(metric: str) -> str:
@@ -410,13 +603,29 @@ def _rss_gb() -> float:
 
 
 def run_training(cfg: ExperimentConfig) -> dict[str, float]:
-    """Entry point used by ``megatron-dapo train``: build, fit, tear down (also on errors)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    trainer = DAPOTrainer(cfg)
+    """Entry point used by ``megatron-dapo train``: build, fit, tear down (also on errors).
+
+    A failure is reported with its rank. When another rank failed first, this rank raises ``PeerFailure`` naming
+    that rank's error instead of its own consequence of it (a closed connection or a collective timeout), so the
+    root cause is what a user reads first.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    setup_logging(cfg.trainer.output_dir, rank, verbose=cfg.trainer.verbose)
+    trainer: Optional[DAPOTrainer] = None
     try:
+        trainer = DAPOTrainer(cfg)
         started = time.time()
         result = trainer.fit()
         result["wall_s"] = time.time() - started
         return result
+    except BaseException as exc:
+        first = record_failure(rank, exc)
+        own = f"{type(exc).__name__}: {exc}"
+        if first.startswith(f"rank {rank}: ") or first.split(": ", 1)[-1] == own:  # this rank's, or the same error
+            log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
+            raise
+        log.error("rank %d stops because %s", rank, first)
+        raise PeerFailure(f"rank {rank} stopped because another rank failed first: {first}") from exc
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()

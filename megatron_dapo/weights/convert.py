@@ -42,6 +42,7 @@ from megatron_dapo.models.families import (
     model_arch_from_hf,
     param_mappings,
 )
+from megatron_dapo.weights.integrity import FileRecord, write_manifest
 from megatron_dapo.weights.layout import (
     hf_shapes,
     hf_to_mcore,
@@ -360,6 +361,7 @@ def convert_hf_to_mcore(
             pipe.finish()
             for w in writers.values():
                 w.close()
+            write_manifest(tmp, [FileRecord(w.path.relative_to(tmp).as_posix(), *w.record) for w in writers.values()])
             meta_dtype = dtype or (dtype_name(next(iter(src_dtypes))) if len(src_dtypes) == 1 else "mixed")
             write_meta(tmp, make_meta(arch, tp, pp, meta_dtype, padded, make_vocab_size_divisible_by))
             copy_hf_side_files(hf_dir, tmp / HF_CONFIG_SUBDIR)

@@ -6,6 +6,9 @@ Layout of a checkpoint directory::
     mp_rank_{tp:02d}_{pp:03d}/model.safetensors
                                        exactly that rank's GPTModel parameters, TP-sharded as in the model
     hf_config/                         config.json + tokenizer files of the source model
+    manifest.json                      size + CRC-32 of every rank file (``megatron_dapo/weights/integrity.py``),
+                                       computed while writing; checked on load (sizes of all files when opened,
+                                       the checksum of a rank file before its data is first read)
 
 Tensor names are megatron-core local-spec names with GLOBAL decoder layer indices (``decoder.layers.{i}.``), so a
 loader at any pipeline layout (virtual stages included) finds a layer by its global index. With tied embeddings and
@@ -29,6 +32,7 @@ from typing import Any, Optional, Union
 import torch
 
 from megatron_dapo.models.families import ModelArch, ParamMapping, from_te_name, model_arch_from_hf
+from megatron_dapo.weights.integrity import FileRecord, read_manifest, verify_file, write_manifest
 from megatron_dapo.weights.layout import (
     layer_of,
     local_to_global_name,
@@ -242,6 +246,13 @@ class McoreCheckpoint:
         self.pp = int(self.meta["pipeline_model_parallel_size"])
         self.padded_vocab = int(self.meta["padded_vocab_size"])
         self._files: dict[tuple[int, int], SafetensorsFile] = {}
+        try:
+            self._manifest = read_manifest(self.directory)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+        for record in (self._manifest or {}).values():
+            if (self.directory / record.path).exists():  # a missing rank file gets the layout message in _path
+                self._verify(record, checksum=False)
         # Which stage file holds each name: from the TP-rank-0 headers (cheap: no tensor data is read).
         self._stage: dict[str, int] = {}
         for pp_rank in range(self.pp):
@@ -262,10 +273,19 @@ class McoreCheckpoint:
             return self._files[(tp_rank, pp_rank)].tensors
         return read_header(self._path(tp_rank, pp_rank))[0]
 
+    def _verify(self, record: FileRecord, checksum: bool) -> None:
+        problem = verify_file(self.directory, record, checksum=checksum)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {self.directory} is damaged: {problem}")
+
     def file(self, tp_rank: int, pp_rank: int) -> SafetensorsFile:
         key = (tp_rank, pp_rank)
         if key not in self._files:
-            self._files[key] = SafetensorsFile(self._path(tp_rank, pp_rank))
+            path = self._path(tp_rank, pp_rank)
+            record = (self._manifest or {}).get(path.relative_to(self.directory).as_posix())
+            if record is not None:
+                self._verify(record, checksum=True)  # before any of its data is used
+            self._files[key] = SafetensorsFile(path)
         return self._files[key]
 
     def names(self) -> list[str]:
@@ -442,6 +462,7 @@ def save_mcore_checkpoint(
     err = None
     dtypes: set[str] = set()
     padded = None
+    record = None
     try:
         table = local_param_table(chunks, arch)
         items = []
@@ -458,17 +479,19 @@ def save_mcore_checkpoint(
             with StreamingSafetensorsWriter(path, specs, {"format": "pt"}) as w:
                 for n, p in items:
                     w.write(n, p.detach())
+            record = (path.relative_to(tmp).as_posix(), *w.record)
     except Exception as e:  # noqa: BLE001 - gathered so that no rank waits forever for a failed one
         err = f"rank {rank}: {type(e).__name__}: {e}"
     errors = gather_errors(err)
-    infos = [(sorted(dtypes), padded)]
+    infos = [(sorted(dtypes), padded, record)]
     if distributed:
         infos = [None] * dist.get_world_size()
-        dist.all_gather_object(infos, (sorted(dtypes), padded))
+        dist.all_gather_object(infos, (sorted(dtypes), padded, record))
     if not errors and rank == 0:
         try:
-            all_dtypes = sorted({d for ds, _ in infos for d in ds})
-            pads = {p for _, p in infos if p is not None}
+            all_dtypes = sorted({d for ds, _, _ in infos for d in ds})
+            pads = {p for _, p, _ in infos if p is not None}
+            write_manifest(tmp, [FileRecord(*rec) for _, _, rec in infos if rec is not None])
             meta = make_meta(
                 arch,
                 tp,

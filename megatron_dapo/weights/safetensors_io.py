@@ -17,12 +17,15 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
+
+from megatron_dapo.weights.integrity import NonFiniteTensorError, crc32_combine
 
 PathLike = Union[str, Path]
 
@@ -43,6 +46,12 @@ _DTYPE_TO_ST: dict[torch.dtype, str] = {
 _ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in _DTYPE_TO_ST.items()}
 
 INDEX_NAME = "model.safetensors.index.json"
+
+
+class SafetensorsIntegrityError(ValueError):
+    """A safetensors file is truncated or corrupt; the message names the file and says which."""
+
+
 SINGLE_NAME = "model.safetensors"
 
 
@@ -131,27 +140,51 @@ def _copy_range(src_fd: int, src_off: int, nbytes: int, dst_fd: int, dst_off: in
 
 
 def read_header(path: PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse a safetensors header: ``({name: TensorInfo}, metadata)`` without touching tensor data."""
+    """Parse a safetensors header: ``({name: TensorInfo}, metadata)`` without touching tensor data.
+
+    Damage is named: a header that does not parse or describes impossible tensors → "corrupt"; a data region
+    shorter than the header says (a partial download or copy) → "truncated". Both raise ``SafetensorsIntegrityError``.
+    """
     path = Path(path)
     with open(path, "rb") as f:
         raw_len = f.read(8)
-        if len(raw_len) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than the 8-byte header length)")
-        (n,) = struct.unpack("<Q", raw_len)
         size = os.fstat(f.fileno()).st_size
+        if len(raw_len) != 8:
+            raise SafetensorsIntegrityError(
+                f"{path}: truncated or not a safetensors file ({size} bytes, shorter than the 8-byte header length)"
+            )
+        (n,) = struct.unpack("<Q", raw_len)
         if n > size - 8:
-            raise ValueError(f"{path}: header length {n} exceeds the file size {size}")
-        header = json.loads(f.read(n))
+            raise SafetensorsIntegrityError(
+                f"{path}: truncated or corrupt: header length {n} exceeds the file size {size}"
+            )
+        try:
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError(f"expected a JSON object, got {type(header).__name__}")
+        except ValueError as e:
+            raise SafetensorsIntegrityError(f"{path}: corrupt: the {n}-byte JSON header does not parse ({e})") from e
     meta = header.pop("__metadata__", None) or {}
     base = 8 + n
     infos = {}
+    data_end = 0
     for name, h in header.items():
-        begin, end = h["data_offsets"]
-        dtype = torch_dtype(h["dtype"])
-        shape = tuple(int(d) for d in h["shape"])
-        if end - begin != tensor_nbytes(dtype, shape) or base + end > size:
-            raise ValueError(f"{path}: tensor {name!r} has inconsistent data_offsets {h['data_offsets']} for {h}")
+        try:
+            begin, end = h["data_offsets"]
+            dtype = torch_dtype(h["dtype"])
+            shape = tuple(int(d) for d in h["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise SafetensorsIntegrityError(f"{path}: corrupt header entry for tensor {name!r}: {h!r} ({e})") from e
+        if end - begin != tensor_nbytes(dtype, shape) or begin < 0:
+            raise SafetensorsIntegrityError(
+                f"{path}: corrupt header: tensor {name!r} has data_offsets {h['data_offsets']} for {h}"
+            )
+        data_end = max(data_end, end)
         infos[name] = TensorInfo(name, dtype, shape, base + begin, base + end)
+    if base + data_end > size:
+        raise SafetensorsIntegrityError(
+            f"{path}: truncated: the header says the data ends at byte {base + data_end}, the file has {size} bytes"
+        )
     return infos, meta
 
 
@@ -233,7 +266,7 @@ class SafetensorsDir:
             files = sorted(set(weight_map.values()))
             missing = [fn for fn in files if not (self.directory / fn).is_file()]
             if missing:
-                raise FileNotFoundError(f"{index} names shard files that do not exist: {missing}")
+                raise FileNotFoundError(f"{index} names shard files that do not exist (missing): {missing}")
         else:
             files = sorted(p.name for p in self.directory.glob("*.safetensors"))
             if not files:
@@ -340,10 +373,24 @@ class StreamingSafetensorsWriter:
     at its offset. Only the tensor being written is in memory. ``close`` checks that every declared tensor arrived.
     Tensors are laid out by element size (largest first), as the ``safetensors`` library does, so every tensor
     stays aligned to its element size.
+
+    Integrity: each tensor's CRC-32 is computed from the bytes as they are written (kernel-copied ``FileSlice``
+    pieces are read back from this file, still in page cache) and combined at ``close`` into the file's CRC-32,
+    ``record`` = (size, crc32), for a manifest. With ``check_finite`` a floating tensor holding NaN/inf raises
+    ``NonFiniteTensorError`` naming it.
     """
 
-    def __init__(self, path: PathLike, specs: Iterable[TensorSpec], metadata: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        path: PathLike,
+        specs: Iterable[TensorSpec],
+        metadata: Optional[dict[str, str]] = None,
+        check_finite: bool = True,
+    ) -> None:
         self.path = Path(path)
+        self.check_finite = check_finite
+        self.record: Optional[tuple[int, int]] = None
+        self._crcs: dict[str, int] = {}
         specs = list(specs)
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -368,8 +415,10 @@ class StreamingSafetensorsWriter:
         self._base = 8 + len(raw)
         self._total = self._base + offset
         self._pending = set(self._slots)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._pwrite(struct.pack("<Q", len(raw)) + raw, 0)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        head = struct.pack("<Q", len(raw)) + raw
+        self._header_crc = zlib.crc32(head)
+        self._pwrite(head, 0)
 
     @property
     def pending(self) -> set[str]:
@@ -404,11 +453,18 @@ class StreamingSafetensorsWriter:
             got = ", ".join(f"{p.dtype} {tuple(p.shape)}" for p in parts)
             raise ValueError(f"{self.path}: tensor {name!r} declared {spec.dtype} {spec.shape}, got {got}")
         pos = self._base + offset
+        crc = 0
         for part in parts:
             if isinstance(part, FileSlice):
                 _copy_range(part.file._fileno(), part.offset, part.nbytes, self._fd, pos)
+                crc = self._check_written(name, spec.dtype, pos, part.nbytes, crc)
                 pos += part.nbytes
                 continue
+            if self.check_finite and part.is_floating_point() and not bool(part.isfinite().all()):
+                bad = int((~part.isfinite()).sum())
+                raise NonFiniteTensorError(
+                    f"{self.path}: refusing to write tensor {name!r}: {bad} non-finite value(s) (NaN/inf)"
+                )
             part = part.detach()
             if part.device.type != "cpu":
                 part = part.to("cpu")
@@ -420,9 +476,30 @@ class StreamingSafetensorsWriter:
                     part = part.contiguous()
             flat = part.reshape(-1).view(torch.uint8)
             if flat.numel():
-                self._pwrite(memoryview(flat.numpy()), pos)
+                view = memoryview(flat.numpy())
+                crc = zlib.crc32(view, crc)
+                self._pwrite(view, pos)
             pos += flat.numel()
+        self._crcs[name] = crc
         self._pending.discard(name)
+
+    def _check_written(self, name: str, dtype: torch.dtype, pos: int, nbytes: int, crc: int) -> int:
+        """CRC-32 (and finiteness) of bytes the kernel copied into this file, read back in chunks."""
+        chunk = (16 << 20) // 8 * 8  # whole elements per chunk
+        done = 0
+        while done < nbytes:
+            data = os.pread(self._fd, min(chunk, nbytes - done), pos + done)
+            if not data:
+                raise OSError(f"{self.path}: unexpected end of file at byte {pos + done} reading back {name!r}")
+            crc = zlib.crc32(data, crc)
+            if self.check_finite and dtype.is_floating_point:
+                values = torch.frombuffer(bytearray(data), dtype=dtype)
+                if not bool(values.isfinite().all()):
+                    raise NonFiniteTensorError(
+                        f"{self.path}: refusing to write tensor {name!r}: it holds non-finite value(s) (NaN/inf)"
+                    )
+            done += len(data)
+        return crc
 
     def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
@@ -439,6 +516,10 @@ class StreamingSafetensorsWriter:
                     f"{self.path}: closed before these declared tensors were written: {sorted(self._pending)}"
                 )
             os.ftruncate(self._fd, self._total)
+            crc = self._header_crc
+            for tensor_name, (spec, _) in sorted(self._slots.items(), key=lambda kv: kv[1][1]):
+                crc = crc32_combine(crc, self._crcs[tensor_name], spec.nbytes)
+            self.record = (self._total, crc)
         finally:
             os.close(self._fd)
             self._fd = None

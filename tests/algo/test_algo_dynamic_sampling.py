@@ -160,3 +160,37 @@ def test_accumulator_matches_verl_loop(train_batch_size, n, gen_batches) -> None
             assert out["tag"] == verl_rows[: train_batch_size * n]
             assert out["responses"].shape == (train_batch_size * n, 3)
             verl_rows, verl_prompts = [], 0
+
+
+def test_take_partial_fills_with_dropped_groups_and_marks_them():
+    acc = DynamicSamplingAccumulator(train_batch_size=3, n=2)
+    # gen batch 0: group "a" mixed (kept), group "b" all-equal (dropped)
+    acc.add({"x": torch.tensor([1.0, 2.0, 3.0, 4.0])}, ["a", "a", "b", "b"], [1.0, 0.0, 1.0, 1.0])
+    assert not acc.is_exhausted(2) and acc.is_exhausted(1)
+    # gen batch 1: both dropped
+    acc.add({"x": torch.tensor([5.0, 6.0, 7.0, 8.0])}, ["c", "c", "d", "d"], [0.0, 0.0, 1.0, 1.0])
+    assert acc.is_exhausted(2) and not acc.is_full()
+    with pytest.raises(RuntimeError, match="on_exhausted=train"):
+        acc.check_budget(2)
+    batch, ids, filler = acc.take_partial()
+    # kept group first, then the first dropped groups in arrival order as filler
+    assert batch["x"].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert filler.tolist() == [False, False, True, True, True, True]
+    assert ids == [(0, "a"), (0, "a"), (0, "b"), (0, "b"), (1, "c"), (1, "c")]
+    assert acc.num_gen_batches == 0  # reset for the next step
+
+
+def test_take_partial_with_nothing_kept_is_all_filler_and_reuses_groups():
+    acc = DynamicSamplingAccumulator(train_batch_size=3, n=2)
+    acc.add({"x": torch.tensor([1.0, 2.0])}, ["a", "a"], [1.0, 1.0])
+    batch, ids, filler = acc.take_partial()
+    assert filler.all() and batch["x"].tolist() == [1.0, 2.0] * 3
+    assert len(ids) == 6
+
+
+def test_is_exhausted_is_never_true_for_an_unlimited_budget_or_a_full_batch():
+    acc = DynamicSamplingAccumulator(train_batch_size=1, n=2)
+    acc.add({"x": torch.tensor([1.0, 2.0])}, ["a", "a"], [1.0, 1.0])
+    assert not acc.is_exhausted(0)
+    acc.add({"x": torch.tensor([1.0, 2.0])}, ["a", "a"], [1.0, 0.0])
+    assert acc.is_full() and not acc.is_exhausted(1)

@@ -18,10 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.tasks.demo import prepare
-from megatron_dapo.training.trainer import check_config
-from megatron_dapo.weights.convert import convert_hf_to_mcore
+from megatron_dapo.config import ConfigError, load_config, validate_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_cpu.yaml"
@@ -61,16 +58,6 @@ REQUIRED_METRICS = [
     "rollout/logprob_diff_mean",
     "rollout/logprob_diff_max",
 ]
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("demo")
-    info = prepare(root, seed=0, train_rows=256)  # default format warm-start: mixed rewards from step 1
-    convert_hf_to_mcore(info["hf_model"], root / "mcore", tp=1, pp=1)
-    info["mcore"] = str(root / "mcore")
-    info["root"] = root
-    return info
 
 
 def overrides(demo: dict, out: Path, steps: int, **extra) -> list[str]:
@@ -126,7 +113,7 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def export(checkpoints: Path, dest: Path) -> dict[str, torch.Tensor]:
+def export(checkpoints: Path, dest: Path, step: int | None = None) -> dict[str, torch.Tensor]:
     subprocess.run(
         [
             sys.executable,
@@ -137,6 +124,7 @@ def export(checkpoints: Path, dest: Path) -> dict[str, torch.Tensor]:
             str(checkpoints),
             "--save-dir",
             str(dest),
+            *(["--step", str(step)] if step is not None else []),
         ],
         cwd=REPO,
         check=True,
@@ -190,15 +178,37 @@ def test_two_nodes_on_one_machine(demo, tmp_path):
     assert all(r["perf/throughput"] > 0 and r["rollout/logprob_diff_max"] < 1e-3 for r in rows)
 
 
-def test_resume_continues_where_it_stopped(demo, tmp_path):
-    straight = tmp_path / "straight"
+STRAIGHT_STEPS = 4
+COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/lr", "train/num_gen_batches")
+
+
+@pytest.fixture(scope="module")
+def straight(demo, tmp_path_factory) -> Path:
+    """An uninterrupted 4-step run (checkpoints at steps 2 and 4): the reference for every interrupted run."""
+    out = tmp_path_factory.mktemp("straight")
     wait_ok(
         launch(
             "run_local.sh",
-            overrides(demo, straight, steps=4, **{"checkpoint.save_freq": 2}),
+            overrides(demo, out, steps=STRAIGHT_STEPS, **{"checkpoint.save_freq": 2}),
             {"NPROC_PER_NODE": "2", "MASTER_PORT": "29962"},
         )
     )
+    return out
+
+
+def assert_same_as_straight(straight: Path, resumed: Path, steps: tuple[int, ...], tmp_path: Path) -> None:
+    first = {r["step"]: r for r in read_metrics(straight)}
+    second = {r["step"]: r for r in read_metrics(resumed)}
+    for step in steps:  # same data, same samples, same optimizer state ⇒ same numbers after resuming
+        for key in COMPARED:
+            assert second[step][key] == pytest.approx(first[step][key], rel=1e-5, abs=1e-7), (step, key)
+    a = export(straight / "checkpoints", tmp_path / "hf_a")
+    b = export(resumed / "checkpoints", tmp_path / "hf_b")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_resume_continues_where_it_stopped(demo, straight, tmp_path):
     resumed = tmp_path / "resumed"
     wait_ok(launch("run_local.sh", overrides(demo, resumed, steps=2), {"NPROC_PER_NODE": "2", "MASTER_PORT": "29962"}))
     wait_ok(
@@ -210,27 +220,112 @@ def test_resume_continues_where_it_stopped(demo, tmp_path):
     )
     rows = read_metrics(resumed)
     assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2, 3, 4]  # continued at 3, not restarted at 1
-    first = {r["step"]: r for r in read_metrics(straight)}
-    second = {r["step"]: r for r in rows}
-    for step in (3, 4):  # same data, same samples, same optimizer state ⇒ same numbers after resuming
-        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/lr", "train/num_gen_batches"):
-            assert second[step][key] == pytest.approx(first[step][key], rel=1e-5, abs=1e-7), (step, key)
-    a = export(straight / "checkpoints", tmp_path / "hf_a")
-    b = export(resumed / "checkpoints", tmp_path / "hf_b")
+    assert_same_as_straight(straight, resumed, (3, 4), tmp_path)
+
+
+def test_resuming_a_finished_run_does_nothing(demo, straight):
+    before = (straight / "metrics.jsonl").read_text()
+    out = wait_ok(
+        launch(
+            "run_local.sh",
+            overrides(demo, straight, steps=STRAIGHT_STEPS, **{"checkpoint.save_freq": 2}),
+            {"NPROC_PER_NODE": "2", "MASTER_PORT": "29962"},
+        )
+    )
+    assert "nothing to do: the run is complete (resumed at step 4, trainer.total_training_steps=4)" in out
+    assert (straight / "metrics.jsonl").read_text() == before  # no step row logged again
+    assert (straight / "checkpoints" / "latest").read_text().strip() == "global_step_4"
+
+
+# A reward function file that scores like the demo's lenient scorer and, at a chosen call on a chosen rank, does
+# what a real run meets: a SIGTERM from the scheduler, or a crash that escapes the reward manager. Every rank scores
+# every response in-process (reward.num_workers=0), so calls are counted the same way on every rank.
+SCORER = """
+import os, signal
+from megatron_dapo.tasks.arithmetic import compute_score as _score
+
+class RewardCrash(BaseException):  # not an Exception: the reward manager does not catch it
+    pass
+
+_calls = 0
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    global _calls
+    _calls += 1
+    if _calls == {call} and os.environ.get("RANK") in {ranks}:
+        {action}
+    return _score(data_source, solution_str, ground_truth, extra_info)
+"""
+# Validation before training scores the 25-row table, each step 6 prompts x 8 samples, validation at step 2 again:
+# calls 74-121 score step 2's rollouts, 122-146 its validation, 147-194 step 3's rollouts.
+CALL_IN_STEP_2, CALL_IN_STEP_3 = 80, 160
+
+
+def scorer_file(tmp_path: Path, call: int, ranks: tuple[str, ...], action: str) -> str:
+    path = tmp_path / "scorer.py"
+    path.write_text(SCORER.format(call=call, ranks=ranks, action=action))
+    return str(path)
+
+
+def test_sigterm_mid_step_saves_at_the_boundary_and_resume_matches(demo, straight, tmp_path):
+    """SIGTERM reaches rank 1 only, in the middle of step 2: both ranks finish step 2, agree to stop, exit 0 with
+    step 2 saved; resuming to step 4 ends identical to the uninterrupted run."""
+    run = tmp_path / "run"
+    scorer = scorer_file(tmp_path, CALL_IN_STEP_2, ("1",), "os.kill(os.getpid(), signal.SIGTERM)")
+    extra = {"checkpoint.save_freq": 2, "reward.custom_function.path": scorer}
+    out = wait_ok(
+        launch(
+            "run_local.sh",
+            overrides(demo, run, steps=STRAIGHT_STEPS, **extra),
+            {"NPROC_PER_NODE": "2", "MASTER_PORT": "29964"},
+        )
+    )
+    assert "received SIGTERM" in out and "stopping after step 2 of 4" in out
+    assert [r["step"] for r in read_metrics(run) if "actor/pg_loss" in r] == [1, 2]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "global_step_2"
+    # resume with the plain scorer (the same scores) to the end
+    wait_ok(
+        launch(
+            "run_local.sh",
+            overrides(
+                demo, run, steps=STRAIGHT_STEPS, **{"checkpoint.save_freq": 2, "trainer.val_before_train": "false"}
+            ),
+            {"NPROC_PER_NODE": "2", "MASTER_PORT": "29964"},
+        )
+    )
+    assert [r["step"] for r in read_metrics(run) if "actor/pg_loss" in r] == [1, 2, 3, 4]
+    assert_same_as_straight(straight, run, (3, 4), tmp_path)
+
+
+def test_exception_mid_run_saves_the_last_completed_step(demo, straight, tmp_path):
+    """A crash escaping the reward manager in step 3 (save_freq=-1: nothing saved yet) leaves a loadable checkpoint
+    of step 2, equal to the uninterrupted run's step 2, and a non-zero exit naming the error."""
+    run = tmp_path / "run"
+    scorer = scorer_file(tmp_path, CALL_IN_STEP_3, ("0", "1"), "raise RewardCrash('scorer blew up')")
+    proc = launch(
+        "run_local.sh",
+        overrides(demo, run, steps=STRAIGHT_STEPS, **{"reward.custom_function.path": scorer}),
+        {"NPROC_PER_NODE": "2", "MASTER_PORT": "29965"},
+    )
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0
+    assert "RewardCrash" in out and "scorer blew up" in out
+    assert "saved its last completed step 2" in out
+    assert (run / "checkpoints" / "latest").read_text().strip() == "global_step_2"
+    a = export(straight / "checkpoints", tmp_path / "hf_straight", step=2)
+    b = export(run / "checkpoints", tmp_path / "hf_failed")
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_trainer_config_checks_name_the_field():
-    cfg = load_config(CONFIG, ["actor.ppo_mini_batch_size=5"])
     with pytest.raises(ConfigError, match="actor.ppo_mini_batch_size=5 must divide data.train_batch_size=16"):
-        check_config(cfg)
+        load_config(CONFIG, ["actor.ppo_mini_batch_size=5"])
     cfg = load_config(CONFIG, ["checkpoint.load_dir=null"])
     with pytest.raises(ConfigError, match="checkpoint.load_dir is required"):
-        check_config(cfg)
-    cfg = load_config(CONFIG, ["algorithm.filter_groups.enable=true", "rollout.n=1"])
+        validate_config(cfg)
     with pytest.raises(ConfigError, match="rollout.n >= 2"):
-        check_config(cfg)
+        load_config(CONFIG, ["algorithm.filter_groups.enable=true", "rollout.n=1"])
 
 
 def test_bad_data_row_fails_before_training_with_file_row_field(demo, tmp_path):

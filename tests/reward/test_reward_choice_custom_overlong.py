@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_dapo.reward import choice
-from megatron_dapo.reward.custom import combine, load_reward_function
+from megatron_dapo.reward.custom import InvalidRewardError, combine, load_reward_function
 from megatron_dapo.reward.overlong import overlong_filter_mask, overlong_penalty
 
 # ----------------------------------------------------------------------------- choice
@@ -90,7 +90,7 @@ def test_combine(reward_file: Path) -> None:
     assert combine([(exact, 2.0)])(**kwargs) == {"score": 2.0, "acc": True, "note": "src"}
     both = combine([(length, 0.5), (exact, 2.0)])(**kwargs)
     assert both == {"score": 3.5, "score_0": 3.0, "score_1": 1.0, "acc": True, "note": "src"}
-    with pytest.raises(KeyError, match="without a 'score' key"):
+    with pytest.raises(InvalidRewardError, match=r"my_reward.py:no_score returned a dict without a 'score' key"):
         combine([(load_reward_function(str(reward_file), "no_score"), 1.0)])(**kwargs)
     with pytest.raises(ValueError, match="at least one"):
         combine([])

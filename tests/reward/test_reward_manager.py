@@ -127,7 +127,7 @@ def test_inline_custom_function_errors_are_counted(tmp_path: Path) -> None:
     ids, mask = encode(["4", "0"], 4)
     res = rm(ids, mask, ["toy", "toy"], [None, None], None)
     assert res.scores.tolist() == [0.25, -3.0]
-    assert res.extra["acc"] == [0.25, False]
+    assert res.extra["acc"] == [None, False]  # a score other than 0/1 says nothing about accuracy; errors are False
     assert res.metrics["reward/num_errors"] == 1.0
 
 

@@ -153,8 +153,15 @@ def test_resolve_resume(run: dict, tmp_path: Path) -> None:
         resolve_resume(str(broken), save_dir)
     (save_dir / ".tmp-step_9").mkdir()  # a crashed save is never picked
     assert resolve_resume("auto", save_dir) == save_dir / "global_step_4"
+    # A marker naming a deleted step and every other step damaged: nothing intact to fall back to.
     shutil.rmtree(save_dir / "global_step_4")
-    with pytest.raises(CheckpointError, match="latest names 'global_step_4'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"no intact checkpoint in .*ckpts; newest: .*global_step_4 is damaged: incomplete \(missing: the dir",
+    ):
         resolve_resume("auto", save_dir)
     (save_dir / "latest").unlink()
-    assert resolve_resume("auto", save_dir) is None  # step 3 is incomplete, step 4 gone, tmp ignored
+    with pytest.raises(CheckpointError, match=r"newest: .*global_step_3 is damaged: incomplete \(missing: rng/rank_0"):
+        resolve_resume("auto", save_dir)  # step 4 gone, step 3 incomplete, tmp ignored
+    shutil.rmtree(save_dir / "global_step_3")
+    assert resolve_resume("auto", save_dir) is None  # no checkpoint at all: a fresh start

@@ -24,8 +24,10 @@ STEPS = [
 ]
 
 
-def log_steps(tmp_path: Path, backends: list[str], stream=None) -> Path:
-    logger = MetricsLogger(backends, str(tmp_path), "proj", "exp", {"a": 1}, enabled=True, stream=stream)
+def log_steps(tmp_path: Path, backends: list[str], stream=None, verbose: bool = True) -> Path:
+    logger = MetricsLogger(
+        backends, str(tmp_path), "proj", "exp", {"a": 1}, enabled=True, stream=stream, verbose=verbose
+    )
     for step, metrics in enumerate(STEPS, start=1):
         logger.log(metrics, step=step)
     logger.close()
@@ -68,7 +70,35 @@ def test_tensorboard_events_read_back(tmp_path: Path) -> None:
     assert "not/a/scalar" not in acc.Tags()["scalars"]
 
 
-def test_console_line_per_step(tmp_path: Path) -> None:
+def test_console_compact_table(tmp_path: Path) -> None:
+    stream = io.StringIO()
+    logger = MetricsLogger(["console"], str(tmp_path), stream=stream, console_every=10, total_steps=30)
+    for step in range(1, 31):
+        metrics = {"critic/score/mean": step / 30, "response_length/mean": 2.0, "timing_s/step": 0.5}
+        if step == 15:
+            metrics["val-core/a/acc/mean@1"] = 0.5
+            metrics["val-core/b/acc/mean@1"] = 1.0
+        logger.log(metrics, step=step)
+    lines = stream.getvalue().splitlines()
+    # header, then steps 1 (first), 10, 15 (validated), 20, 30 (every 10 and the last)
+    assert lines[0].split() == [
+        "step",
+        "score",
+        "val_acc",
+        "resp_len",
+        "pg_loss",
+        "grad_norm",
+        "entropy",
+        "kept",
+        "upd_ok",
+        "s/step",
+    ]
+    assert [line.split()[0] for line in lines[1:]] == ["1/30", "10/30", "15/30", "20/30", "30/30"]
+    assert lines[3].split() == ["15/30", "0.500", "0.750", "2.0", "0.50"]  # val_acc: mean over data sources
+    assert len({len(line) for line in lines}) == 1  # fixed width
+
+
+def test_console_verbose_line_per_step(tmp_path: Path) -> None:
     stream = io.StringIO()
     log_steps(tmp_path, ["console"], stream=stream)
     lines = stream.getvalue().splitlines()

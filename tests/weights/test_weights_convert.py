@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ def test_round_trip_tp2_pp2_is_bit_exact(tiny_hf, tmp_path, family, tie):
     res = convert_hf_to_mcore(hf, tmp_path / "mcore", tp=2, pp=2)
     assert sorted(p.name for p in (tmp_path / "mcore").iterdir()) == [
         "hf_config",
+        "manifest.json",
         META_NAME,
         "mp_rank_00_000",
         "mp_rank_00_001",
@@ -44,6 +46,14 @@ def test_round_trip_tp2_pp2_is_bit_exact(tiny_hf, tmp_path, family, tie):
         "mp_rank_01_001",
     ]
     assert res.num_tensors == sum(len(load_file(str(rank_file(res.save_dir, r, s)))) for r in (0, 1) for s in (0, 1))
+    # The manifest (hashed while writing, out of order and partly by kernel copies) matches the files' bytes.
+    manifest = json.loads((tmp_path / "mcore" / "manifest.json").read_text())["files"]
+    assert len(manifest) == 4
+    for r in (0, 1):
+        for s in (0, 1):
+            data = rank_file(res.save_dir, r, s).read_bytes()
+            rel = rank_file(res.save_dir, r, s).relative_to(res.save_dir).as_posix()
+            assert manifest[rel] == {"size": len(data), "crc32": zlib.crc32(data)}
     back = convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "hf2")
     assert (back.save_dir / "model.safetensors").is_file()  # 2GB default shard size: one file, as save_pretrained
     assert_same_tensors(load_hf_tensors(hf), load_hf_tensors(back.save_dir))

@@ -91,7 +91,7 @@ def test_existing_save_dir_is_refused_then_replaced_only_with_overwrite(tiny_hf,
     before = _digest(tmp_path / "m")
     with pytest.raises(
         CheckpointError,
-        match=r"already exists and is not empty \(contains: hf_config, mcore_meta.json,"
+        match=r"already exists and is not empty \(contains: hf_config, manifest.json, mcore_meta.json,"
         r" mp_rank_00_000, mp_rank_01_000\); pass --overwrite",
     ):
         convert_hf_to_mcore(hf, tmp_path / "m", pp=2)

@@ -1,0 +1,515 @@
+"""``megatron-dapo eval``: generate on evaluation sets with the rollout engine and score like training's validation.
+
+Flow (every process runs it; one process, or ``torchrun`` with rollout TP/DP as in training):
+
+1. **Model.** ``--model`` is an HF directory (``config.json`` + safetensors), the converter's output
+   (``megatron-dapo convert hf-to-mcore``: ``mcore_meta.json`` + ``mp_rank_*``) or a training checkpoint (a
+   ``global_step_<n>`` directory or a ``checkpoint.save_dir`` holding them). The last two are exported once, by
+   rank 0, to an HF directory under the output directory (``convert_mcore_to_hf`` / ``export_step``, in a child
+   process for the latter since it creates process groups of its own) and removed at the end.
+2. **Config.** ``--config`` (default: the config saved with a training checkpoint, else the built-in defaults) plus
+   dotted overrides; ``--n/--temperature/--top-p`` override ``rollout.val_kwargs``, ``--max-response-length``
+   ``data.max_response_length``. ``--data`` files replace ``data.val_files``.
+3. **Generation.** The training ``RolloutEngine`` (``rollout/engine.py``) with ``SamplingSpec.for_validation``, all
+   prompts in one ``generate`` call with ``seed_offset=0``, exactly as ``DAPOTrainer.validate`` does: per-request
+   seeds make the samples independent of the rollout layout, so the numbers match the trainer's ``val-core``
+   metrics on the same checkpoint and settings. The engine starts from dummy weights; the HF tensors are pushed in
+   with ``load_weights`` in buckets of whole decoder layers (a bucket must not split a vLLM layer, see
+   ``rollout/sync.py``).
+4. **Scoring.** ``RewardManager`` with the config's ``reward`` section (the same routing, scorers and custom
+   functions as training), on rank 0.
+5. **Report** (rank 0): ``<output-dir>/summary.json`` with per-data-source metrics from :func:`summarize` and
+   ``<output-dir>/samples.jsonl``, one line per response.
+
+Metric definitions (pure functions below; per data source, ``n`` responses per prompt, ``c`` of them correct):
+
+* ``mean@n``: mean ``acc`` over all responses (= the trainer's ``val-core/<source>/acc/mean@n``);
+* ``pass@k`` for k = 1, 2, 4, ... ≤ n and k = n: the unbiased estimator ``1 - C(n-c, k) / C(n, k)`` averaged over
+  prompts (the probability that at least one of k responses drawn without replacement is correct);
+* ``maj@k`` (k ≥ 2 from the same list, for sources whose scorer returns a ``pred``): the majority answer among a
+  prompt's first k responses (responses without an extracted ``pred`` do not vote; ties go to the answer seen first) is
+  correct, averaged over prompts; the responses are i.i.d., so the first k are an unbiased draw of k;
+* ``response_length/mean`` (tokens, stop token included), ``truncation_rate`` (share of responses stopped by the
+  length limit), ``num_prompts``, ``num_responses``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+from megatron_dapo.config import ConfigError, ExperimentConfig, apply_override, from_dict, load_config
+from megatron_dapo.reward.math_dapo import INVALID_ANSWER
+
+log = logging.getLogger("megatron_dapo.eval")
+
+PathLike = Union[str, Path]
+SUMMARY_FILE = "summary.json"
+SAMPLES_FILE = "samples.jsonl"
+EXPORT_SUBDIR = ".eval_hf_model"  # the temporary HF export of a non-HF --model, under the output directory
+
+# ====================================================================================================== metrics
+
+
+def k_values(n: int) -> list[int]:
+    """The k of ``pass@k``: powers of two up to ``n``, and ``n`` itself (``k_values(6) == [1, 2, 4, 6]``)."""
+    if n < 1:
+        raise ValueError(f"k_values: n={n}, expected >= 1 responses per prompt")
+    ks = [1 << i for i in range(n.bit_length()) if (1 << i) <= n]
+    return ks if ks[-1] == n else ks + [n]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with ``c`` correct out of ``n`` responses: ``1 - C(n-c, k) / C(n, k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    # Exact integers; Python's int / int rounds the quotient correctly even when both are huge.
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(preds: Sequence[Optional[str]], accs: Sequence[float]) -> float:
+    """1.0 if the most frequent extracted ``pred`` is correct (its first response's ``acc``), else 0.0.
+
+    ``None`` and math_dapo's ``"[INVALID]"`` (no answer found) do not vote. Ties go to the answer that appears first;
+    with no extracted answer at all the vote is wrong.
+    """
+    if len(preds) != len(accs):
+        raise ValueError(f"majority_correct: {len(preds)} preds but {len(accs)} accs")
+    counts: dict[str, int] = {}
+    first_acc: dict[str, float] = {}
+    for pred, acc in zip(preds, accs):
+        if pred is None or pred == INVALID_ANSWER:
+            continue
+        counts[pred] = counts.get(pred, 0) + 1
+        first_acc.setdefault(pred, float(acc))
+    if not counts:
+        return 0.0
+    best = max(counts.values())
+    winner = next(p for p in counts if counts[p] == best)  # dicts keep insertion order: the first to appear
+    return 1.0 if first_acc[winner] > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One scored response: the fields :func:`summarize` needs (the eval also writes these to ``samples.jsonl``)."""
+
+    data_source: str
+    prompt_index: int
+    sample_index: int
+    acc: float
+    pred: Optional[str]
+    response_length: int
+    truncated: bool
+
+
+def summarize(records: Sequence[SampleRecord], n: int) -> dict[str, dict[str, float]]:
+    """Per-data-source metrics (see the module docstring) from records with ``n`` responses per prompt."""
+    if not records:
+        raise ValueError("summarize: no records")
+    groups: dict[str, dict[int, list[SampleRecord]]] = {}
+    for rec in records:
+        groups.setdefault(rec.data_source, {}).setdefault(rec.prompt_index, []).append(rec)
+    ks = k_values(n)
+    out: dict[str, dict[str, float]] = {}
+    for source in sorted(groups):
+        prompts = groups[source]
+        for index, recs in prompts.items():
+            if len(recs) != n:
+                raise ValueError(f"summarize: data source {source!r} prompt {index} has {len(recs)} responses, not {n}")
+        flat = [r for recs in prompts.values() for r in recs]
+        metrics: dict[str, float] = {f"mean@{n}": sum(r.acc for r in flat) / len(flat)}
+        ordered = [sorted(recs, key=lambda r: r.sample_index) for recs in prompts.values()]
+        correct = [sum(1 for r in recs if r.acc > 0) for recs in ordered]
+        for k in ks:
+            metrics[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(ordered)
+        if any(r.pred is not None for r in flat):
+            for k in ks:
+                if k >= 2:
+                    votes = [
+                        majority_correct([r.pred for r in recs[:k]], [r.acc for r in recs[:k]]) for recs in ordered
+                    ]
+                    metrics[f"maj@{k}"] = sum(votes) / len(votes)
+        metrics["response_length/mean"] = sum(r.response_length for r in flat) / len(flat)
+        metrics["truncation_rate"] = sum(1 for r in flat if r.truncated) / len(flat)
+        metrics["num_prompts"] = float(len(ordered))
+        metrics["num_responses"] = float(len(flat))
+        out[source] = metrics
+    return out
+
+
+# ====================================================================================================== --model
+
+
+class ModelInputError(ValueError):
+    """``--model`` is none of the accepted kinds; the message says what was found and what would work."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What ``--model`` points at: ``kind`` is ``hf`` | ``mcore`` | ``training_checkpoint``."""
+
+    kind: str
+    path: Path
+
+
+_STEP_DIR = re.compile(r"^global_step_\d+$")
+
+
+def _has_hf_weights(path: Path) -> bool:
+    return any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
+
+
+def identify_model(path: PathLike) -> ModelSource:
+    """Which of the three accepted kinds ``path`` is; :class:`ModelInputError` naming what was found otherwise."""
+    from megatron_dapo.training.checkpoint import CONFIG_FILE, LATEST
+    from megatron_dapo.weights.mcore_checkpoint import META_NAME
+
+    path = Path(path)
+    if path.is_dir():
+        if (path / META_NAME).is_file():
+            return ModelSource("mcore", path)
+        if (path / "config.json").is_file() and _has_hf_weights(path):
+            return ModelSource("hf", path)
+        if (_STEP_DIR.match(path.name) and (path / CONFIG_FILE).is_file()) or (path / LATEST).is_file():
+            return ModelSource("training_checkpoint", path)
+        if any(p.is_dir() and _STEP_DIR.match(p.name) for p in path.iterdir()):
+            return ModelSource("training_checkpoint", path)
+        entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+        found = (
+            f"a directory containing {entries[:12]}{' ...' if len(entries) > 12 else ''}"
+            if entries
+            else ("an empty directory")
+        )
+    elif path.exists():
+        found = "a file, not a directory"
+    else:
+        found = "nothing (no such path)"
+    raise ModelInputError(
+        f"--model {path}: found {found}. Expected one of: (1) an HF model directory (config.json + *.safetensors);"
+        f" (2) a converter output (megatron-dapo convert hf-to-mcore: {META_NAME} + mp_rank_*/);"
+        f" (3) a training checkpoint: a global_step_<n>/ directory (with {CONFIG_FILE}) or the checkpoint.save_dir"
+        " holding them"
+    )
+
+
+def training_step_dir(path: PathLike) -> Path:
+    """The step directory a training-checkpoint ``--model`` means: itself, or the latest step of a save_dir."""
+    from megatron_dapo.training.checkpoint import CONFIG_FILE, CheckpointError, resolve_resume
+
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file():
+        return resolve_resume(str(path), None)
+    found = resolve_resume("auto", path)
+    if found is None:
+        raise CheckpointError(f"--model {path}: no complete global_step_<n> checkpoint in this directory")
+    return found
+
+
+# ====================================================================================================== config
+
+
+def build_eval_config(
+    source: ModelSource,
+    config_path: Optional[PathLike],
+    overrides: Sequence[str],
+    data_files: Sequence[str],
+    output_dir: PathLike,
+    n: Optional[int] = None,
+    temperature: Optional[float] = None,
+    top_p: Optional[float] = None,
+    max_response_length: Optional[int] = None,
+) -> ExperimentConfig:
+    """The experiment config the eval runs with (see the module docstring, step 2)."""
+    from megatron_dapo.training.checkpoint import CONFIG_FILE
+
+    overrides = list(overrides)
+    if config_path is not None:
+        cfg = load_config(config_path, overrides)
+    elif source.kind == "training_checkpoint":
+        saved = training_step_dir(source.path) / CONFIG_FILE
+        raw = yaml.safe_load(saved.read_text()) or {}
+        for item in overrides:
+            apply_override(raw, item)
+        cfg = from_dict(ExperimentConfig, raw)
+    else:
+        cfg = load_config(None, overrides)
+    if not data_files:
+        raise ConfigError("--data: give at least one verl-format parquet/jsonl file")
+    cfg.data.val_files = [str(f) for f in data_files]
+    cfg.trainer.output_dir = str(output_dir)
+    v = cfg.rollout.val_kwargs
+    if n is not None:
+        if n < 1:
+            raise ConfigError(f"--n {n}: expected >= 1 responses per prompt")
+        v.n = n
+    if temperature is not None:
+        if temperature < 0:
+            raise ConfigError(f"--temperature {temperature}: expected >= 0 (0 = greedy)")
+        v.temperature = temperature
+        v.do_sample = temperature > 0
+    if top_p is not None:
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"--top-p {top_p}: expected a value in (0, 1]")
+        v.top_p = top_p
+    if max_response_length is not None:
+        if max_response_length < 1:
+            raise ConfigError(f"--max-response-length {max_response_length}: expected >= 1")
+        cfg.data.max_response_length = max_response_length
+    return cfg
+
+
+# ====================================================================================================== export
+
+
+def _child_env() -> dict[str, str]:
+    """The environment for a single-process child: without torchrun's variables, so it makes its own group."""
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC")}
+    env["MASTER_ADDR"] = "127.0.0.1"
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH", "")]))
+    return env
+
+
+def export_to_hf(source: ModelSource, dest: PathLike) -> Path:
+    """Write the HF checkpoint of a ``mcore`` or ``training_checkpoint`` source to ``dest`` (call on one rank)."""
+    from megatron_dapo.weights.convert import convert_mcore_to_hf
+
+    dest = Path(dest)
+    if source.kind == "mcore":
+        convert_mcore_to_hf(source.path, dest, overwrite=True)
+        return dest
+    if source.kind != "training_checkpoint":
+        raise ValueError(f"export_to_hf: {source.kind!r} needs no export")
+    # export_step creates (and destroys) process groups of its own: run it where they cannot meet ours.
+    cmd = [sys.executable, "-m", "megatron_dapo.cli", "export", "--checkpoint", str(source.path)]
+    cmd += ["--save-dir", str(dest)]
+    proc = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        raise RuntimeError(f"exporting the training checkpoint {source.path} to HF failed:\n{tail}")
+    return dest
+
+
+# ====================================================================================================== weights
+
+
+def hf_weight_buckets(names: Sequence[str], sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
+    """Group HF tensor names into load buckets that never split a module: a decoder layer (``model.layers.<i>.``)
+    always goes whole into one bucket, other tensors singly; buckets fill up to ``bucket_bytes`` (a larger unit gets
+    a bucket of its own)."""
+    units: dict[str, list[str]] = {}
+    for name in names:
+        m = re.match(r"^(.*?layers\.\d+)\.", name)
+        units.setdefault(m.group(1) if m else name, []).append(name)
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    current_bytes = 0
+    for unit in units.values():
+        unit_bytes = sum(sizes[n] for n in unit)
+        if current and current_bytes + unit_bytes > bucket_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.extend(unit)
+        current_bytes += unit_bytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@contextlib.contextmanager
+def _quiet(names: Sequence[str]) -> Iterator[None]:
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+# vLLM warns for every layer a partial (bucketed) reload did not touch; expected here.
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+
+
+def load_hf_weights_into_engine(engine: Any, hf_dir: PathLike, dtype: Any, bucket_mb: int) -> int:
+    """Push every tensor of ``hf_dir``'s safetensors into the running engine; returns the number of tensors."""
+    from megatron_dapo.weights.safetensors_io import SafetensorsDir
+
+    with SafetensorsDir(hf_dir) as reader:
+        names = reader.keys()
+        sizes = {n: reader.info(n).nbytes for n in names}
+        buckets = hf_weight_buckets(names, sizes, max(1, bucket_mb) * 2**20)
+        with _quiet(_RELOAD_LOGGERS) if len(buckets) > 1 else contextlib.nullcontext():
+            for bucket in buckets:
+                engine.load_weights([(n, reader.get(n).to(dtype)) for n in bucket])
+    engine.after_weight_update()
+    return len(names)
+
+
+# ====================================================================================================== run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _eos_ids(tokenizer: Any) -> list[int]:
+    # As the trainer: the tokenizer's EOS id(s) are the stop tokens.
+    eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def run_eval(
+    model: PathLike,
+    data_files: Sequence[str],
+    output_dir: PathLike,
+    *,
+    config_path: Optional[PathLike] = None,
+    overrides: Sequence[str] = (),
+    tokenizer_dir: Optional[PathLike] = None,
+    n: Optional[int] = None,
+    temperature: Optional[float] = None,
+    top_p: Optional[float] = None,
+    max_response_length: Optional[int] = None,
+) -> dict[str, dict[str, float]]:
+    """Evaluate ``model`` on ``data_files``; returns the summary (on every rank) and writes the report (rank 0)."""
+    import torch.distributed as dist
+
+    from megatron_dapo.data import build_dataset
+    from megatron_dapo.models.builder import DTYPES
+    from megatron_dapo.parallel import broadcast_object, init_distributed
+    from megatron_dapo.rollout.engine import RolloutEngine, rollout_dtype, teardown
+    from megatron_dapo.rollout.types import SamplingSpec
+
+    source = identify_model(model)
+    output_dir = Path(output_dir)
+    cfg = build_eval_config(
+        source, config_path, overrides, data_files, output_dir, n, temperature, top_p, max_response_length
+    )
+    if "RANK" not in os.environ:
+        # A plain (non-torchrun) run is rank 0 of 1; vLLM's external_launcher reads these variables itself.
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    info, platform = init_distributed(cfg.parallel)
+    engine = None
+    export_dir = output_dir / EXPORT_SUBDIR
+    try:
+        # 1. An HF directory for the engine: rank 0 exports, the others learn the outcome (and fail with it).
+        hf_dir = source.path
+        if source.kind != "hf":
+            error = None
+            if info.is_main:
+                try:
+                    output_dir.mkdir(parents=True, exist_ok=True)
+                    export_to_hf(source, export_dir)
+                except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
+                    error = f"{type(exc).__name__}: {exc}"
+            error = broadcast_object(error)
+            if error is not None:
+                raise RuntimeError(f"--model {source.path} ({source.kind}): export to HF failed: {error}")
+            hf_dir = export_dir
+
+        from transformers import AutoTokenizer
+
+        tok_dir = tokenizer_dir or cfg.model.tokenizer_dir or hf_dir
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        eos_ids = _eos_ids(tokenizer)
+        dataset = build_dataset(cfg.data.val_files, tokenizer, cfg.data, name="eval")
+        items = [dataset[i] for i in range(len(dataset))]
+        sampling = SamplingSpec.for_validation(cfg, eos_ids)
+
+        # 2. Generation, exactly as DAPOTrainer.validate: one call, seed_offset 0.
+        engine = RolloutEngine(cfg, str(hf_dir), platform, pad_token_id=pad_id, eos_token_ids=eos_ids)
+        load_hf_weights_into_engine(engine, hf_dir, DTYPES[rollout_dtype(cfg)], cfg.rollout.weight_sync_bucket_mb)
+        rollout = engine.generate([it["input_ids"] for it in items], sampling, seed_offset=0)
+
+        # 3. Scoring and the report, on rank 0.
+        summary: Optional[dict] = None
+        if info.is_main:
+            summary = _score_and_write(cfg, tokenizer, eos_ids, items, rollout, sampling.n, output_dir)
+        summary = broadcast_object(summary)
+        if dist.is_initialized():
+            dist.barrier()
+        return summary
+    finally:
+        teardown(engine)
+        if info.is_main:
+            shutil.rmtree(export_dir, ignore_errors=True)
+
+
+def _score_and_write(cfg, tokenizer, eos_ids, items, rollout, n: int, output_dir: Path) -> dict:
+    from megatron_dapo.reward.manager import RewardManager
+
+    rows = rollout.prompt_index.tolist()
+    with RewardManager(tokenizer, cfg.reward, cfg.data.max_response_length, eos_ids) as reward:
+        result = reward(
+            rollout.responses,
+            rollout.response_mask,
+            [items[i]["data_source"] for i in rows],
+            [items[i]["ground_truth"] for i in rows],
+            [items[i]["extra_info"] for i in rows],
+        )
+    lengths = rollout.response_lengths.tolist()
+    texts = tokenizer.batch_decode(
+        [r[: int(k)] for r, k in zip(rollout.responses.tolist(), lengths)], skip_special_tokens=True
+    )
+    accs = result.extra.get("acc", [None] * len(rows))
+    preds = result.extra.get("pred", [None] * len(rows))
+    records: list[SampleRecord] = []
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with open(output_dir / SAMPLES_FILE, "w") as f:
+        for r, i in enumerate(rows):
+            item = items[i]
+            pred = None if preds[r] is None else str(preds[r])
+            rec = SampleRecord(
+                data_source=str(item["data_source"]),
+                prompt_index=int(i),
+                sample_index=r % n,  # rows come sorted by (prompt, sample), n per prompt
+                acc=float(bool(accs[r])),
+                pred=pred,
+                response_length=int(lengths[r]),
+                truncated=bool(rollout.truncated[r]),
+            )
+            records.append(rec)
+            line = {
+                "data_source": rec.data_source,
+                "prompt_index": rec.prompt_index,
+                "sample_index": rec.sample_index,
+                "prompt": item["raw_prompt"],
+                "response": texts[r],
+                "ground_truth": item["ground_truth"],
+                "score": float(result.extra["score"][r]) if result.extra["score"][r] is not None else None,
+                "reward": float(result.scores[r]),
+                "pred": pred,
+                "acc": rec.acc,
+                "response_length": rec.response_length,
+                "truncated": rec.truncated,
+            }
+            f.write(json.dumps(line, default=str) + "\n")
+    summary = summarize(records, n)
+    (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary

@@ -1,0 +1,128 @@
+"""What a run does when something goes wrong: stop requests (SIGTERM/SIGINT), the first failure's root cause, and
+the check that every rank reached the failure handler before a collective emergency save.
+
+Ranks coordinate through the rendezvous store that torchrun (or ``init_process_group``) created: it lives outside
+the process groups, so it still answers when a peer has died or a collective is broken. Under torchrun the store
+is served by the launcher's agent and survives any worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+log = logging.getLogger("megatron_dapo.failure")
+
+_FIRST_FAILURE_KEY = "megatron_dapo/first_failure"
+_HANDLER_KEY = "megatron_dapo/in_failure_handler"
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """Too many consecutive updates were skipped because the loss, the gradient norm or the loss inputs were not
+    finite. The run stops without saving: the last checkpoint written before stays ``latest``."""
+
+
+class PeerFailure(RuntimeError):
+    """This rank stopped because another rank failed first; the message carries that rank's error."""
+
+
+def _store() -> Optional[dist.Store]:
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):  # no store behind this group (e.g. a file:// init)
+        return None
+
+
+def record_failure(rank: int, exc: BaseException) -> str:
+    """Register this rank's failure; returns the first failure of the run (this one when it came first)."""
+    message = f"rank {rank}: {type(exc).__name__}: {exc}"
+    store = _store()
+    if store is None:
+        return message
+    try:
+        first = store.compare_set(_FIRST_FAILURE_KEY, "", message)
+        return first.decode() if isinstance(first, bytes) else str(first)
+    except Exception:  # noqa: BLE001 - the store itself may be gone with the launcher
+        return message
+
+
+def all_ranks_in_handler(world_size: int, timeout_s: float) -> bool:
+    """Announce that this rank is in the failure handler and wait (bounded) until every rank is.
+
+    Only then are all ranks out of their collectives, so that a collective save cannot be matched against a peer's
+    unfinished collective. A failure on some ranks only (the others are blocked in a collective) returns False.
+    """
+    store = _store()
+    if store is None:
+        return world_size == 1
+    try:
+        arrived = store.add(_HANDLER_KEY, 1)
+        deadline = time.monotonic() + timeout_s
+        while arrived < world_size and time.monotonic() < deadline:
+            time.sleep(0.2)
+            arrived = store.add(_HANDLER_KEY, 0)
+        return arrived >= world_size
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class StopRequest:
+    """Turns SIGTERM/SIGINT into a flag read at step boundaries (schedulers send SIGTERM before preemption or at a
+    time limit). The first signal asks for a clean stop; the handlers are then restored, so a second one acts as
+    usual (e.g. a second Ctrl-C interrupts at once)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signal_name: Optional[str] = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread: leave signal handling to the caller
+                return
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame) -> None:  # noqa: ANN001
+        self.signal_name = signal.Signals(signum).name
+        log.warning("received %s: the run saves a checkpoint at the end of this step and exits", self.signal_name)
+        self.restore()
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+
+def reap_children(grace_s: float = 5.0) -> list[int]:
+    """Terminate (then kill) every process still descending from this one: vLLM, reward and checkpoint helpers
+    left by a failure must not outlive the run. Returns the pids that had to be stopped."""
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    return [c.pid for c in children]

@@ -1,0 +1,149 @@
+"""Checkpoint integrity (``training.checkpoint`` + ``weights.integrity``): the manifest matches an independent read
+of every file; damaged checkpoints (truncated ``.distcp``, truncated rng file, a flipped byte) give the same named
+error on both ranks, ``auto`` falls back to the previous intact step with a warning, and raises when none is
+intact; a NaN weight is refused before anything is written; a killed or stuck writer helper ends the save with a
+``CheckpointError`` within ``timeout_s`` and nothing is published.
+
+``integrity_worker.py`` runs everything in one torchrun (world 2); see its docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.training.checkpoint import CheckpointIntegrityError, resolve_resume
+from megatron_dapo.weights.integrity import crc32_combine, first_non_finite
+from tests.helpers import run_torchrun
+
+WORKER = Path(__file__).with_name("integrity_worker.py")
+PORT = 29865
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("integrity")
+    run_torchrun(WORKER, nproc=2, args=["--out", str(out)], port=PORT, timeout=400)
+    return {"out": out, "ranks": [json.loads((out / f"integrity_rank{r}.json").read_text()) for r in range(2)]}
+
+
+def test_manifest_matches_the_files(run: dict) -> None:
+    step_dir = run["out"] / "ckpt" / "global_step_2"
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert manifest["checksum"] == "crc32"
+    on_disk = sorted(
+        p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file() and p.name != "manifest.json"
+    )
+    assert sorted(manifest["files"]) == on_disk  # every file, nothing else
+    assert {"dist_ckpt/.metadata", "dist_ckpt/common.pt", "rng/rank_00001.pt", "trainer_state.json"} <= set(on_disk)
+    for rel, entry in manifest["files"].items():
+        data = (step_dir / rel).read_bytes()  # independent reference: the bytes on disk
+        assert entry == {"size": len(data), "crc32": zlib.crc32(data)}, rel
+
+
+def test_nan_weight_is_refused(run: dict) -> None:
+    for r in run["ranks"]:
+        nan = r["nan"]
+        assert nan["type"] == "CheckpointIntegrityError"
+        assert "refusing to save checkpoint" in nan["error"] and "global_step_3" in nan["error"]
+        assert f"tensor 'model{nan['param']}' on rank 1 holds non-finite values" in nan["error"]
+        assert nan["after"] == ["global_step_1", "global_step_2", "latest"]  # not even a temporary directory
+        assert nan["latest"] == "global_step_2\n"
+    assert run["ranks"][0]["nan"]["error"] == run["ranks"][1]["nan"]["error"]
+
+
+def test_killed_or_stuck_writer_helper(run: dict) -> None:
+    killed = [r["killed"] for r in run["ranks"]]
+    pid = killed[0]["pid"]
+    assert isinstance(pid, int)
+    for k in killed:
+        assert k["type"] == "CheckpointError"
+        assert f"checkpoint writer helper pid {pid} (writing " in k["error"]
+        assert "__0_0.distcp) for global_step_4" in k["error"] and "died (killed by SIGKILL)" in k["error"]
+        assert "was not published" in k["error"]
+        assert k["seconds"] < 20  # the manager's timeout_s; the helpers would have slept 60 s
+        assert k["latest"] == "global_step_2\n" and "global_step_4" not in k["after"]
+    for r in run["ranks"]:
+        stuck = r["stuck"]
+        assert stuck["type"] == "CheckpointError" and "did not finish within timeout_s=3" in stuck["error"]
+        assert 3 <= stuck["seconds"] < 15
+        assert stuck["latest"] == "global_step_2\n" and "global_step_5" not in stuck["after"]
+        # The next save works and removes the unpublished leftovers.
+        assert r["after_recovery"] == ["global_step_1", "global_step_2", "global_step_6", "latest"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "file", "what"),
+    [
+        ("distcp", "dist_ckpt/__0_0.distcp", r"truncated \(expected (\d+) bytes, found (\d+)\)"),
+        ("rng", "rng/rank_00001.pt", r"truncated \(expected \d+ bytes, found 100\)"),
+        ("flip", "dist_ckpt/__0_1.distcp", r"corrupt \(expected crc32 [0-9a-f]{8}, found [0-9a-f]{8}\)"),
+    ],
+)
+def test_damaged_checkpoint(run: dict, kind: str, file: str, what: str) -> None:
+    import re
+
+    root = run["out"] / f"damaged-{kind}"
+    damaged = root / "global_step_2"
+    for r in run["ranks"]:
+        res = r[kind]
+        for key in ("explicit", "load"):
+            assert res[key]["type"] == "CheckpointIntegrityError", res[key]
+            assert re.search(f"{re.escape(str(damaged))}.* {re.escape(str(damaged / file))}: {what}", res[key]["error"])
+        assert res["auto"] == str(root / "global_step_1")
+        assert res["auto_loaded_step"] == 1
+        if r is run["ranks"][0]:  # the warning is rank 0's
+            assert len(res["auto_warnings"]) == 1
+            assert re.search(f"skipping {re.escape(str(damaged))} is damaged: .*{what}", res["auto_warnings"][0])
+    for key in ("explicit", "load"):  # the same error on both ranks
+        assert run["ranks"][0][kind][key]["error"] == run["ranks"][1][kind][key]["error"]
+    if kind == "distcp":
+        m = re.search(what, run["ranks"][0][kind]["explicit"]["error"])
+        assert int(m.group(2)) == int(m.group(1)) // 2  # the worker cut the file in half
+        for r in run["ranks"]:
+            none = r[kind]["none_intact"]
+            assert none["type"] == "CheckpointIntegrityError"
+            assert f"no intact checkpoint in {root}; newest: {damaged} is damaged" in none["error"]
+        # In one process too (no torch.distributed): the same verdicts.
+        with pytest.raises(CheckpointIntegrityError, match=f"{re.escape(str(damaged / file))}: {what}"):
+            resolve_resume(str(damaged), None)
+
+
+def test_old_checkpoint_without_manifest_still_resolves(run: dict, tmp_path: Path) -> None:
+    import shutil
+
+    step_dir = tmp_path / "global_step_2"
+    shutil.copytree(run["out"] / "ckpt" / "global_step_2", step_dir)
+    (step_dir / "manifest.json").unlink()
+    assert resolve_resume(str(step_dir), None) == step_dir
+    (step_dir / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointIntegrityError, match=r"manifest.json: corrupt manifest"):
+        resolve_resume(str(step_dir), None)
+
+
+def test_verification_cost_is_small(run: dict) -> None:
+    for r in run["ranks"]:
+        # A ~1 MB checkpoint: checksums of every file (split over 2 ranks) well under a second.
+        assert r["checkpoint_bytes"] > 500_000
+        assert r["verify_seconds"] < 1.0 and r["verify_sizes_only_seconds"] < 1.0
+
+
+def test_crc32_combine_and_first_non_finite() -> None:
+    import random
+
+    import torch
+
+    rng = random.Random(0)
+    a, b = rng.randbytes(1001), rng.randbytes(77777)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b""), 0) == zlib.crc32(a)
+    ok = torch.full((4,), 3.0e38)  # max |x| is finite even where a 2-norm would overflow
+    nan, inf = torch.ones(3, dtype=torch.bfloat16), torch.zeros(2)
+    nan[1], inf[0] = float("nan"), float("-inf")
+    ints = torch.tensor([1, 2])
+    assert first_non_finite([("ok", ok), ("ints", ints)]) is None
+    assert first_non_finite([("ok", ok), ("inf", inf), ("nan", nan)]) == "inf"
+    assert first_non_finite([("nan", nan), ("inf", inf)]) == "nan"
