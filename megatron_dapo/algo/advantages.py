@@ -1,4 +1,4 @@
-"""Outcome-reward advantage estimators: GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline (verl 0.9 semantics).
+"""Outcome-reward advantage estimators: GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline (verl 0.9.1 semantics).
 
 Shapes: ``B`` responses, ``T`` response tokens (right-padded). ``scores[B]`` is the sequence-level reward (verl:
 ``token_level_rewards.sum(-1)``); ``response_mask[B, T]`` marks valid response tokens. ``group_ids[B]`` names the
@@ -148,8 +148,9 @@ def compute_reinforce_pp_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted returns, whitened over the masked tokens of the whole batch.
 
-    ``returns[:, t] = r_t + gamma * running`` walking backwards, where ``running`` is reset to 0 after every
-    masked-out position (verl: ``running = returns[:, t] * mask[:, t]``). Advantages are
+    Walking backwards, ``new = r_t + gamma * running``; a valid token (mask 1) gets ``returns[:, t] = new`` and
+    takes ``running = new``; a masked-out token (padding, or a multi-turn observation span) gets return 0 and passes
+    ``running`` through unchanged, so later rewards reach earlier turns (verl 0.9.1). Advantages are
     ``masked_whiten(returns, mask) * mask``.
 
     Args:
@@ -170,9 +171,9 @@ def compute_reinforce_pp_advantages(
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in range(rewards.shape[1] - 1, -1, -1):
-        running = rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
+        new_running = rewards[:, t] + gamma * running
+        returns[:, t] = new_running * mask[:, t]
+        running = new_running * mask[:, t] + running * (1 - mask[:, t])
     advantages = masked_whiten(returns, response_mask) * mask
     return advantages, returns
 

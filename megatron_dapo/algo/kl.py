@@ -1,4 +1,4 @@
-"""KL estimators, KL controllers and the KL-in-reward penalty (verl 0.9 semantics).
+"""KL estimators, KL controllers and the KL-in-reward penalty (verl 0.9.1 semantics).
 
 Shapes: ``[B, T]`` per-token log-probabilities of the sampled tokens. Pure functions, no process groups.
 """
@@ -50,9 +50,9 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     ``[-10, 10]``.
 
     A ``+`` suffix (``k1+``, ``k3+``, ``low_var_kl+``...) gives the straight-through variant: the forward value of
-    the named estimator with the gradient of ``k2`` (unbiased KL gradient). ``k2+``/``mse+`` equal ``k2``.
-    (verl 0.9 documents this variant, but its forward pass does not strip the ``+`` and raises for it; we implement
-    the documented behaviour.)
+    the named estimator with the gradient of ``k2`` (unbiased KL gradient), as verl 0.9.1. ``k2+``/``mse+`` equal
+    ``k2`` (verl computes them through the straight-through path, with the same value and gradient).
+    Unknown kinds raise ``ValueError`` (verl: ``NotImplementedError``, also for ``full``, which we do not offer).
     """
     if not kind.endswith("+"):
         return _kl_forward(log_prob, ref_log_prob, kind)

@@ -1,4 +1,4 @@
-"""PPO clipped policy loss with decoupled clip (clip-higher), dual-clip and loss aggregation (verl 0.9 semantics).
+"""PPO clipped policy loss with decoupled clip (clip-higher), dual-clip and loss aggregation (verl 0.9.1 semantics).
 
 Shapes: ``[B, T]`` per-token tensors (B responses, T response tokens); ``response_mask[B, T]`` selects the tokens
 that count. Everything is a pure function (no process groups).
@@ -77,14 +77,14 @@ def agg_loss(
     * ``seq-mean-token-sum``: per sequence ``sum_t(loss * m)``, summed over sequences with at least one token and
       divided by ``N_seqs = global_seq_count`` or the local number of such sequences.
     * ``seq-mean-token-mean``: per sequence ``sum_t(loss * m) / (count + 1e-8)``, then as above.
-    * ``seq-mean-token-sum-norm`` (Dr.GRPO): ``sum(loss * m) / C`` with the constant ``C = max_response_length``
-      (verl's ``loss_scale_factor``), defaulting to ``T = loss_mask.shape[-1]`` as verl does. Note this is *not*
-      divided by a sequence count (verl 0.9's ``agg_loss``). Pass ``max_response_length`` whenever micro-batches
-      may be padded to different ``T`` so that the split form stays exact.
+    * ``seq-mean-token-sum-norm`` (Dr.GRPO): as ``seq-mean-token-sum``, then divided by the constant
+      ``C = max_response_length`` (verl's ``loss_scale_factor``), defaulting to ``T = loss_mask.shape[-1]`` as verl
+      does: ``sum(loss * m) / N_seqs / C``. Pass ``max_response_length`` whenever micro-batches may be padded to
+      different ``T`` so that the split form stays exact.
 
     Passing the global normalisers (sums of :func:`agg_normalisers` over the whole batch) makes the result additive
     over any split of the batch into micro-batches/ranks. Fully masked sequences contribute nothing; a fully masked
-    batch gives 0 (verl would give NaN for ``token-mean`` and the ``seq-mean`` modes).
+    batch gives 0 (verl 0.9.1 gives NaN, 0/0; see ``docs/verl_config_mapping.md``).
     Values outside the mask never contaminate the result (NaN-safe).
 
     Returns a 0-dim tensor of ``loss_mat``'s dtype, differentiable w.r.t. ``loss_mat``.
@@ -94,17 +94,18 @@ def agg_loss(
     if loss_agg_mode == "token-mean":
         n = loss_mask.sum() if global_token_count is None else global_token_count
         return masked_sum(loss_mat, loss_mask) / _as_divisor(n, loss_mat)
-    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         token_counts = loss_mask.sum(dim=-1)
         seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
         if loss_agg_mode == "seq-mean-token-mean":
             seq_losses = seq_losses / (token_counts + SEQ_TOKEN_MEAN_EPS)
         seq_mask = token_counts > 0
         n = seq_mask.sum() if global_seq_count is None else global_seq_count
-        return masked_sum(seq_losses, seq_mask) / _as_divisor(n, loss_mat)
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        c = loss_mask.shape[-1] if max_response_length is None else max_response_length
-        return masked_sum(loss_mat, loss_mask) / _as_divisor(c, loss_mat)
+        loss = masked_sum(seq_losses, seq_mask) / _as_divisor(n, loss_mat)
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            c = loss_mask.shape[-1] if max_response_length is None else max_response_length
+            loss = loss / _as_divisor(c, loss_mat)
+        return loss
     raise ValueError(f"invalid loss_agg_mode {loss_agg_mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}")
 
 

@@ -1,15 +1,18 @@
-"""DAPO math reward: +1 / -1 by exact match of the normalised final answer.
+"""DAPO math reward: +1 / -1 by exact match of the final answer.
 
-Reproduces the behaviour of verl 0.9's ``verl/utils/reward_score/math_dapo.py`` (itself adapted from the
-Minerva/lm-eval-harness normalisation) on the same strings:
+Reproduces verl 0.9.1's ``math_dapo.compute_score`` (itself adapted from the Minerva/lm-eval-harness
+normalisation) exactly, on the same strings (``tests/algo/test_verl_golden.py`` checks score, ``acc`` and ``pred``
+against verl's own output):
 
 * only the last 300 characters of the response are looked at;
-* default ("Minerva") mode: the text after the *last* ``Answer:`` (case-insensitive, up to the end of the line) is
-  the prediction (``"[INVALID]"`` if there is none); prediction and ground truth are normalised by
-  :func:`normalize_final_answer` and compared as strings. A ``\\boxed{...}`` inside the answer line is unwrapped
-  by the normalisation, so ``Answer: \\boxed{5}`` matches ``5``;
-* strict-box mode (``strict_box_verify=True``): the last ``\\boxed{...}`` within the last 100 characters is the
-  prediction, compared *unnormalised* with the ground truth; ``pred`` is None when there is no box.
+* default mode: the text after the *last* ``Answer:`` (case-insensitive, up to the end of the line) is the
+  prediction; prediction and ground truth are normalised by :func:`normalize_final_answer` and compared as
+  strings. A ``\\boxed{...}`` inside the answer line is unwrapped by the normalisation, so ``Answer: \\boxed{5}``
+  matches ``5``. When that prediction normalises to ``"[INVALID]"`` (no ``Answer:`` line), the strict box check
+  below is the fallback; if it finds no box either, the result is wrong with ``pred == "[INVALID]"``;
+* strict-box check (``strict_box_verify=True``, or the fallback): the last ``\\boxed{...}`` within the last 100
+  characters (of the 300) is the prediction, compared *unnormalised* with the ground truth; ``pred`` is None when
+  there is no box.
 
 Pure Python, no third-party imports (it runs in reward worker processes).
 """
@@ -121,6 +124,19 @@ def _strict_box_verify(solution: str, ground_truth: str) -> tuple[bool, str | No
     return pred == ground_truth, pred
 
 
+def _verify(solution: str, ground_truth: str, strict_box_verify: bool) -> tuple[bool, str | None]:
+    """verl's ``verify``: ``Answer:`` line first, then the strict box check when there is no answer line."""
+    if strict_box_verify:
+        return _strict_box_verify(solution, ground_truth)
+    correct, pred = _minerva_verify(solution, ground_truth)
+    if pred != INVALID_ANSWER:
+        return correct, pred
+    box_correct, box_pred = _strict_box_verify(solution, ground_truth)
+    if box_pred is not None:
+        return box_correct, box_pred
+    return correct, pred
+
+
 def compute_score(
     solution_str: str,
     ground_truth: Any,
@@ -133,14 +149,13 @@ def compute_score(
     Args:
         solution_str: the decoded response.
         ground_truth: the reference answer (converted with ``str``).
-        strict_box_verify: use the strict ``\\boxed{}`` check instead of the ``Answer:`` extraction.
+        strict_box_verify: use only the strict ``\\boxed{}`` check (no ``Answer:`` extraction).
         data_source, extra_info: ignored (custom-reward-function signature compatibility).
 
     Returns:
-        ``{"score": 1.0 or -1.0, "acc": bool, "pred": normalised prediction}`` (``pred`` may be None in strict
-        mode when no box is found).
+        ``{"score": 1.0 or -1.0, "acc": bool, "pred": prediction}``: the normalised ``Answer:`` text, else the
+        raw content of the last box in the last 100 characters, else ``"[INVALID]"`` (``None`` in strict mode).
     """
     tail = solution_str[-SOLUTION_TAIL_CHARS:]
-    verify = _strict_box_verify if strict_box_verify else _minerva_verify
-    correct, pred = verify(tail, str(ground_truth))
+    correct, pred = _verify(tail, str(ground_truth), strict_box_verify)
     return {"score": 1.0 if correct else -1.0, "acc": bool(correct), "pred": pred}

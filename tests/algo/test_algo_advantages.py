@@ -69,9 +69,9 @@ def ref_reinforce_pp(rewards, mask, gamma):
         out = [0.0] * len(r_row)
         running = 0.0
         for t in reversed(range(len(r_row))):
-            running = r_row[t] + gamma * running
-            out[t] = running
-            running *= m_row[t]
+            if m_row[t]:  # verl 0.9.1: masked-out tokens get return 0 and pass the running return through
+                running = r_row[t] + gamma * running
+                out[t] = running
         returns.append(out)
     adv = ref_whiten(returns, mask)
     return [[a * m for a, m in zip(ar, mr, strict=True)] for ar, mr in zip(adv, mask, strict=True)], returns
@@ -195,6 +195,14 @@ def test_reinforce_pp_returns_hand_computed() -> None:
     assert torch.all(adv[mask == 0] == 0)
     sel = adv[mask.bool()]
     assert abs(sel.mean().item()) < 1e-7  # zero mean up to verl's 1e-8 in the masked-mean denominator
+
+
+def test_reinforce_pp_carries_returns_across_masked_spans() -> None:
+    # The masked-out token in the middle (an observation span) gets return 0; the reward behind it still reaches t=0.
+    rewards = t64([[0.0, 7.0, 0.0, 1.0]])
+    mask = t64([[1, 0, 1, 1]])
+    _, returns = compute_reinforce_pp_advantages(rewards, mask, gamma=0.5)
+    torch.testing.assert_close(returns, t64([[0.25, 0.0, 0.5, 1.0]]))
 
 
 @given(grouped_batch(min_tokens=2), st.sampled_from([1.0, 0.9, 0.5]), st.integers(0, 2**31 - 1))

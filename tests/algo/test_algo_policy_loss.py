@@ -52,8 +52,10 @@ def ref_agg(mat: list[list[float]], mask: list[list[float]], mode: str, scale: f
             s = sum(v * m for v, m in zip(vr, mr, strict=True))
             per_seq.append(s if mode == "seq-mean-token-sum" else s / (cnt + 1e-8))
         return sum(per_seq) / len(per_seq)
+    # seq-mean-token-sum-norm (verl 0.9.1): token sum / non-empty sequences / loss_scale_factor
     total = sum(v * m for vr, mr in zip(mat, mask, strict=True) for v, m in zip(vr, mr, strict=True))
-    return total / (scale if scale is not None else len(mask[0]))
+    n_seqs = sum(1 for mr in mask if sum(mr) > 0)
+    return total / n_seqs / (scale if scale is not None else len(mask[0]))
 
 
 def t64(x) -> torch.Tensor:
@@ -109,8 +111,10 @@ def test_agg_modes_hand_computed() -> None:
     assert agg_loss(mat, mask, "token-mean").item() == pytest.approx(18 / 5)
     assert agg_loss(mat, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 15) / 2)
     assert agg_loss(mat, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 5) / 2)
-    assert agg_loss(mat, mask, "seq-mean-token-sum-norm").item() == pytest.approx(18 / 3)
-    assert agg_loss(mat, mask, "seq-mean-token-sum-norm", max_response_length=6).item() == pytest.approx(3.0)
+    # 18 over 2 non-empty sequences, over T = 3 (or the given max_response_length)
+    assert agg_loss(mat, mask, "seq-mean-token-sum-norm").item() == pytest.approx(18 / 2 / 3)
+    assert agg_loss(mat, mask, "seq-mean-token-sum-norm", max_response_length=6).item() == pytest.approx(1.5)
+    assert agg_loss(mat, mask, "seq-mean-token-sum-norm", global_seq_count=4).item() == pytest.approx(18 / 4 / 3)
     assert agg_loss(mat, mask, "token-mean", global_token_count=10).item() == pytest.approx(1.8)
     assert agg_loss(mat, mask, "seq-mean-token-sum", global_seq_count=4).item() == pytest.approx(4.5)
 

@@ -17,9 +17,19 @@ def test_correct_and_wrong_answer_line() -> None:
     assert compute_score("Answer: 41", "42") == {"score": -1.0, "acc": False, "pred": "41"}
 
 
-def test_no_answer_line_is_invalid() -> None:
-    out = compute_score("The result is \\boxed{42}.", "42")
-    assert out == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+def test_no_answer_line_falls_back_to_the_last_box() -> None:
+    # verl 0.9.1: without an "Answer:" line the strict box check decides (raw box content, last 100 characters).
+    assert compute_score("The result is \\boxed{42}.", "42") == {"score": 1.0, "acc": True, "pred": "42"}
+    assert compute_score("\\boxed{1} or \\boxed{42}", "42")["pred"] == "42"
+    # The fallback compares unnormalised: "$42$" is not "42" (the Answer-line path would have normalised it).
+    assert compute_score("so \\boxed{$42$}", "42") == {"score": -1.0, "acc": False, "pred": "$42$"}
+    # A box 101+ characters before the end is out of the fallback's window.
+    assert compute_score("\\boxed{42}" + "." * 95, "42") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+    assert compute_score("The result is 42.", "42") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+
+
+def test_answer_line_wins_over_box() -> None:
+    assert compute_score("\\boxed{42}\nAnswer: 41", "42") == {"score": -1.0, "acc": False, "pred": "41"}
 
 
 def test_last_answer_line_wins_and_case_insensitive() -> None:
