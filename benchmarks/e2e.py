@@ -1,11 +1,20 @@
-"""End-to-end throughput of the tiny CPU config: steps/s, tokens/s and where a step's time goes, by phase.
+"""End-to-end step time on 2 CPU processes, by phase, against a plain single-process PyTorch floor for the update.
 
-Prepares the demo model and data in a temporary directory (or uses --demo-dir), runs ``launch/run_local.sh
-configs/tiny_cpu.yaml`` for ``--steps`` steps on 2 processes without validation or checkpoints, and summarises
-``metrics.jsonl`` (the first step is reported separately: it includes warm-up). Prints one line per phase and a last
-line ``e2e_steps_per_s=<x> e2e_tokens_per_s=<y> gen_share=<z>``.
+Sizes:
+* ``tiny``: the quickstart's model and task (``configs/tiny_cpu.yaml``: 16 prompts x 32 samples, answers of a digit).
+* ``70m``: a ~70M-parameter random Qwen2 (same tokenizer and prompts), 16 prompts x 8 samples, responses up to 128
+  tokens; a random model rarely stops early, so response lengths vary at random up to the cap. Dynamic sampling is
+  off (rewards are nearly all zero) — this measures the machinery, not learning.
 
-    python benchmarks/e2e.py --steps 10
+Runs ``launch/run_local.sh`` for ``--steps`` steps without validation or checkpoints and summarises
+``metrics.jsonl`` (the first step is excluded: warm-up). Then, in this process, the *floor*: the same model as an HF
+transformers module, forward + backward over the same number of sequences of the step's mean length, unpadded, in
+micro-batches of the same size, one thread — divided by the number of training processes (ideal data parallelism).
+Prints one line per phase, the padding ratios, and a last line
+``e2e_s_per_step=<s> e2e_tokens_per_s=<t> update_s=<u> update_floor_s=<f> update_vs_floor=<u/f>``.
+
+    python benchmarks/e2e.py --size tiny --steps 10
+    python benchmarks/e2e.py --size 70m --steps 4
 """
 
 from __future__ import annotations
@@ -17,82 +26,178 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
+NPROC = 2
+SIZES = {
+    "tiny": {"model": None, "overrides": []},
+    "70m": {
+        "model": dict(hidden_size=768, num_layers=10, num_heads=12, num_kv_heads=4, intermediate_size=2560),
+        "overrides": [
+            "data.max_response_length=128",
+            "data.train_batch_size=16",
+            "data.gen_batch_size=16",
+            "actor.ppo_mini_batch_size=16",
+            "actor.ppo_micro_batch_size_per_gpu=8",
+            "actor.log_prob_micro_batch_size_per_gpu=16",
+            "rollout.n=8",
+            "rollout.max_num_seqs=128",
+            "rollout.kv_cache_memory_mb=512",
+            "rollout.weight_sync_bucket_mb=128",
+            "algorithm.filter_groups.enable=false",
+            "reward.custom_function.name=compute_score",
+        ],
+    },
+}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--demo-dir", default=None, help="prepared demo (megatron_dapo.tasks.demo); default: make one")
-    ap.add_argument("--port", default="29590")
-    args, overrides = ap.parse_known_args()
-
-    with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
-        demo = Path(args.demo_dir) if args.demo_dir else Path(tmp) / "demo"
-        if not (demo / "hf_model" / "config.json").is_file():
-            subprocess.run(
-                [sys.executable, "-m", "megatron_dapo.tasks.demo", "--out-dir", str(demo)],
-                check=True,
-                cwd=REPO,
-                stdout=subprocess.DEVNULL,
-            )
-        mcore = Path(tmp) / "mcore"
+def prepare(demo: Path, size: str) -> Path:
+    """The demo's tokenizer and data; for ``70m`` a bigger random model next to it. Returns the HF model dir."""
+    if not (demo / "hf_model" / "config.json").is_file():
         subprocess.run(
-            [
-                sys.executable,
-                "tools/checkpoint_convert/convert.py",
-                "hf-to-mcore",
-                "--hf-dir",
-                str(demo / "hf_model"),
-                "--save-dir",
-                str(mcore),
-            ],
+            [sys.executable, "-m", "megatron_dapo.tasks.demo", "--out-dir", str(demo)],
             check=True,
             cwd=REPO,
             stdout=subprocess.DEVNULL,
         )
-        out = Path(tmp) / "run"
-        cmd = [
-            "bash",
-            "launch/run_local.sh",
-            "configs/tiny_cpu.yaml",
-            f"model.hf_config_dir={demo / 'hf_model'}",
-            f"checkpoint.load_dir={mcore}",
-            f"data.train_files=[{demo / 'data' / 'train.parquet'}]",
-            "data.val_files=[]",
-            f"trainer.output_dir={out}",
-            f"trainer.total_training_steps={args.steps}",
-            "trainer.val_before_train=false",
-            "trainer.test_freq=-1",
-            "checkpoint.save_freq=1000000",
-            "trainer.logger=[jsonl]",
-            "actor.optim.lr_warmup_steps=0",
-            *overrides,
-        ]
-        env = dict(os.environ, OMP_NUM_THREADS="1", NPROC_PER_NODE="2", MASTER_PORT=args.port, PYTHON=sys.executable)
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
-            return proc.returncode
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    shape = SIZES[size]["model"]
+    if shape is None:
+        return demo / "hf_model"
+    hf_dir = demo / f"hf_model_{size}"
+    if not (hf_dir / "config.json").is_file():
+        from megatron_dapo.testing.tiny_models import make_tiny_hf_model
 
-    rows = [r for r in rows if "timing_s/step" in r]
-    first, rest = rows[0], rows[1:] or rows[:1]
-    # The last step also writes the final checkpoint; report it, but keep it out of the steady-state numbers.
-    steady = [r for r in rest if "timing_s/save_checkpoint" not in r] or rest
-    step_s = statistics.mean(r["timing_s/step"] for r in steady)
-    tokens = statistics.mean(r["perf/total_num_tokens"] for r in steady)
-    print(f"first_step_s={first['timing_s/step']:.3f} (warm-up)  steady steps measured={len(steady)}")
-    for phase in PHASES:
-        key = f"timing_s/{phase}"
-        if any(key in r for r in steady):
-            t = statistics.mean(r.get(key, 0.0) for r in steady)
-            print(f"phase={phase:15s} mean_s={t:.4f} share={t / step_s:.3f}")
-    gen_share = statistics.mean(r.get("timing_s/gen", 0.0) for r in steady) / step_s
-    print(f"e2e_steps_per_s={1 / step_s:.3f} e2e_tokens_per_s={tokens / step_s:.1f} gen_share={gen_share:.3f}")
+        base = json.loads((demo / "hf_model" / "config.json").read_text())
+        model = make_tiny_hf_model("qwen2", seed=0, vocab_size=base["vocab_size"], max_position_embeddings=512, **shape)
+        model.config.eos_token_id = base["eos_token_id"]
+        model.config.pad_token_id = base.get("pad_token_id")
+        model.config.bos_token_id = None
+        model.save_pretrained(hf_dir, safe_serialization=True)
+    return hf_dir
+
+
+def run_training(demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int, port: str, extra: list[str]) -> list[dict]:
+    mcore = tmp / "mcore"
+    subprocess.run(
+        [
+            sys.executable,
+            "tools/checkpoint_convert/convert.py",
+            "hf-to-mcore",
+            "--hf-dir",
+            str(hf_dir),
+            "--save-dir",
+            str(mcore),
+        ],
+        check=True,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+    )
+    out = tmp / "run"
+    cmd = [
+        "bash",
+        "launch/run_local.sh",
+        "configs/tiny_cpu.yaml",
+        f"model.hf_config_dir={hf_dir}",
+        f"model.tokenizer_dir={demo / 'tokenizer'}",
+        f"checkpoint.load_dir={mcore}",
+        f"data.train_files=[{demo / 'data' / 'train.parquet'}]",
+        "data.val_files=[]",
+        f"trainer.output_dir={out}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "checkpoint.save_freq=1000000",
+        "trainer.logger=[jsonl]",
+        "actor.optim.lr_warmup_steps=0",
+        *SIZES[size]["overrides"],
+        *extra,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC_PER_NODE=str(NPROC), MASTER_PORT=port, PYTHON=sys.executable)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(proc.returncode)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def update_floor_s(hf_dir: Path, num_seqs: int, seq_len: int, micro_batch: int) -> float:
+    """Plain PyTorch: HF forward + backward of ``num_seqs`` unpadded sequences of ``seq_len`` tokens, one process."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    model.train()
+    vocab = model.config.vocab_size
+    tokens = torch.randint(3, vocab, (num_seqs, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def one_pass() -> None:
+        for start in range(0, num_seqs, micro_batch):
+            logits = model(tokens[start : start + micro_batch]).logits
+            torch.log_softmax(logits.float(), -1).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    one_pass()  # warm-up
+    started = time.perf_counter()
+    one_pass()
+    return time.perf_counter() - started
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--demo-dir", default=None, help="prepared demo (megatron_dapo.tasks.demo); default: make one")
+    ap.add_argument("--port", default="29590")
+    args, extra = ap.parse_known_args()
+
+    with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
+        demo = Path(args.demo_dir) if args.demo_dir else Path(tmp) / "demo"
+        hf_dir = prepare(demo, args.size)
+        rows = run_training(demo, hf_dir, Path(tmp), args.size, args.steps, args.port, extra)
+        rows = [r for r in rows if "timing_s/step" in r]
+        first, rest = rows[0], rows[1:] or rows[:1]
+        steady = [r for r in rest if "timing_s/save_checkpoint" not in r] or rest
+        step_s = statistics.mean(r["timing_s/step"] for r in steady)
+        tokens = statistics.mean(r["perf/total_num_tokens"] for r in steady)
+        print(f"size={args.size} first_step_s={first['timing_s/step']:.3f} (warm-up) steady_steps={len(steady)}")
+        for phase in PHASES:
+            key = f"timing_s/{phase}"
+            if any(key in r for r in steady):
+                t = statistics.mean(r.get(key, 0.0) for r in steady)
+                print(f"phase={phase:15s} mean_s={t:.4f} share={t / step_s:.3f}")
+        for key in sorted({k for r in steady for k in r if k.startswith("perf/padding_ratio/")}):
+            print(f"{key}={statistics.mean(r[key] for r in steady if key in r):.3f}")
+
+        update_s = statistics.mean(r.get("timing_s/update_actor", 0.0) for r in steady)
+        num_seqs = int(
+            round(
+                statistics.mean(r["perf/total_num_tokens"] for r in steady)
+                / max(statistics.mean(r["prompt_length/mean"] + r["response_length/mean"] for r in steady), 1)
+            )
+        )
+        seq_len = int(round(statistics.mean(r["prompt_length/mean"] + r["response_length/mean"] for r in steady)))
+        micro = next(
+            (
+                int(o.split("=")[1])
+                for o in SIZES[args.size]["overrides"] + extra
+                if o.startswith("actor.ppo_micro_batch_size_per_gpu=")
+            ),
+            64,
+        )
+        floor = update_floor_s(hf_dir, num_seqs, seq_len, micro) / NPROC
+    print(
+        f"update floor: HF forward+backward of {num_seqs} x {seq_len} tokens (micro-batch {micro}), one process,"
+        f" / {NPROC} processes"
+    )
+    print(
+        f"e2e_s_per_step={step_s:.3f} e2e_tokens_per_s={tokens / step_s:.1f} update_s={update_s:.3f} "
+        f"update_floor_s={floor:.3f} update_vs_floor={update_s / floor:.2f}"
+    )
     return 0
 
 

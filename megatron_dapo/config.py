@@ -45,6 +45,9 @@ class ModelConfig:
     hf_config_dir: Optional[str] = None  # directory holding config.json (+ tokenizer files)
     tokenizer_dir: Optional[str] = None  # defaults to hf_config_dir
     params_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # auto = the platform's choice (TransformerEngine on CUDA, MindSpeed-patched on NPU, local on CPU); asking for
+    # transformer_engine where it does not import is an error, not a silent fallback.
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     make_vocab_size_divisible_by: int = 128
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
@@ -56,6 +59,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
+    context_parallel_size: int = 1  # needs an attention that supports it (TransformerEngine, MindSpeed)
     use_distributed_optimizer: bool = False
     platform: Literal["auto", "cpu", "cuda", "npu"] = "auto"
 
@@ -120,7 +124,24 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     log_prob_micro_batch_size_per_gpu: int = 8
+    # The old-policy forward before the update. "auto" skips it when it is provably redundant — one epoch and one
+    # mini-batch per step, so the policy has not moved since the rollout (verl's on-policy path) and no KL-in-reward
+    # needs it first — and uses the training forward's detached log-probs instead; "always" recomputes it.
+    old_log_prob_forward: Literal["auto", "always"] = "auto"
+    # Activation recomputation, passed to megatron-core (recompute_granularity / recompute_method=uniform).
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_num_layers: int = 1  # layers per recomputed group with recompute=full
+    # Memory hand-off around rollout: move to pinned host memory while vLLM generates. None = the platform's default
+    # (off on CPU, where there is nothing to free; on for grads/optimizer on GPU/NPU).
+    offload_params: Optional[bool] = None
+    offload_grads: Optional[bool] = None
+    offload_optimizer: Optional[bool] = None
     optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class RefConfig:
+    offload: Optional[bool] = None  # the frozen reference's weights on host memory outside its forward; None = platform
 
 
 @dataclass
@@ -144,8 +165,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_mb: int = 256  # CPU: the KV cache size must be given explicitly
     max_num_seqs: int = 256
-    enforce_eager: bool = True
+    enforce_eager: Optional[bool] = None  # None = the platform's default (CUDA graphs on GPU, eager on CPU/NPU)
     free_cache_engine: bool = True  # sleep/wake between phases where the platform supports it
+    sleep_level: Optional[int] = None  # vLLM sleep level between rollouts; None = the platform's (CUDA 2, NPU 1)
     weight_sync_bucket_mb: int = 512
     # Tokens per engine step; None = max(max_prompt_length + max_response_length, 8192). Must cover a whole prompt:
     # chunked prefill is off because per-request seeds and chunked prefill clash on CPU.
@@ -243,6 +265,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -452,6 +475,7 @@ def _range_problems(cfg: ExperimentConfig) -> list[str]:
     positive_int("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size)
     positive_int("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size)
     positive_int("parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size, True)
+    positive_int("parallel.context_parallel_size", p.context_parallel_size)
     need(
         "checkpoint.save_freq",
         cfg.checkpoint.save_freq,
@@ -477,6 +501,7 @@ def _range_problems(cfg: ExperimentConfig) -> list[str]:
     positive_int("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu)
     positive_int("actor.ppo_epochs", a.ppo_epochs)
     positive_int("actor.log_prob_micro_batch_size_per_gpu", a.log_prob_micro_batch_size_per_gpu)
+    positive_int("actor.recompute_num_layers", a.recompute_num_layers)
     need(
         "actor.clip_ratio_low",
         a.clip_ratio_low,
@@ -497,6 +522,7 @@ def _range_problems(cfg: ExperimentConfig) -> list[str]:
     positive_int("rollout.max_num_seqs", r.max_num_seqs)
     positive_int("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb)
     positive_int("rollout.max_num_batched_tokens", r.max_num_batched_tokens, True)
+    need("rollout.sleep_level", r.sleep_level, r.sleep_level in (None, 1, 2), "null (platform default), 1 or 2")
     v = r.val_kwargs
     need("rollout.val_kwargs.temperature", v.temperature, v.temperature >= 0, "a value >= 0 (0 = greedy)")
     need("rollout.val_kwargs.top_p", v.top_p, 0 < v.top_p <= 1, "a value in (0, 1]")

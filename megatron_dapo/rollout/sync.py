@@ -42,10 +42,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -282,6 +284,44 @@ def _quiet_loggers(names: tuple[str, ...]):
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+def hf_weight_buckets(names: Sequence[str], sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
+    """Group HF tensor names into load buckets that never split a module: a decoder layer (``model.layers.<i>.``)
+    always goes whole into one bucket, other tensors singly; buckets fill up to ``bucket_bytes`` (a larger unit gets
+    a bucket of its own)."""
+    units: dict[str, list[str]] = {}
+    for name in names:
+        m = re.match(r"^(.*?layers\.\d+)\.", name)
+        units.setdefault(m.group(1) if m else name, []).append(name)
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    current_bytes = 0
+    for unit in units.values():
+        unit_bytes = sum(sizes[n] for n in unit)
+        if current and current_bytes + unit_bytes > bucket_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.extend(unit)
+        current_bytes += unit_bytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def load_hf_weights_into_engine(engine: Any, hf_dir: Union[str, Path], dtype: Any, bucket_mb: int) -> int:
+    """Push every tensor of ``hf_dir``'s safetensors into the running engine; returns the number of tensors."""
+    from megatron_dapo.weights.safetensors_io import SafetensorsDir
+
+    with SafetensorsDir(hf_dir) as reader:
+        names = reader.keys()
+        sizes = {n: reader.info(n).nbytes for n in names}
+        buckets = hf_weight_buckets(names, sizes, max(1, bucket_mb) * 2**20)
+        with _quiet_loggers(_RELOAD_LOGGERS) if len(buckets) > 1 else contextlib.nullcontext():
+            for bucket in buckets:
+                engine.load_weights([(n, reader.get(n).to(dtype)) for n in bucket])
+    engine.after_weight_update()
+    return len(names)
 
 
 def logprob_diff_metrics(

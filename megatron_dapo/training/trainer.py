@@ -142,6 +142,13 @@ class DAPOTrainer:
         self._saving = False
         self._boundary = self._snapshot()
         self.stop_request = StopRequest()
+        a = cfg.actor
+        self.on_policy_update = (
+            a.old_log_prob_forward == "auto"
+            and a.ppo_epochs == 1
+            and a.ppo_mini_batch_size == cfg.data.train_batch_size
+            and not cfg.algorithm.use_kl_in_reward
+        )
 
     # ================================================================================================ the loop
 
@@ -205,17 +212,22 @@ class DAPOTrainer:
             metrics.update(gen_metrics)
             trains = bool(batch["loss_mask"].any())
             if trains:
-                # 4. Old-policy (and reference) log-probs from the Megatron models.
-                with timed("old_log_prob", timings):
-                    old = self.actor.compute_log_probs(batch, cfg.rollout.temperature, calculate_entropy=True)
-                batch["old_log_probs"] = old["log_probs"]
-                metrics.update(
-                    logprob_diff_metrics(old["log_probs"], batch["rollout_log_probs"], batch["response_mask"])
-                )
-                metrics.update(_nonfinite_counts(batch, "old_log_probs", "actor/num_nonfinite_old_log_probs"))
+                # 4. Old-policy (and reference) log-probs from the Megatron models. The old-policy forward is skipped
+                # when it cannot differ from the update's own forward (see actor.old_log_prob_forward).
+                if not self.on_policy_update:
+                    with timed("old_log_prob", timings):
+                        old = self.actor.compute_log_probs(batch, cfg.rollout.temperature)
+                    batch["old_log_probs"] = old["log_probs"]
+                    metrics["perf/padding_ratio/old_log_prob"] = old["padding_ratio"]
+                    metrics.update(
+                        logprob_diff_metrics(old["log_probs"], batch["rollout_log_probs"], batch["response_mask"])
+                    )
+                    metrics.update(_nonfinite_counts(batch, "old_log_probs", "actor/num_nonfinite_old_log_probs"))
                 if self.ref is not None:
                     with timed("ref", timings):
-                        batch["ref_log_probs"] = self.ref.compute_log_probs(batch, cfg.rollout.temperature)["log_probs"]
+                        ref = self.ref.compute_log_probs(batch, cfg.rollout.temperature)
+                    batch["ref_log_probs"] = ref["log_probs"]
+                    metrics["perf/padding_ratio/ref"] = ref["padding_ratio"]
                     metrics.update(_nonfinite_counts(batch, "ref_log_probs", "actor/num_nonfinite_ref_log_probs"))
                 # 5. Rewards → advantages.
                 with timed("adv", timings):
@@ -407,7 +419,7 @@ class DAPOTrainer:
             gamma=cfg.algorithm.gamma,
         )
         batch["advantages"], batch["returns"] = advantages.float(), returns.float()
-        if cfg.algorithm.rollout_is_threshold:
+        if cfg.algorithm.rollout_is_threshold and "old_log_probs" in batch:  # else the update computes them
             batch["rollout_is_weights"] = compute_rollout_is_weights(
                 batch["old_log_probs"],
                 batch["rollout_log_probs"],
@@ -432,6 +444,7 @@ class DAPOTrainer:
             "advantages",
             "ref_log_probs",
             "rollout_is_weights",
+            "rollout_log_probs",
         )
         tensors = {k: batch[k] for k in keys if k in batch}
         per_step = []
@@ -442,7 +455,7 @@ class DAPOTrainer:
                 part = {k: v[start : start + mini] for k, v in tensors.items()}
                 if not bool(part["loss_mask"].any()):
                     continue  # only filler rows: nothing to train, so no optimizer step (Adam would still move)
-                metrics = self.actor.update(part, cfg.rollout.temperature)
+                metrics = self.actor.update(part, cfg.rollout.temperature, cfg.algorithm.rollout_is_threshold)
                 nonfinite = metrics.pop("nonfinite")
                 if nonfinite:
                     self._on_skipped_update(step, nonfinite)

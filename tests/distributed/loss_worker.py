@@ -69,10 +69,31 @@ def main() -> None:
     batch = make_batch()
     lp = actor.compute_log_probs(batch, TEMPERATURE, calculate_entropy=True)
     out = {"log_probs": lp["log_probs"], "entropy": lp["entropy"]}
-    for mode in args.modes.split(","):
-        actor.cfg.loss_agg_mode = mode
-        results = actor.compute_gradients(batch, TEMPERATURE)
+    # The on-policy update (no old-policy forward) against the recomputed path: the old log-probs are the policy's
+    # own (lp), the rollout's are perturbed so that the mismatch metric and the IS weights have something to show.
+    noise = 0.05 * torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(7))
+    rollout_lp = (lp["log_probs"] + noise) * batch["response_mask"]
+    paths = {
+        "recomputed": dict(batch, old_log_probs=lp["log_probs"], rollout_log_probs=rollout_lp),
+        "on_policy": {**{k: v for k, v in batch.items() if k != "old_log_probs"}, "rollout_log_probs": rollout_lp},
+    }
+    runs = [(mode, batch) for mode in args.modes.split(",")] + [(f"path:{k}", v) for k, v in paths.items()]
+    out["rollout_log_probs"] = rollout_lp
+    for mode, mini_batch in runs:
+        actor.cfg.loss_agg_mode = mode if not mode.startswith("path:") else "token-mean"
+        threshold = 1.02 if mode.startswith("path:") else None
+        if mode == "path:recomputed":  # the trainer computes the IS weights before the update on this path
+            from megatron_dapo.algo.policy_loss import compute_rollout_is_weights
+
+            mini_batch = dict(
+                mini_batch,
+                rollout_is_weights=compute_rollout_is_weights(
+                    lp["log_probs"], rollout_lp, batch["response_mask"], threshold
+                ),
+            )
+        results, _, padding = actor.compute_gradients(mini_batch, TEMPERATURE, threshold)
         metrics = actor._reduce_update_metrics(results, grad_norm=None, update_ok=True)
+        metrics["perf/padding_ratio/update"] = padding
         # Full gradients: TP-merge per tensor, then collect every PP stage's tensors on rank 0.
         local = {}
         for entry in local_param_table([c.module for c in chunks], arch):

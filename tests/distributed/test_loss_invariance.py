@@ -134,6 +134,24 @@ def test_layout_matches_float64_reference_and_single_rank(layout, tmp_root):
             100,
             tol=1e-6,
         )
+    # The on-policy update (old log-probs = the training forward's own, detached) equals the recomputed path.
+    on, re = res["path:on_policy"], res["path:recomputed"]
+    assert on["metrics"]["actor/pg_loss"] == pytest.approx(re["metrics"]["actor/pg_loss"], rel=1e-6, abs=1e-8)
+    compare_grads(
+        on["grads"],
+        {k: v[:100] if k.startswith(("embedding", "output")) else v for k, v in re["grads"].items()},
+        100,
+        tol=1e-6,
+    )
+    from megatron_dapo.rollout.sync import logprob_diff_metrics
+
+    mismatch = logprob_diff_metrics(res["log_probs"], res["rollout_log_probs"], b["response_mask"])
+    for key, value in mismatch.items():  # computed from the training forward on the on-policy path
+        assert on["metrics"][key] == pytest.approx(value, rel=1e-5), key
+    assert "rollout/logprob_diff_mean" not in re["metrics"]
+    # Length-aware micro-batches: never more padding than one micro-batch of the whole batch padded to its longest.
+    lengths = (b["prompt_mask"].sum(-1) + b["response_mask"].sum(-1)).float()
+    assert 1.0 <= on["metrics"]["perf/padding_ratio/update"] <= lengths.max() * len(lengths) / lengths.sum() + 1e-6
     ref = reference("token-mean")
     assert (res["log_probs"][mask] - ref["log_probs"][mask]).abs().max() < 1e-5
     assert (res["entropy"][mask] - ref["entropy"][mask]).abs().max() < 1e-5

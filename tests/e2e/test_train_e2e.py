@@ -109,6 +109,20 @@ def wait_ok(proc: subprocess.Popen, timeout: float = 600) -> str:
     return out
 
 
+def leftover_processes(marker: Path) -> list[str]:
+    """Processes still alive whose command line or environment names ``marker`` (a run's own directory)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(str(marker) in part for part in p.info["cmdline"] or []):
+                found.append(f"{p.info['pid']}: {' '.join(p.info['cmdline'])[:200]}")
+        except (psutil.Error, TypeError):
+            continue
+    return found
+
+
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -311,6 +325,7 @@ def test_exception_mid_run_saves_the_last_completed_step(demo, straight, tmp_pat
     assert proc.returncode != 0
     assert "RewardCrash" in out and "scorer blew up" in out
     assert "saved its last completed step 2" in out
+    assert not leftover_processes(run), "a failed run left processes behind"
     assert (run / "checkpoints" / "latest").read_text().strip() == "global_step_2"
     a = export(straight / "checkpoints", tmp_path / "hf_straight", step=2)
     b = export(run / "checkpoints", tmp_path / "hf_failed")
