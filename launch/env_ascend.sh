@@ -15,7 +15,12 @@ export HCCL_SOCKET_IFNAME=${HCCL_SOCKET_IFNAME:-eth0}
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-eth0}
 export TASK_QUEUE_ENABLE=${TASK_QUEUE_ENABLE:-2}
 export CPU_AFFINITY_CONF=${CPU_AFFINITY_CONF:-1}
-export PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}
+# PYTORCH_NPU_ALLOC_CONF is deliberately NOT set to expandable_segments:True: vllm-ascend's sleep mode (its
+# CaMemAllocator, used to free the rollout engine's memory between phases) asserts that expandable segments are off.
+if [[ "${PYTORCH_NPU_ALLOC_CONF:-}" == *expandable_segments:True* ]]; then
+  echo "env_ascend.sh: unsetting PYTORCH_NPU_ALLOC_CONF=$PYTORCH_NPU_ALLOC_CONF (vllm-ascend sleep mode refuses expandable segments)" >&2
+  unset PYTORCH_NPU_ALLOC_CONF
+fi
 export VLLM_USE_V1=1
 export VLLM_ENABLE_GRAPH_MODE=${VLLM_ENABLE_GRAPH_MODE:-0}
-export NPROC_PER_NODE=${NPROC_PER_NODE:-16}
+# NPROC_PER_NODE: left to launch/run_node.sh, which detects the device kind (A2: 8 per node, A3: 16).

@@ -15,9 +15,9 @@ if [ ! -f "$OUT/hf_model/config.json" ]; then
   echo "[quickstart] making the tiny task, tokenizer and model under $OUT"
   python -m megatron_dapo.tasks.demo --out-dir "$OUT"
 fi
-if [ ! -f "$OUT/mcore/mcore_meta.json" ]; then
+if [ ! -f "$OUT/mcore/latest_checkpointed_iteration.txt" ]; then
   echo "[quickstart] converting the HF model to Megatron layout"
-  python tools/checkpoint_convert/convert.py hf-to-mcore --hf-dir "$OUT/hf_model" --save-dir "$OUT/mcore" --tp 1 --pp 1
+  python tools/checkpoint_convert/convert.py hf-to-mcore --hf-dir "$OUT/hf_model" --save-dir "$OUT/mcore"
 fi
 
 echo "[quickstart] DAPO training on 2 CPU processes (configs/tiny_cpu.yaml)"

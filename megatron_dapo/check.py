@@ -13,8 +13,8 @@ Run it before ``torchrun``. It needs no process group, builds no model and reads
   ``sample_rows`` rows, reporting prompts over ``data.max_prompt_length`` under ``truncation=error``);
 * the reward functions: imported, and called once per data source found, on that source's first row, with its
   ground truth as the response;
-* the checkpoint at ``checkpoint.load_dir``: a converter output whose architecture matches the HF config
-  (``McoreCheckpoint`` reads its meta file, manifest and TP-rank-0 headers only);
+* the checkpoint at ``checkpoint.load_dir``: a Megatron checkpoint or HF directory whose architecture matches the
+  HF config (``find_checkpoint``: what it is, its HF config, the manifest's sizes and the tensor index; no tensor data);
 * a plan: sizes, batch arithmetic and a per-rank memory estimate by phase (formulas in ``docs/check.md`` and in the
   output itself).
 
@@ -123,7 +123,7 @@ def actor_params_per_rank(arch: Any, counts: ParamCounts, tp: int, pp: int, padd
     """Parameters one actor rank holds on its largest pipeline stage (Megatron's padded vocabulary, TP shards).
 
     Stage 0 holds the embedding, the last stage the final norm and the output layer (a copy of the embedding when
-    tied and PP > 1, as ``megatron_dapo/weights/mcore_checkpoint.py`` describes).
+    tied and PP > 1, as megatron-core's ``GPTModel`` holds it).
     """
     layers = arch.num_layers // pp
     body = layers * (counts.layer_split // tp + counts.layer_replicated)
@@ -268,8 +268,14 @@ class _Checker:
         if cfg.model.hf_config_dir:
             self.hf_dir = cfg.model.hf_config_dir
         elif cfg.checkpoint.load_dir:
-            self.hf_dir = str(Path(cfg.checkpoint.load_dir) / "hf_config")
-            self.hf_key = "checkpoint.load_dir (its hf_config/, since model.hf_config_dir is not set)"
+            from megatron_dapo.weights.dist_format import CheckpointError, hf_config_dir_of
+
+            self.hf_key = "checkpoint.load_dir (its HF config, since model.hf_config_dir is not set)"
+            try:
+                self.hf_dir = str(hf_config_dir_of(cfg.checkpoint.load_dir))
+            except CheckpointError as exc:
+                self.problems.append(f"checkpoint.load_dir={cfg.checkpoint.load_dir}: {exc}")
+                return
         else:
             self.problems.append(
                 "model.hf_config_dir is not set and checkpoint.load_dir is missing: no HF config.json to read the "
@@ -455,20 +461,29 @@ class _Checker:
             )
 
     def _check_one_checkpoint(self, key: str, directory: str) -> None:
-        from megatron_dapo.weights.mcore_checkpoint import CheckpointError, McoreCheckpoint, arch_mismatches
+        from megatron_dapo.weights.dist_format import CheckpointError, DistCheckpointReader, find_checkpoint
+        from megatron_dapo.weights.integrity import read_manifest, verify_files
+        from megatron_dapo.weights.mcore_checkpoint import arch_mismatches, checkpoint_arch
 
         tp, pp = self.cfg.parallel.tensor_model_parallel_size, self.cfg.parallel.pipeline_model_parallel_size
         fix = (
-            f"make it with `megatron-dapo convert hf-to-mcore --hf-dir <HF model> --save-dir {directory} --tp {tp} "
-            f"--pp {pp}`"
+            "point it at an HF model directory or a Megatron checkpoint (make one with `megatron-dapo convert "
+            f"hf-to-mcore --hf-dir <HF model> --save-dir {directory}`)"
         )
         if not Path(directory).is_dir():
             self.problems.append(f"{key}={directory}: no such directory; {fix}")
             return
         try:
-            with McoreCheckpoint(directory) as ckpt:  # meta, manifest sizes and TP-rank-0 headers; no tensor data
-                meta = ckpt.meta
-                diffs = arch_mismatches(ckpt.arch, self.arch) if self.arch is not None else []
+            # What it is, its HF config, the manifest's file sizes and the tensor index; no tensor data is read.
+            source = find_checkpoint(directory)
+            stored = checkpoint_arch(source)
+            if source.kind == "megatron":
+                DistCheckpointReader(source.path)
+                records = read_manifest(source.root)
+                damaged = verify_files(source.root, records.values(), checksum=False) if records else None
+                if damaged is not None:
+                    raise CheckpointError(f"checkpoint {source.root} is damaged: {damaged}")
+            diffs = arch_mismatches(stored, self.arch) if stored is not None and self.arch is not None else []
         except CheckpointError as exc:
             self.problems.append(f"{key}={directory}: {exc}")
             return
@@ -481,9 +496,7 @@ class _Checker:
                 f"(checkpoint vs HF config): {'; '.join(diffs)}; convert the checkpoint again from that model, or "
                 "point model.hf_config_dir at the model it was converted from"
             )
-        ck_tp, ck_pp = meta.get("tensor_model_parallel_size"), meta.get("pipeline_model_parallel_size")
-        reshard = "same layout" if (ck_tp, ck_pp) == (tp, pp) else f"resharded on load to TP {tp} PP {pp}"
-        self.plan.append(f"  {key}: converter output, TP {ck_tp} PP {ck_pp}, {meta.get('dtype')} ({reshard})")
+        self.plan.append(f"  {key}: {source.description}, loaded at TP {tp} PP {pp}")
 
     # ----------------------------------------------------------------------------------------- data
 

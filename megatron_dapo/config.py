@@ -614,6 +614,12 @@ def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
             f"group-relative advantage ({cfg.algorithm.adv_estimator}) is zero and nothing trains; set "
             "rollout.temperature > 0"
         )
+    if cfg.parallel.context_parallel_size > 1:
+        problems.append(
+            f"parallel.context_parallel_size={cfg.parallel.context_parallel_size}: the actor does not split sequences "
+            "over context-parallel ranks yet (the process groups and TransformerConfig are wired, the batch layout "
+            "is not); use 1 and actor.recompute=full for long responses"
+        )
     ob = cfg.reward.overlong_buffer
     if ob.enable and ob.len >= d.max_response_length:
         problems.append(

@@ -3,7 +3,9 @@
 Flow (every process runs it; one process, or ``torchrun`` with rollout TP/DP as in training):
 
 1. **Model.** ``--model`` is an HF directory (``config.json`` + safetensors), the converter's output
-   (``megatron-dapo convert hf-to-mcore``: ``mcore_meta.json`` + ``mp_rank_*``) or a training checkpoint (a
+   (``megatron-dapo convert hf-to-mcore``) or any Megatron distributed checkpoint (Megatron-LM/Bridge: a tracker
+   file ``latest_checkpointed_iteration.txt``, an ``iter_*``/``release`` or bare dist_checkpointing directory) or a
+   training checkpoint (a
    ``global_step_<n>`` directory or a ``checkpoint.save_dir`` holding them). The last two are exported once, by
    rank 0, to an HF directory under the output directory (``convert_mcore_to_hf`` / ``export_step``, in a child
    process for the latter since it creates process groups of its own) and removed at the end.
@@ -35,7 +37,6 @@ Metric definitions (pure functions below; per data source, ``n`` responses per p
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -45,7 +46,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -54,6 +55,7 @@ import yaml
 
 from megatron_dapo.config import ConfigError, ExperimentConfig, apply_override, from_dict, load_config
 from megatron_dapo.reward.math_dapo import INVALID_ANSWER
+from megatron_dapo.rollout.sync import load_hf_weights_into_engine
 
 log = logging.getLogger("megatron_dapo.eval")
 
@@ -176,11 +178,11 @@ def _has_hf_weights(path: Path) -> bool:
 def identify_model(path: PathLike) -> ModelSource:
     """Which of the three accepted kinds ``path`` is; :class:`ModelInputError` naming what was found otherwise."""
     from megatron_dapo.training.checkpoint import CONFIG_FILE, LATEST
-    from megatron_dapo.weights.mcore_checkpoint import META_NAME
+    from megatron_dapo.weights.dist_format import TRACKER_FILE, is_dist_checkpoint_dir
 
     path = Path(path)
     if path.is_dir():
-        if (path / META_NAME).is_file():
+        if (path / TRACKER_FILE).is_file() or is_dist_checkpoint_dir(path):
             return ModelSource("mcore", path)
         if (path / "config.json").is_file() and _has_hf_weights(path):
             return ModelSource("hf", path)
@@ -200,7 +202,8 @@ def identify_model(path: PathLike) -> ModelSource:
         found = "nothing (no such path)"
     raise ModelInputError(
         f"--model {path}: found {found}. Expected one of: (1) an HF model directory (config.json + *.safetensors);"
-        f" (2) a converter output (megatron-dapo convert hf-to-mcore: {META_NAME} + mp_rank_*/);"
+        f" (2) a Megatron distributed checkpoint (megatron-dapo convert hf-to-mcore, Megatron-LM/Bridge:"
+        f" {TRACKER_FILE}, or an iter_*/release/bare dist_checkpointing directory with metadata.json + .metadata);"
         f" (3) a training checkpoint: a global_step_<n>/ directory (with {CONFIG_FILE}) or the checkpoint.save_dir"
         " holding them"
     )
@@ -306,64 +309,6 @@ def export_to_hf(source: ModelSource, dest: PathLike) -> Path:
 
 
 # ====================================================================================================== weights
-
-
-def hf_weight_buckets(names: Sequence[str], sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
-    """Group HF tensor names into load buckets that never split a module: a decoder layer (``model.layers.<i>.``)
-    always goes whole into one bucket, other tensors singly; buckets fill up to ``bucket_bytes`` (a larger unit gets
-    a bucket of its own)."""
-    units: dict[str, list[str]] = {}
-    for name in names:
-        m = re.match(r"^(.*?layers\.\d+)\.", name)
-        units.setdefault(m.group(1) if m else name, []).append(name)
-    buckets: list[list[str]] = []
-    current: list[str] = []
-    current_bytes = 0
-    for unit in units.values():
-        unit_bytes = sum(sizes[n] for n in unit)
-        if current and current_bytes + unit_bytes > bucket_bytes:
-            buckets.append(current)
-            current, current_bytes = [], 0
-        current.extend(unit)
-        current_bytes += unit_bytes
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-@contextlib.contextmanager
-def _quiet(names: Sequence[str]) -> Iterator[None]:
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
-# vLLM warns for every layer a partial (bucketed) reload did not touch; expected here.
-_RELOAD_LOGGERS = (
-    "vllm.model_executor.model_loader.reload.layerwise",
-    "vllm.model_executor.model_loader.reload.inplace",
-)
-
-
-def load_hf_weights_into_engine(engine: Any, hf_dir: PathLike, dtype: Any, bucket_mb: int) -> int:
-    """Push every tensor of ``hf_dir``'s safetensors into the running engine; returns the number of tensors."""
-    from megatron_dapo.weights.safetensors_io import SafetensorsDir
-
-    with SafetensorsDir(hf_dir) as reader:
-        names = reader.keys()
-        sizes = {n: reader.info(n).nbytes for n in names}
-        buckets = hf_weight_buckets(names, sizes, max(1, bucket_mb) * 2**20)
-        with _quiet(_RELOAD_LOGGERS) if len(buckets) > 1 else contextlib.nullcontext():
-            for bucket in buckets:
-                engine.load_weights([(n, reader.get(n).to(dtype)) for n in bucket])
-    engine.after_weight_update()
-    return len(names)
 
 
 # ====================================================================================================== run

@@ -59,7 +59,8 @@ def init_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -> tupl
             world_size=info.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    if _CONTROL_GROUP is None and dist.get_backend() != "gloo":
+    # A mixed default group ("cpu:gloo,cuda:nccl") takes CPU tensors already.
+    if _CONTROL_GROUP is None and "gloo" not in str(dist.get_backend()):
         _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return info, platform
 
@@ -88,6 +89,7 @@ def init_model_parallel(parallel: ParallelConfig, seed: int = 1, timeout_s: floa
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     from megatron_dapo.platform import get_platform

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_dapo.config import ExperimentConfig, ModelConfig, ParallelConfig
+from megatron_dapo.config import ActorConfig, ExperimentConfig, ModelConfig, ParallelConfig
 from megatron_dapo.models.families import ModelArch
 from megatron_dapo.platform import get_platform
 from megatron_dapo.weights.layout import padded_vocab_size
@@ -44,8 +44,27 @@ class QKRMSNorm(RMSNorm):
         self.weight.sequence_parallel = False
 
 
-def transformer_config(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig):
-    """``TransformerConfig`` for ``arch`` under ``parallel``; CPU-safe choices where megatron-core offers them."""
+def recompute_kwargs(actor: Optional[ActorConfig]) -> dict:
+    """``actor.recompute`` → megatron-core's activation recomputation: ``full`` recomputes whole layers in groups of
+    ``recompute_num_layers`` (method ``uniform``), ``selective`` the core attention only, ``none`` nothing."""
+    if actor is None or actor.recompute == "none":
+        return {}
+    if actor.recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    if actor.recompute == "full":
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": actor.recompute_num_layers,
+        }
+    raise ValueError(f"actor.recompute={actor.recompute!r}: expected none, selective or full")
+
+
+def transformer_config(
+    arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, actor: Optional[ActorConfig] = None
+):
+    """``TransformerConfig`` for ``arch`` under ``parallel`` (+ the actor's recompute settings); CPU-safe choices
+    where megatron-core offers them."""
     from megatron.core.transformer import TransformerConfig
 
     dtype = DTYPES[model.params_dtype]
@@ -70,6 +89,7 @@ def transformer_config(arch: ModelArch, parallel: ParallelConfig, model: ModelCo
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -92,18 +112,31 @@ def transformer_config(arch: ModelArch, parallel: ParallelConfig, model: ModelCo
         overlap_p2p_comm=parallel.virtual_pipeline_model_parallel_size is not None,
         batch_p2p_comm=parallel.virtual_pipeline_model_parallel_size is None,
         init_method_std=0.02,
+        **recompute_kwargs(actor),
     )
 
 
-def layer_spec(arch: ModelArch, config, vp_stage: Optional[int] = None):
-    """TransformerEngine spec where TE is usable; otherwise megatron-core's local spec with SP-aware RMSNorms."""
+def resolve_transformer_impl(model: ModelConfig, parallel: ParallelConfig) -> str:
+    """``model.transformer_impl`` on this platform (auto = the platform's default; ``transformer_engine`` raises TE's
+    import error when it does not import), checked against ``parallel.context_parallel_size``."""
+    platform = get_platform()
+    impl = platform.resolve_transformer_impl(model.transformer_impl)
+    platform.check_context_parallel(parallel.context_parallel_size, impl)
+    return impl
+
+
+def layer_spec(arch: ModelArch, config, vp_stage: Optional[int] = None, impl: Optional[str] = None):
+    """TransformerEngine spec (``impl="transformer_engine"``; on NPU MindSpeed implements it); otherwise
+    megatron-core's local spec with SP-aware RMSNorms. ``impl=None``: the platform's default."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    if get_platform().use_transformer_engine():
+    if impl is None:
+        impl = get_platform().resolve_transformer_impl("auto")
+    if impl == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
     sub = spec.submodules
@@ -135,7 +168,9 @@ def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig) -> list:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(arch, cfg.parallel, cfg.model)
+    impl = resolve_transformer_impl(cfg.model, cfg.parallel)
+    get_platform().configure_model_features(cfg)
+    config = transformer_config(arch, cfg.parallel, cfg.model, cfg.actor)
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(
         arch.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
@@ -145,7 +180,7 @@ def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig) -> list:
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(arch, config, stage),
+            transformer_layer_spec=layer_spec(arch, config, stage, impl),
             vocab_size=vocab,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

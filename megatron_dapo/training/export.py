@@ -1,93 +1,81 @@
-"""``megatron-dapo export``: a saved training step (dist_checkpointing) → an HF checkpoint.
+"""``megatron-dapo export``: any Megatron checkpoint → an HF checkpoint, in one process, tensor by tensor.
 
-Runs in one process at TP=PP=1 (dist_checkpointing reshards the model on load, whatever layout trained it), writes
-the model in our per-rank format to a temporary directory and converts that with the converter's streaming
-``mcore-to-hf`` — the same layout module as every other conversion.
+Accepts what ``mcore-to-hf`` accepts — a Megatron-LM / Megatron-Bridge / converter checkpoint (tracker file,
+``iter_*``/``release``, a bare dist_checkpointing directory) — and our training checkpoints: a ``save_dir`` (its
+newest intact step, or ``step``) or a ``global_step_<n>`` directory, verified against its manifest first. The model
+tensors are read straight from the dist checkpoint (any layout it was trained at; the optimizer state is not read)
+by ``megatron_dapo.weights.convert.convert_mcore_to_hf``: no model is built and no process group is needed.
+
+The HF config and tokenizer files come from, in order: ``hf_config_dir``; the checkpoint's own ``hf_config/``; for
+a training step, its config's ``model.hf_config_dir``, else the ``hf_config/`` of its ``checkpoint.load_dir``
+(what the run was started from; an HF directory there is used as is).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
 import yaml
 
-from megatron_dapo.config import ExperimentConfig, from_dict, load_config
-from megatron_dapo.training.checkpoint import CONFIG_FILE, STEP_PREFIX, CheckpointError, resolve_resume
+from megatron_dapo.training.checkpoint import CONFIG_FILE, LATEST, STEP_PREFIX, CheckpointError, resolve_resume
+
+PathLike = Union[str, Path]
 
 
-def _step_dir(checkpoint: Union[str, Path], step: Optional[int]) -> Path:
-    checkpoint = Path(checkpoint)
+def _training_step_dir(checkpoint: Path, step: Optional[int]) -> Optional[Path]:
+    """The verified step directory when ``checkpoint`` is a training save_dir or step directory, else None."""
     if step is not None:
         return resolve_resume(str(checkpoint / f"{STEP_PREFIX}{step}"), None)
-    if (checkpoint / CONFIG_FILE).is_file():
-        return resolve_resume(str(checkpoint), None)  # already a step directory
-    found = resolve_resume("auto", checkpoint)
-    if found is None:
-        raise CheckpointError(f"{checkpoint}: no complete {STEP_PREFIX}<n> checkpoint found to export")
-    return found
+    if (checkpoint / CONFIG_FILE).is_file() and checkpoint.name.startswith(STEP_PREFIX):
+        return resolve_resume(str(checkpoint), None)
+    if (checkpoint / LATEST).is_file() or any(checkpoint.glob(f"{STEP_PREFIX}*")):
+        found = resolve_resume("auto", checkpoint)
+        if found is None:
+            raise CheckpointError(f"{checkpoint}: no complete {STEP_PREFIX}<n> checkpoint found to export")
+        return found
+    return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _hf_config_of_run(step_dir: Path, config_path: Optional[PathLike]) -> Optional[Path]:
+    """Where the run saved in ``step_dir`` took its HF config from (see the module docstring)."""
+    from megatron_dapo.config import ExperimentConfig, from_dict, load_config
+    from megatron_dapo.weights.dist_format import CheckpointError as FormatError
+    from megatron_dapo.weights.dist_format import find_checkpoint
+
+    if config_path is not None:
+        cfg = load_config(config_path)
+    elif (step_dir / CONFIG_FILE).is_file():
+        cfg = from_dict(ExperimentConfig, yaml.safe_load((step_dir / CONFIG_FILE).read_text()))
+    else:
+        return None
+    if cfg.model.hf_config_dir:
+        return Path(cfg.model.hf_config_dir)
+    if cfg.checkpoint.load_dir:
+        try:
+            return find_checkpoint(cfg.checkpoint.load_dir).hf_config_dir
+        except FormatError:
+            return None
+    return None
 
 
 def export_step(
-    checkpoint: Union[str, Path],
-    save_dir: Union[str, Path],
+    checkpoint: PathLike,
+    save_dir: PathLike,
     step: Optional[int] = None,
-    config_path: Optional[Union[str, Path]] = None,
+    config_path: Optional[PathLike] = None,
+    hf_config_dir: Optional[PathLike] = None,
 ) -> Path:
-    """Export ``step`` (default: latest) of ``checkpoint`` to an HF directory ``save_dir``; returns ``save_dir``."""
-    step_dir = _step_dir(checkpoint, step)
-    if config_path is not None:
-        cfg = load_config(config_path)
-    else:
-        cfg = from_dict(ExperimentConfig, yaml.safe_load((step_dir / CONFIG_FILE).read_text()))
-    # One process, no model parallelism: the checkpoint is resharded on load.
-    cfg.parallel.tensor_model_parallel_size = 1
-    cfg.parallel.pipeline_model_parallel_size = 1
-    cfg.parallel.virtual_pipeline_model_parallel_size = None
-    cfg.parallel.sequence_parallel = False
-    cfg.parallel.use_distributed_optimizer = False
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-
-    import torch.distributed as dist
-
-    from megatron_dapo.models.builder import build_gpt_chunks
-    from megatron_dapo.models.families import model_arch_from_hf
-    from megatron_dapo.parallel import destroy_model_parallel, init_distributed, init_model_parallel
-    from megatron_dapo.training.checkpoint import CheckpointManager
+    """Export ``checkpoint`` (see the module docstring; ``step``: which training step, default the newest) to an
+    HF directory ``save_dir``; returns ``save_dir``."""
     from megatron_dapo.weights.convert import convert_mcore_to_hf
-    from megatron_dapo.weights.mcore_checkpoint import save_mcore_checkpoint
+    from megatron_dapo.weights.dist_format import find_checkpoint
 
-    hf_dir = Path(cfg.model.hf_config_dir or Path(cfg.checkpoint.load_dir) / "hf_config")
-    init_distributed(cfg.parallel)
-    init_model_parallel(cfg.parallel, seed=cfg.trainer.seed)
-    try:
-        arch = model_arch_from_hf(hf_dir)
-        chunks = build_gpt_chunks(arch, cfg)
-        CheckpointManager(step_dir.parent).load(step_dir, chunks, load_optimizer=False, load_rng=False)
-        parent = Path(save_dir).parent
-        tmp = Path(tempfile.mkdtemp(prefix="export-mcore-", dir=parent if parent.is_dir() else None))
-        try:
-            mcore_dir = save_mcore_checkpoint(
-                chunks, arch, tmp / "mcore", cfg.model.make_vocab_size_divisible_by, hf_config_dir=hf_dir
-            )
-            if dist.get_rank() == 0:
-                convert_mcore_to_hf(mcore_dir, save_dir, hf_config_dir=hf_dir, overwrite=True)
-            dist.barrier()
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return Path(save_dir)
+    checkpoint = Path(checkpoint)
+    source = checkpoint
+    step_dir = _training_step_dir(checkpoint, step)
+    if step_dir is not None:
+        source = step_dir
+        if hf_config_dir is None and find_checkpoint(step_dir).hf_config_dir is None:
+            hf_config_dir = _hf_config_of_run(step_dir, config_path)
+    return convert_mcore_to_hf(source, save_dir, hf_config_dir=hf_config_dir, overwrite=True).save_dir

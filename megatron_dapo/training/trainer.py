@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_dapo.algo.advantages import compute_advantages
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingAccumulator
@@ -22,8 +23,8 @@ from megatron_dapo.config import ExperimentConfig, to_dict, validate_config, val
 from megatron_dapo.data import PromptSampler, build_dataset
 from megatron_dapo.models.builder import build_gpt_chunks, freeze, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
-from megatron_dapo.parallel import any_rank, init_distributed, init_model_parallel
-from megatron_dapo.reward.manager import RewardManager
+from megatron_dapo.parallel import any_rank, control_group, init_distributed, init_model_parallel
+from megatron_dapo.reward.manager import RewardManager, RewardResult, merge_results
 from megatron_dapo.rollout.engine import RolloutEngine, teardown
 from megatron_dapo.rollout.sync import WeightSync, logprob_diff_metrics
 from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec
@@ -45,8 +46,10 @@ from megatron_dapo.training.metrics import (
     compute_val_metrics,
     reduce_metrics,
 )
+from megatron_dapo.training.offload import MemoryHandoff
 from megatron_dapo.training.optimizer import build_optimizer
 from megatron_dapo.training.timing import timed
+from megatron_dapo.weights.dist_format import hf_config_dir_of
 from megatron_dapo.weights.mcore_checkpoint import load_mcore_checkpoint
 
 log = logging.getLogger("megatron_dapo.trainer")
@@ -58,7 +61,7 @@ class DAPOTrainer:
         validate_config(cfg)
         timeout_s = cfg.trainer.collective_timeout_s
         self.info, self.platform = init_distributed(cfg.parallel, timeout_s=timeout_s)
-        hf_dir = cfg.model.hf_config_dir or str(Path(cfg.checkpoint.load_dir) / "hf_config")
+        hf_dir = cfg.model.hf_config_dir or str(hf_config_dir_of(cfg.checkpoint.load_dir))
         self.arch = model_arch_from_hf(hf_dir)
         self.dp_size = validate_parallel_layout(
             cfg.parallel,
@@ -95,6 +98,11 @@ class DAPOTrainer:
             ref_chunks = freeze(build_gpt_chunks(self.arch, cfg))
             load_mcore_checkpoint(ref_chunks, self.arch, cfg.checkpoint.ref_load_dir or cfg.checkpoint.load_dir)
             self.ref = MegatronActor(ref_chunks, self.arch.vocab_size, cfg.actor)
+        # Phase-boundary memory moves (what is offloaded while vLLM generates; nothing on CPU).
+        self.handoff = MemoryHandoff.from_config(
+            cfg, self.platform, self.actor.chunks, self.actor.optimizer, self.ref.chunks if self.ref else None
+        )
+        self._engine_ready_step: Optional[int] = None  # the step whose weights the awake engine holds
         self.kl_ctrl = get_kl_controller(
             cfg.algorithm.kl_ctrl.type,
             cfg.algorithm.kl_ctrl.kl_coef,
@@ -180,7 +188,6 @@ class DAPOTrainer:
 
     def _train_loop(self) -> dict[str, float]:
         cfg = self.cfg
-        self.weight_sync.sync(self.actor.chunks)  # the engine starts from dummy weights
         val_metrics: dict[str, float] = {}
         if self.val_data is not None and cfg.trainer.val_before_train:
             val_metrics = self.validate()
@@ -225,7 +232,9 @@ class DAPOTrainer:
                     metrics.update(_nonfinite_counts(batch, "old_log_probs", "actor/num_nonfinite_old_log_probs"))
                 if self.ref is not None:
                     with timed("ref", timings):
+                        self.handoff.before_reference()
                         ref = self.ref.compute_log_probs(batch, cfg.rollout.temperature)
+                        self.handoff.after_reference()
                     batch["ref_log_probs"] = ref["log_probs"]
                     metrics["perf/padding_ratio/ref"] = ref["padding_ratio"]
                     metrics.update(_nonfinite_counts(batch, "ref_log_probs", "actor/num_nonfinite_ref_log_probs"))
@@ -233,11 +242,11 @@ class DAPOTrainer:
                 with timed("adv", timings):
                     metrics.update(self.compute_advantages(batch))
                 # 6. Policy update: ppo_epochs × mini-batches through forward_backward_func + guarded optimizer step.
+                # (7. The new weights reach the vLLM engine when it is next needed: _prepare_engine.)
                 with timed("update_actor", timings):
+                    self.handoff.before_update()
                     metrics.update(self.update_actor(batch, step))
-                # 7. Weight sync into the running vLLM engine.
-                with timed("update_weights", timings):
-                    self.weight_sync.sync(self.actor.chunks)
+                    self.handoff.end_step()
             else:
                 # Exhausted with nothing kept: no update (the weights and the engine stay as they are).
                 self.num_empty_steps += 1
@@ -250,7 +259,7 @@ class DAPOTrainer:
             last = step >= self.total_steps
             if self.val_data is not None and cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
                 with timed("testing", timings):
-                    val_metrics = self.validate()
+                    val_metrics = self.validate(timings)
                 metrics.update(val_metrics)
             if (cfg.checkpoint.save_freq > 0 and step % cfg.checkpoint.save_freq == 0) or last:
                 with timed("save_checkpoint", timings):
@@ -264,6 +273,7 @@ class DAPOTrainer:
         )
         metrics.update(compute_timing_metrics(timings, batch))
         metrics.update(compute_throughput_metrics(batch, timings, self.info.world_size))
+        metrics.update(self.handoff.metrics())
         metrics["perf/max_memory_allocated_gb"] = self.platform.max_memory_allocated_gb()
         metrics["perf/cpu_memory_used_gb"] = _rss_gb()
         metrics["training/global_step"] = step
@@ -308,6 +318,7 @@ class DAPOTrainer:
         acc = DynamicSamplingAccumulator(cfg.data.train_batch_size, cfg.rollout.n, enable=fg.enable)
         budget = fg.max_num_gen_batches or -(-len(self.train_data) // self.gen_batch_size)
         reward_metrics = []
+        self._prepare_engine(timings)
         while not acc.is_full() and not acc.is_exhausted(budget):
             items = [self.train_data[i] for i in self.sampler.next_batch()]
             with timed("gen", timings):
@@ -322,6 +333,8 @@ class DAPOTrainer:
             reward_metrics.append(_nonfinite_counts(gen_batch, "rollout_log_probs", "rollout/num_nonfinite_log_probs"))
             ids = [f"{step}-{acc.num_gen_batches}-{int(i)}" for i in rollout.prompt_index]
             acc.add(gen_batch, ids, gen_batch[_filter_key(fg.metric)] if fg.enable else None)
+        self.handoff.after_rollout(self.engine)  # the engine sleeps until the next rollout or validation
+        self._engine_ready_step = None
         metrics = dict(acc.metrics())  # before take(), which resets the counters
         metrics.update(reduce_metrics(reward_metrics))
         if acc.is_full():
@@ -356,7 +369,7 @@ class DAPOTrainer:
     def score(self, rollout: RolloutBatch, items: list[dict]) -> tuple[dict, dict]:
         """Rewards on the last response token, overlong shaping/filtering, and per-sample info as batch fields."""
         rows = rollout.prompt_index.tolist()
-        result = self.reward(
+        result = self._score_once(
             rollout.responses,
             rollout.response_mask,
             [items[i]["data_source"] for i in rows],
@@ -389,6 +402,39 @@ class DAPOTrainer:
                 skip_special_tokens=True,
             )
         return batch, dict(result.metrics)
+
+    def _score_once(self, responses, response_mask, sources, truths, extras) -> RewardResult:
+        """Every response is scored once, on one rank (rows dealt round-robin), and every rank gets all results
+        (one object gather on the CPU control group), so ranks agree on rewards — timeouts included — and on what
+        dynamic sampling keeps. A scorer failure on any rank is raised on every rank."""
+        world, rank = self.info.world_size, self.info.rank
+        if world == 1:
+            return self.reward(responses, response_mask, sources, truths, extras)
+        mine = list(range(rank, responses.shape[0], world))
+        part: object = None
+        failure: Optional[BaseException] = None
+        if mine:
+            try:
+                part = self.reward(
+                    responses[mine],
+                    response_mask[mine],
+                    [sources[i] for i in mine],
+                    [truths[i] for i in mine],
+                    [extras[i] for i in mine],
+                )
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - raised here, and named on every other rank
+                failure = exc
+                part = f"{type(exc).__name__}: {exc}"  # user exception types need not unpickle elsewhere
+        parts: list = [None] * world
+        dist.all_gather_object(parts, (mine, part), group=control_group())
+        if failure is not None:
+            raise failure
+        for source_rank, (_, result) in enumerate(parts):
+            if isinstance(result, str):
+                raise RuntimeError(f"reward scoring failed on rank {source_rank}: {result}")
+        return merge_results([(rows, result) for rows, result in parts if rows], responses.shape[0])
 
     def compute_advantages(self, batch: dict) -> dict[str, float]:
         cfg = self.cfg
@@ -496,8 +542,21 @@ class DAPOTrainer:
                 "actor.optim.lr, check actor.optim.clip_grad, or look for a broken reward or data rows"
             )
 
-    def validate(self) -> dict[str, float]:
-        """Generate with the validation sampling parameters on the whole validation set; accuracy per data source."""
+    def _prepare_engine(self, timings: Optional[dict] = None) -> None:
+        """Wake the engine with the actor's current weights (the memory hand-off's rollout side, weight sync
+        included), unless it is awake with them already (a validation just before)."""
+        timings = timings if timings is not None else {}
+        if self._engine_ready_step == self.global_step:
+            timings.setdefault("update_weights", 0.0)  # synced already (by the validation that ended the last step)
+            return
+        with timed("update_weights", timings):
+            self.handoff.before_rollout(self.engine, lambda: self.weight_sync.sync(self.actor.chunks))
+        self._engine_ready_step = self.global_step
+
+    def validate(self, timings: Optional[dict] = None) -> dict[str, float]:
+        """Generate with the validation sampling parameters on the whole validation set; accuracy per data source.
+        The engine is left awake with the current weights for the next rollout."""
+        self._prepare_engine(timings)
         items = [self.val_data[i] for i in range(len(self.val_data))]
         rollout = self.engine.generate([it["input_ids"] for it in items], self.val_sampling, seed_offset=0)
         batch, _ = self.score(rollout, items)
@@ -507,6 +566,7 @@ class DAPOTrainer:
 
     def save_checkpoint(self) -> None:
         self._saving = True
+        self.handoff.restore_all()  # a save reads the actor's parameters and optimizer state
         self.ckpt.save(
             step=self.global_step,
             model_chunks=self.actor.chunks,

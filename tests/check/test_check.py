@@ -23,7 +23,7 @@ TINY = str(REPO / "configs" / "tiny_cpu.yaml")
 def demo(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("check_demo")
     info = prepare(root, seed=0, train_rows=64)
-    convert_hf_to_mcore(info["hf_model"], root / "mcore", tp=1, pp=1)
+    convert_hf_to_mcore(info["hf_model"], root / "mcore")
     info["mcore"] = str(root / "mcore")
     info["root"] = root
     info["hf_config"] = json.loads((Path(info["hf_model"]) / "config.json").read_text())
@@ -83,7 +83,8 @@ def test_tiny_config_passes_with_the_plan(demo, capsys):
     assert "per mini-batch per rank: 256 sequences in 4 (of 64 sequences) micro-batches" in text
     assert "1 mini-batch(es) of 512 sequences x 1 epoch(s) = 1 optimizer step(s)" in text
     assert "322,688" in text
-    assert "checkpoint.load_dir: converter output, TP 1 PP 1, fp32 (same layout)" in text
+    loaded = f"checkpoint.load_dir: Megatron distributed checkpoint {demo['mcore']} (release), loaded at TP 1 PP 1"
+    assert loaded in text
     assert f"{demo['train']}: 64 rows, 0 invalid" in text
     assert f"{demo['val']}: 25 rows, 0 invalid" in text
 
@@ -241,7 +242,7 @@ def test_shipped_large_configs_plan(tmp_path, config, hf_config, nnodes, nproc, 
 
 def test_checkpoint_not_matching_or_not_converted(demo, tmp_path):
     # An HF config that differs from the one the checkpoint was converted from (wider MLP), and a reference
-    # checkpoint directory that is an HF model, not a converter output.
+    # checkpoint directory that is an HF model of another architecture.
     hf = dict(demo["hf_config"], intermediate_size=2 * demo["hf_config"]["intermediate_size"])
     (tmp_path / "config.json").write_text(json.dumps(hf))
     overrides = demo_overrides(demo) + [
@@ -256,6 +257,6 @@ def test_checkpoint_not_matching_or_not_converted(demo, tmp_path):
     assert report.problems[0].startswith(f"checkpoint.load_dir={demo['mcore']}: the checkpoint's architecture differs")
     assert f"ffn_hidden_size: {ffn} vs {2 * ffn}" in report.problems[0]
     assert report.problems[1].startswith(f"checkpoint.ref_load_dir={demo['hf_model']}: ")
-    assert "mcore_meta.json is missing" in report.problems[1]
+    assert "the checkpoint's architecture differs" in report.problems[1]  # an HF directory is a load_dir too
     # The reference doubles the weights term: fp32 weights of the actor's size.
     assert report.numbers["memory_reference_bytes"] == report.numbers["memory_actor_weights_bytes"]

@@ -12,7 +12,7 @@ from megatron_dapo.weights.convert import convert_hf_to_mcore
 def demo(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("demo")
     info = prepare(root, seed=0, train_rows=256)  # default format warm-start: mixed rewards from step 1
-    convert_hf_to_mcore(info["hf_model"], root / "mcore", tp=1, pp=1)
+    convert_hf_to_mcore(info["hf_model"], root / "mcore")
     info["mcore"] = str(root / "mcore")
     info["root"] = root
     return info

@@ -252,8 +252,8 @@ def test_resuming_a_finished_run_does_nothing(demo, straight):
 
 
 # A reward function file that scores like the demo's lenient scorer and, at a chosen call on a chosen rank, does
-# what a real run meets: a SIGTERM from the scheduler, or a crash that escapes the reward manager. Every rank scores
-# every response in-process (reward.num_workers=0), so calls are counted the same way on every rank.
+# what a real run meets: a SIGTERM from the scheduler, or a crash that escapes the reward manager. Scoring is
+# in-process (reward.num_workers=0) and shared: rank r scores rows r, r + 2, ... of every batch.
 SCORER = """
 import os, signal
 from megatron_dapo.tasks.arithmetic import compute_score as _score
@@ -270,9 +270,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         {action}
     return _score(data_source, solution_str, ground_truth, extra_info)
 """
-# Validation before training scores the 25-row table, each step 6 prompts x 8 samples, validation at step 2 again:
-# calls 74-121 score step 2's rollouts, 122-146 its validation, 147-194 step 3's rollouts.
-CALL_IN_STEP_2, CALL_IN_STEP_3 = 80, 160
+# Per rank: validation before training (25-row table: 13 rows on rank 0, 12 on rank 1), 24 of each step's 48
+# rollouts, validation again at step 2. Rank 1's calls 37-60 score step 2's rollouts; rank 0's 75-98 step 3's.
+CALL_IN_STEP_2, CALL_IN_STEP_3 = 45, 80
 
 
 def scorer_file(tmp_path: Path, call: int, ranks: tuple[str, ...], action: str) -> str:
@@ -312,10 +312,11 @@ def test_sigterm_mid_step_saves_at_the_boundary_and_resume_matches(demo, straigh
 
 
 def test_exception_mid_run_saves_the_last_completed_step(demo, straight, tmp_path):
-    """A crash escaping the reward manager in step 3 (save_freq=-1: nothing saved yet) leaves a loadable checkpoint
-    of step 2, equal to the uninterrupted run's step 2, and a non-zero exit naming the error."""
+    """A crash escaping the reward manager on rank 0 in step 3 (save_freq=-1: nothing saved yet) stops every rank
+    with that error, leaves a loadable checkpoint of step 2 equal to the uninterrupted run's step 2, and a non-zero
+    exit naming the error."""
     run = tmp_path / "run"
-    scorer = scorer_file(tmp_path, CALL_IN_STEP_3, ("0", "1"), "raise RewardCrash('scorer blew up')")
+    scorer = scorer_file(tmp_path, CALL_IN_STEP_3, ("0",), "raise RewardCrash('scorer blew up')")
     proc = launch(
         "run_local.sh",
         overrides(demo, run, steps=STRAIGHT_STEPS, **{"reward.custom_function.path": scorer}),
@@ -324,6 +325,7 @@ def test_exception_mid_run_saves_the_last_completed_step(demo, straight, tmp_pat
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode != 0
     assert "RewardCrash" in out and "scorer blew up" in out
+    assert "reward scoring failed on rank 0: RewardCrash: scorer blew up" in out  # what rank 1 reports
     assert "saved its last completed step 2" in out
     assert not leftover_processes(run), "a failed run left processes behind"
     assert (run / "checkpoints" / "latest").read_text().strip() == "global_step_2"
@@ -352,7 +354,7 @@ def test_bad_data_row_fails_before_training_with_file_row_field(demo, tmp_path):
     out = tmp_path / "run"
     proc = launch(
         "run_local.sh",
-        overrides(demo, out, steps=1, **{"data.train_files": f"[{bad}]"}),
+        overrides(demo, out, steps=2, **{"data.train_files": f"[{bad}]"}),
         {"NPROC_PER_NODE": "1", "MASTER_PORT": "29963"},
     )
     log, _ = proc.communicate(timeout=300)

@@ -48,7 +48,7 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 400) -> str:
 def trained(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("eval")
     demo = prepare(root / "demo", seed=0, train_rows=64)
-    convert_hf_to_mcore(demo["hf_model"], root / "mcore", tp=1, pp=1)
+    convert_hf_to_mcore(demo["hf_model"], root / "mcore")
     out = root / "run"
     overrides = {
         "model.hf_config_dir": demo["hf_model"],

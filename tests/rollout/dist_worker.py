@@ -166,6 +166,25 @@ def main() -> None:
     # A response that ended before the limit ends with the stop token, which stays in the response.
     res["b1_finished_end_with_eos"] = [int(b1.responses[i, b1.response_lengths[i] - 1]) == 1 for i in finished]
     check("b1", b1)
+    # 1b. Results once: the batch the leaders gathered equals what one replica generating every prompt itself returns
+    # (the result of the former all-gather from every rank), for these prompts of varying lengths, in prompt order.
+    from megatron_dapo.rollout.types import build_rollout_batch
+
+    single = sorted(engine._generate_rows(prompts, range(len(prompts)), spec, 0), key=lambda r: (r[0], r[1]))
+    ref = build_rollout_batch(
+        prompts,
+        responses=[r[2] for r in single],
+        log_probs=[r[3] for r in single],
+        truncated=[r[4] for r in single],
+        prompt_index=[r[0] for r in single],
+        pad_token_id=0,
+    )
+    res["b1_single_replica_same_tokens"] = all(
+        torch.equal(getattr(b1, f), getattr(ref, f))
+        for f in ("responses", "response_mask", "prompt_index", "truncated")
+    )
+    res["b1_single_replica_lp_max_diff"] = float((b1.rollout_log_probs - ref.rollout_log_probs).abs().max())
+    res["b1_prompt_lengths"] = [len(p) for p in prompts]
     # Independent reference for the recompute itself: HF transformers on the checkpoint the actor was loaded from.
     from transformers import AutoModelForCausalLM
 

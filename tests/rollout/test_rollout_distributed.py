@@ -79,6 +79,10 @@ def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
         assert r["c1_sync"]["buckets"] >= 10  # one Megatron module per reload_weights call
         # After each Adam step + sync, the same seeds give different log-probs where the same token was sampled.
         assert r["c0_lp_change_max"] > 1e-3 and r["c1_lp_change_max"] > 1e-3
+        # Results once (leaders gather over gloo, broadcast to TP peers): the same batch as one replica generating
+        # every prompt, for prompts of different lengths.
+        assert len(set(r["b1_prompt_lengths"])) > 1
+        assert r["b1_single_replica_same_tokens"] and r["b1_single_replica_lp_max_diff"] <= 1e-5
         # Batch shape and seeding.
         assert r["b1_repeat_identical"] and r["offset_changes_samples"]
         assert len(r["b1_lengths"]) == 15 and all(1 <= n <= 10 for n in r["b1_lengths"])

@@ -1,4 +1,5 @@
-"""Converter errors say what was expected and what was found; a failed conversion leaves earlier output intact."""
+"""Converter and loader errors say what was expected and what was found; a failed conversion leaves earlier output
+intact; a foreign or damaged directory is named with the three kinds of input that work."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_dapo.models.families import UnsupportedModelError
+from megatron_dapo.weights import convert as convert_module
 from megatron_dapo.weights.convert import convert_hf_to_mcore, convert_mcore_to_hf
-from megatron_dapo.weights.mcore_checkpoint import CheckpointError, rank_file
-from megatron_dapo.weights.safetensors_io import StreamingSafetensorsWriter
+from megatron_dapo.weights.dist_format import CheckpointError, find_checkpoint
 
 
 def _edited_copy(src: Path, dst: Path, edit) -> Path:
@@ -37,7 +38,7 @@ def _digest(directory: Path) -> dict[str, str]:
 def test_missing_tensor_is_named_with_what_was_found(tiny_hf, tmp_path):
     hf = _edited_copy(tiny_hf("llama"), tmp_path / "hf", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError) as err:
-        convert_hf_to_mcore(hf, tmp_path / "m", tp=2, pp=2)
+        convert_hf_to_mcore(hf, tmp_path / "m")
     msg = str(err.value)
     assert "missing HF tensors (1): model.layers.1.mlp.up_proj.weight;" in msg
     assert "found (" in msg and "model.layers.1.mlp.gate_proj.weight" in msg
@@ -78,49 +79,40 @@ def test_unsupported_architecture_lists_supported_ones(tiny_hf, tmp_path):
         convert_hf_to_mcore(hf, tmp_path / "m")
 
 
-def test_layout_that_does_not_divide_the_model(tiny_hf, tmp_path):
-    with pytest.raises(CheckpointError, match=r"TP=4 .*num_key_value_heads \(query groups\)=2 is not divisible"):
-        convert_hf_to_mcore(tiny_hf("qwen2"), tmp_path / "m", tp=4)
-    with pytest.raises(CheckpointError, match=r"num_hidden_layers=4 is not divisible by .* 3"):
-        convert_hf_to_mcore(tiny_hf("qwen2"), tmp_path / "m", pp=3)
-
-
 def test_existing_save_dir_is_refused_then_replaced_only_with_overwrite(tiny_hf, tmp_path):
     hf = tiny_hf("qwen2", True)
-    convert_hf_to_mcore(hf, tmp_path / "m", tp=2)
+    convert_hf_to_mcore(hf, tmp_path / "m")
     before = _digest(tmp_path / "m")
     with pytest.raises(
         CheckpointError,
-        match=r"already exists and is not empty \(contains: hf_config, manifest.json, mcore_meta.json,"
-        r" mp_rank_00_000, mp_rank_01_000\); pass --overwrite",
+        match=r"already exists and is not empty \(contains: hf_config, latest_checkpointed_iteration.txt,"
+        r" manifest.json, release\); pass --overwrite",
     ):
-        convert_hf_to_mcore(hf, tmp_path / "m", pp=2)
+        convert_hf_to_mcore(hf, tmp_path / "m")
     assert _digest(tmp_path / "m") == before
     with pytest.raises(CheckpointError, match="is the input directory"):
         convert_hf_to_mcore(hf, hf, overwrite=True)
-
-    convert_hf_to_mcore(hf, tmp_path / "m", pp=2, overwrite=True)
-    assert json.loads((tmp_path / "m" / "mcore_meta.json").read_text())["pipeline_model_parallel_size"] == 2
-    assert rank_file(tmp_path / "m", 0, 1).is_file() and not rank_file(tmp_path / "m", 1, 0).is_file()
+    convert_hf_to_mcore(tiny_hf("qwen2", False), tmp_path / "m", overwrite=True)
+    assert _digest(tmp_path / "m") != before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no .tmp-/.old- leftovers
 
 
 def test_failure_while_writing_keeps_the_previous_checkpoint(tiny_hf, tmp_path, monkeypatch):
     hf = tiny_hf("llama")
-    convert_hf_to_mcore(hf, tmp_path / "m", tp=2)
+    convert_hf_to_mcore(hf, tmp_path / "m")
     before = _digest(tmp_path / "m")
     calls = {"n": 0}
-    original = StreamingSafetensorsWriter.write_parts
+    original = convert_module.hf_to_mcore
 
-    def failing(self, name, parts, scratch=None):
+    def failing(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 20:
             raise OSError("No space left on device (injected)")
-        return original(self, name, parts, scratch)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(StreamingSafetensorsWriter, "write_parts", failing)
+    monkeypatch.setattr(convert_module, "hf_to_mcore", failing)
     with pytest.raises(OSError, match="injected"):
-        convert_hf_to_mcore(hf, tmp_path / "m", tp=1, pp=2, overwrite=True)
+        convert_hf_to_mcore(hf, tmp_path / "m", overwrite=True)
     assert calls["n"] >= 20
     assert _digest(tmp_path / "m") == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
@@ -128,18 +120,53 @@ def test_failure_while_writing_keeps_the_previous_checkpoint(tiny_hf, tmp_path, 
 
 def test_mcore_side_errors(tiny_hf, tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match=r"mcore_meta.json is missing \(found: \)"):
+    with pytest.raises(CheckpointError) as err:
         convert_mcore_to_hf(tmp_path / "empty", tmp_path / "out")
-    convert_hf_to_mcore(tiny_hf("qwen2"), tmp_path / "m", tp=2, pp=2)
-    rank_file(tmp_path / "m", 1, 1).unlink()
-    with pytest.raises(CheckpointError, match=r"mp_rank_01_001/model.safetensors is missing: a TP=2 PP=2 checkpoint"):
+    assert f"{tmp_path / 'empty'} is not a checkpoint this project reads: it is empty" in str(err.value)
+    convert_hf_to_mcore(tiny_hf("qwen2"), tmp_path / "m")
+    (tmp_path / "m" / "latest_checkpointed_iteration.txt").write_text("100")
+    with pytest.raises(CheckpointError, match=r"names 'iter_0000100', but .*iter_0000100 is not a dist_checkpointing"):
+        convert_mcore_to_hf(tmp_path / "m", tmp_path / "out")
+    (tmp_path / "m" / "latest_checkpointed_iteration.txt").write_text("best")
+    with pytest.raises(CheckpointError, match=r"holds 'best'; expected 'release' or an iteration number"):
         convert_mcore_to_hf(tmp_path / "m", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    (tmp_path / "m" / "latest_checkpointed_iteration.txt").write_text("release")
     other = tmp_path / "other_cfg"
     other.mkdir()
     cfg = json.loads((tiny_hf("qwen2") / "config.json").read_text())
     cfg["num_hidden_layers"] = 6
     (other / "config.json").write_text(json.dumps(cfg))
-    convert_hf_to_mcore(tiny_hf("qwen2"), tmp_path / "m2")
-    with pytest.raises(CheckpointError, match=r"does not describe the checkpoint .*num_layers: 6 vs 4"):
-        convert_mcore_to_hf(tmp_path / "m2", tmp_path / "out", hf_config_dir=other)
+    with pytest.raises(CheckpointError, match=r"shape mismatches .*stacks 4 layers, the model has 6"):
+        convert_mcore_to_hf(tmp_path / "m" / "release", tmp_path / "out", hf_config_dir=other)
+    # A bare dist_checkpointing directory (what verl's converter writes) carries no HF config: asked for.
+    bare = shutil.copytree(tmp_path / "m" / "release", tmp_path / "bare")
+    with pytest.raises(
+        CheckpointError, match=r"dist_checkpointing directory .*/bare has no hf_config/config.json: pass"
+    ):
+        convert_mcore_to_hf(bare, tmp_path / "out")
+    convert_mcore_to_hf(bare, tmp_path / "out", hf_config_dir=tiny_hf("qwen2"))
+
+
+def test_foreign_directories_get_the_three_things_that_work(tiny_hf, tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "mp_rank_00_000").mkdir()
+    (foreign / "mcore_meta.json").write_text("{}")
+    with pytest.raises(CheckpointError) as err:
+        find_checkpoint(foreign)
+    msg = str(err.value)
+    assert f"{foreign} is not a checkpoint this project reads: it contains: mcore_meta.json, mp_rank_00_000" in msg
+    for works in ("latest_checkpointed_iteration.txt", "global_step_<n>/", "config.json + *.safetensors"):
+        assert works in msg
+    with pytest.raises(CheckpointError, match="it does not exist"):
+        find_checkpoint(tmp_path / "nothing")
+    # A dist checkpoint whose metadata is damaged is named.
+    convert_hf_to_mcore(tiny_hf("qwen2"), tmp_path / "m")
+    bare = shutil.copytree(tmp_path / "m" / "release", tmp_path / "bare")  # no manifest
+    (tmp_path / "m" / "release" / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match=r"checkpoint .*/m is damaged: .*/release/\.metadata: truncated"):
+        convert_mcore_to_hf(tmp_path / "m", tmp_path / "out")
+    (bare / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match=r"bare/\.metadata: unreadable"):
+        convert_mcore_to_hf(bare, tmp_path / "out", hf_config_dir=tiny_hf("qwen2"))

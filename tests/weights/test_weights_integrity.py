@@ -1,4 +1,4 @@
-"""Integrity of converted checkpoints and HF inputs: a truncated or corrupted rank file of a converted checkpoint
+"""Integrity of converted checkpoints and HF inputs: a truncated or corrupted file of a converted checkpoint
 is named ("truncated" / "corrupt", the file, expected vs found) before its data is used; HF safetensors inputs
 without a manifest are checked structurally (header parse → corrupt, short data region → truncated, an index naming
 a missing shard); the writers refuse a non-finite tensor, naming it."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatron_dapo.weights.convert import convert_hf_to_mcore, convert_mcore_to_hf
+from megatron_dapo.weights.dist_format import CheckpointError
 from megatron_dapo.weights.integrity import NonFiniteTensorError
-from megatron_dapo.weights.mcore_checkpoint import CheckpointError, rank_file
 from megatron_dapo.weights.safetensors_io import (
     SafetensorsDir,
     SafetensorsIntegrityError,
@@ -25,8 +25,8 @@ from megatron_dapo.weights.safetensors_io import (
 
 
 def test_converted_checkpoint_truncated_or_corrupt(tiny_hf, tmp_path):
-    convert_hf_to_mcore(tiny_hf("qwen2"), tmp_path / "m", tp=2)
-    victim = rank_file(tmp_path / "m", 1, 0)
+    convert_hf_to_mcore(tiny_hf("qwen2"), tmp_path / "m")
+    victim = tmp_path / "m" / "release" / "__0_0.distcp"
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) - 1000])
     with pytest.raises(
@@ -73,7 +73,7 @@ def test_non_finite_tensor_is_refused(tiny_hf, tmp_path):
     bad[2, 1] = float("inf")
     with pytest.raises(NonFiniteTensorError, match=r"x.safetensors: refusing to write tensor 'w': 1 non-finite"):
         save_file_streaming({"ok": torch.zeros(2), "w": bad}, tmp_path / "x.safetensors")
-    # Kernel-copied rows are checked too (read back from the output): an HF input holding a NaN is not converted.
+    # An HF input holding a NaN is not converted.
     hf = shutil.copytree(tiny_hf("qwen2"), tmp_path / "hf")  # the fixture's copy is shared
     from safetensors.torch import load_file, save_file
 
@@ -82,9 +82,9 @@ def test_non_finite_tensor_is_refused(tiny_hf, tmp_path):
     tensors[name][3, 4] = float("nan")
     save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(
-        NonFiniteTensorError, match=r"refusing to write tensor 'decoder.layers.1.mlp.linear_fc2.weight'"
+        NonFiniteTensorError, match=r"refusing to write tensor 'decoder.layers.mlp.linear_fc2.weight' \(layer 1\)"
     ):
-        convert_hf_to_mcore(hf, tmp_path / "m", tp=2)
+        convert_hf_to_mcore(hf, tmp_path / "m")
     assert not (tmp_path / "m").exists()
     # Opting out writes it (e.g. a tool that inspects a broken checkpoint).
     with StreamingSafetensorsWriter(

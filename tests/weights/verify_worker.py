@@ -5,8 +5,9 @@ Reads a JSON list of cases and runs them in order on every rank:
 * ``{"name", "kind": "main", "argv": [...]}`` — ``tools/checkpoint_convert/verify.py``'s ``main`` (its printed
   output and exit status, without tearing down the process group). Rank 0 prints ``=== case <name> rc=<rc>``
   after each, so the test can split stdout per case.
-* ``{"name", "kind": "save", "argv": [...], "save_dir": ...}`` — the same check through ``run_verify``, then
-  ``save_mcore_checkpoint`` from the live model at that layout; per-rank results go to ``<out>/<name>.rank<r>.json``.
+* ``{"name", "kind": "compare", "argv": [...], "hf_dir": ...}`` — the model at verify's layout loaded from the
+  converted checkpoint (``run_verify``), then every parameter compared with the same model loaded straight from the
+  HF directory; per-rank results go to ``<out>/<name>.rank<r>.json``.
 
     torchrun --nproc_per_node=N verify_worker.py --cases cases.json --out DIR
 """
@@ -31,10 +32,12 @@ def _load_verify():
 
 
 def main() -> int:
+    import torch
     import torch.distributed as dist
 
+    from megatron_dapo.models.builder import build_gpt_chunks
     from megatron_dapo.parallel import destroy_model_parallel
-    from megatron_dapo.weights.mcore_checkpoint import save_mcore_checkpoint
+    from megatron_dapo.weights.mcore_checkpoint import load_mcore_checkpoint
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", required=True)
@@ -51,15 +54,22 @@ def main() -> int:
         else:
             args = verify.parse_args(case["argv"])
             res = verify.run_verify(args)
-            saved = save_mcore_checkpoint(res.chunks, res.arch, case["save_dir"], hf_config_dir=args.hf_dir)
-            rank = dist.get_rank()
+            direct = build_gpt_chunks(res.arch, res.cfg)
+            report = load_mcore_checkpoint(direct, res.arch, case["hf_dir"])
+            differing, compared = [], 0
+            for i, (a, b) in enumerate(zip(res.chunks, direct)):
+                for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+                    compared += 1
+                    if p.dtype != q.dtype or not torch.equal(p, q):
+                        differing.append(f"chunk {i} {name}")
             result = {
                 "max_abs_logits_diff": res.max_abs_diff,
-                "same_layout": res.load_report["same_layout"],
-                "files": res.load_report["files"],
-                "saved": str(saved),
+                "loaded": [res.load_report["kind"], report["kind"]],
+                "num_chunks": len(direct),
+                "compared": compared,
+                "differing": differing,
             }
-            (Path(own.out) / f"{case['name']}.rank{rank}.json").write_text(json.dumps(result))
+            (Path(own.out) / f"{case['name']}.rank{dist.get_rank()}.json").write_text(json.dumps(result))
             dist.barrier()
             destroy_model_parallel()
     dist.destroy_process_group()

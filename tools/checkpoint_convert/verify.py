@@ -4,24 +4,22 @@
     torchrun --nproc_per_node=N tools/checkpoint_convert/verify.py --hf-dir H --mcore-dir M --tp T --pp P \
         [--vpp V] [--sp] [--tol 1e-4] [--seed 0]
 
-Builds the megatron-core model at TP×PP (N = T×P×DP; the layout may differ from the checkpoint's, which then is
-resharded on load), loads M with ``load_mcore_checkpoint``, runs a forward pass through megatron-core's
-``forward_backward_func`` (forward only) and compares the vocabulary-gathered logits with the HF model
-(transformers, fp32) on the same batch. Only the first ``vocab_size`` columns are compared: the columns for the
-padded vocabulary rows are not logits of any token. The output ends with ``max_abs_logits_diff=<float>``; the exit
-status is 1 when the difference is above ``--tol``.
+Builds the megatron-core model at TP×PP (N = T×P×DP; a converted checkpoint has no layout: dist_checkpointing
+reads each rank's slices), loads M with ``load_mcore_checkpoint`` (M may also be an HF directory), runs a forward
+pass through megatron-core's ``forward_backward_func`` (forward only) and compares the vocabulary-gathered logits
+with the HF model (transformers, fp32) on the same batch. Only the first ``vocab_size`` columns are compared: the
+columns for the padded vocabulary rows are not logits of any token. The output ends with
+``max_abs_logits_diff=<float>``; the exit status is 1 when the difference is above ``--tol``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -39,7 +37,13 @@ class VerifyResult:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf-dir", required=True, help="HF model directory (the reference)")
-    p.add_argument("--mcore-dir", required=True, help="checkpoint written by convert.py hf-to-mcore")
+    p.add_argument(
+        "--mcore-dir",
+        required=True,
+        help="what to load: a Megatron distributed checkpoint (convert.py hf-to-mcore, Megatron-LM, a training step)"
+        " or an HF directory",
+    )
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank")
@@ -62,16 +66,14 @@ def run_verify(args: argparse.Namespace) -> VerifyResult:
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.parallel import init_distributed, init_model_parallel
     from megatron_dapo.weights.layout import padded_vocab_size
-    from megatron_dapo.weights.mcore_checkpoint import McoreCheckpoint, load_mcore_checkpoint
+    from megatron_dapo.weights.mcore_checkpoint import load_mcore_checkpoint
 
-    with McoreCheckpoint(args.mcore_dir) as ckpt:
-        meta = ckpt.meta
     overrides = [
         f"parallel.tensor_model_parallel_size={args.tp}",
         f"parallel.pipeline_model_parallel_size={args.pp}",
         f"parallel.sequence_parallel={'true' if args.sp else 'false'}",
         "model.params_dtype=fp32",
-        f"model.make_vocab_size_divisible_by={meta['make_vocab_size_divisible_by']}",
+        f"model.make_vocab_size_divisible_by={args.make_vocab_size_divisible_by}",
     ]
     if args.vpp:
         overrides.append(f"parallel.virtual_pipeline_model_parallel_size={args.vpp}")
@@ -158,18 +160,12 @@ def main(argv: Optional[Sequence[str]] = None, finalize: bool = True) -> int:
     args = parse_args(argv)
     res = run_verify(args)
     rank = dist.get_rank()
-    # Which checkpoint files each rank read: its own only when the layouts match.
-    reports: list = [None] * dist.get_world_size()
-    files = [str(Path(f).relative_to(Path(args.mcore_dir).absolute())) for f in res.load_report["files"]]
-    dist.all_gather_object(reports, {"same_layout": res.load_report["same_layout"], "files": files})
     if rank == 0:
-        reshard = "same layout" if reports[0]["same_layout"] else "resharded on load"
         print(
             f"model TP={args.tp} PP={args.pp} VPP={args.vpp} SP={args.sp} world={dist.get_world_size()};"
-            f" checkpoint {args.mcore_dir}: {reshard}",
+            f" loaded {res.load_report['description']}",
             flush=True,
         )
-        print("load_report=" + json.dumps(reports), flush=True)
     dist.barrier()
     destroy_model_parallel()
     ok = res.max_abs_diff <= args.tol

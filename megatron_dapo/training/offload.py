@@ -1,0 +1,397 @@
+"""Memory hand-off between the rollout and training phases: actor/reference state to host memory and back.
+
+What moves. megatron-core keeps the actor's state in a few kinds of storage, and every kind is moved the same way —
+whole storages, so that every tensor viewing one (a DDP bucket's parameters, ``param.main_grad``, optimizer shards)
+follows it without being re-pointed:
+
+* **params**: the DDP-wrapped chunks' parameters. With the distributed optimizer they are views into the buffers'
+  ``param_data``; without it each parameter has its own storage. Tied weights share one storage (moved once).
+* **grads**: the DDP buffers' ``grad_data`` (every ``param.main_grad`` is a view into it) and the ``.grad`` of the
+  optimizer's main parameters (views into ``grad_data`` as well when gradients are reduced in fp32).
+* **optimizer**: the torch optimizer state (Adam's ``exp_avg``/``exp_avg_sq``) and the optimizer's own fp32 main
+  parameters — the ``Float16OptimizerWithFloat16Params`` copies and the ``DistributedOptimizer`` shards
+  (``shard_fp32_from_float16_groups``). Main parameters that *are* model parameters or views of them (fp32 training)
+  are left to **params**: moving them twice would break the aliasing the optimizer step relies on.
+* **reference**: the frozen reference chunks' parameters and buffers.
+
+How. Each storage is copied into a host byte buffer (pinned on CUDA/NPU, kept between cycles: pinning is slow), the
+device is synchronised once, then the storage is resized to 0 bytes (``Platform.release_storage``: the allocator gets
+the memory back; the tensor objects stay). Onload resizes it back and copies the bytes in: bit-exact by construction.
+This is what verl's ``offload_megatron_model_to_cpu`` / ``load_megatron_model_to_gpu`` and megatron-core's own
+``_ParamAndGradBuffer.offload_to_cpu`` do for DDP buffers, applied uniformly to every storage kind; grads may instead
+be discarded and re-zeroed (``keep_grad_values=False``, megatron-core's behaviour; the actor zeroes them before
+every update anyway). Every device move goes through the platform (``host_buffer``, ``copy_to_host``,
+``copy_to_device``, ``release_storage``, ``restore_storage``), so a test platform can count them.
+
+Sequence per training step (``MemoryHandoff``; the trainer calls one method at each phase boundary):
+
+1. ``before_rollout(engine, sync_fn)``:
+   offload actor grads + optimizer and the reference (as configured) → ``empty_cache`` →
+   ``engine.wake_up(["weights"])`` → ``sync_fn()`` (the weight sync reads the actor's params) →
+   offload actor params (if configured) → ``empty_cache`` → ``engine.wake_up(["kv_cache"])``. Then generate.
+2. ``after_rollout(engine)``: ``engine.sleep(level)`` → ``empty_cache`` → onload actor params (if they were
+   offloaded). Then old-policy log-probs (actor params only).
+3. ``before_reference()`` / ``after_reference()``: onload the reference for its log-prob forward, offload it again.
+4. ``before_update()``: onload grads + optimizer. Then the actor update. The next step starts again at 1.
+
+Per platform (``Platform.memory_handoff_defaults``; each ``actor.offload_*`` / ``ref.offload`` /
+``rollout.sleep_level`` set in the config overrides its default):
+
+* CPU: nothing is offloaded (host memory *is* the device memory; the calls above are no-ops by declaration) and
+  vLLM has no sleep mode, so ``engine.sleep``/``wake_up`` do nothing.
+* CUDA: grads + optimizer + reference offloaded, params kept; vLLM sleep level 2.
+* NPU: grads + optimizer + reference offloaded, params kept; vLLM (vllm-ascend) sleep level 1.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from megatron_dapo.platform import Platform
+from megatron_dapo.platform.base import HandoffDefaults
+
+COMPONENTS = ("params", "grads", "optimizer", "reference")
+
+
+@dataclass(frozen=True)
+class HandoffPlan:
+    """The resolved plan: the platform's defaults with the config's explicit choices applied."""
+
+    params: bool
+    grads: bool
+    optimizer: bool
+    reference: bool
+    sleep_level: int
+    keep_grad_values: bool
+
+
+def resolve_handoff_plan(cfg: Any, platform: Platform) -> HandoffPlan:
+    """``actor.offload_params/grads/optimizer``, ``ref.offload``, ``rollout.sleep_level``: None = the platform's."""
+    d: HandoffDefaults = platform.memory_handoff_defaults()
+
+    def pick(value: Optional[Any], default: Any) -> Any:
+        return default if value is None else value
+
+    return HandoffPlan(
+        params=bool(pick(cfg.actor.offload_params, d.params)),
+        grads=bool(pick(cfg.actor.offload_grads, d.grads)),
+        optimizer=bool(pick(cfg.actor.offload_optimizer, d.optimizer)),
+        reference=bool(pick(cfg.ref.offload, d.reference)),
+        sleep_level=int(pick(cfg.rollout.sleep_level, d.sleep_level)),
+        keep_grad_values=d.grad_values,
+    )
+
+
+# ----------------------------------------------------------------------------------------------- tensor discovery
+
+
+def _ddp_buffers(chunk) -> list:
+    return list(getattr(chunk, "buffers", []) or []) + list(getattr(chunk, "expert_parallel_buffers", []) or [])
+
+
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def param_tensors(chunks: list) -> list[torch.Tensor]:
+    """Every parameter of the (DDP-wrapped or plain) chunks, plus the DDP ``param_data`` buffers."""
+    out: list[torch.Tensor] = []
+    for chunk in chunks:
+        out.extend(p.data for p in chunk.parameters())
+        out.extend(b.param_data for b in _ddp_buffers(chunk) if getattr(b, "param_data", None) is not None)
+    return out
+
+
+def reference_tensors(chunks: list) -> list[torch.Tensor]:
+    """The frozen reference's parameters and buffers (rotary frequencies, ...)."""
+    out: list[torch.Tensor] = []
+    for chunk in chunks:
+        out.extend(p.data for p in chunk.parameters())
+        out.extend(b for b in chunk.buffers() if isinstance(b, torch.Tensor))
+    return out
+
+
+def grad_tensors(chunks: list, optimizer=None) -> list[torch.Tensor]:
+    """The DDP grad buffers, any ``.grad``/``.main_grad`` outside them, and the optimizer main params' ``.grad``."""
+    out: list[torch.Tensor] = []
+    for chunk in chunks:
+        out.extend(b.grad_data for b in _ddp_buffers(chunk) if getattr(b, "grad_data", None) is not None)
+        for p in chunk.parameters():
+            for g in (p.grad, getattr(p, "main_grad", None)):
+                if isinstance(g, torch.Tensor):
+                    out.append(g)
+    if optimizer is not None:
+        for opt in _sub_optimizers(optimizer):
+            inner = getattr(opt, "optimizer", None)
+            for group in getattr(inner, "param_groups", []):
+                out.extend(p.grad for p in group["params"] if p.grad is not None)
+    return out
+
+
+def optimizer_tensors(optimizer, exclude: Iterable[torch.Tensor] = ()) -> list[torch.Tensor]:
+    """Optimizer state tensors and main parameters, minus those sharing storage with ``exclude`` (model params)."""
+    skip = {_storage_key(t) for t in exclude if t.untyped_storage().nbytes() > 0}
+    out: list[torch.Tensor] = []
+    for opt in _sub_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        mains: list[torch.Tensor] = [p for group in inner.param_groups for p in group["params"]]
+        # Float16 optimizer copies / distributed-optimizer shards also live outside param_groups' order.
+        for attr in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+            for group in getattr(opt, attr, None) or []:
+                mains.extend(group)
+        out.extend(p.data for p in mains if _storage_key(p) not in skip)
+        for state in inner.state.values():
+            out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # The StorageImpl's address: the same for every view of one storage, stable across resize_.
+    return int(t.untyped_storage()._cdata)
+
+
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+@dataclass
+class _Held:
+    storage: torch.UntypedStorage
+    nbytes: int
+    host: Optional[torch.Tensor]  # None: values discarded (re-zeroed on onload)
+    offloaded: bool = True
+
+
+@dataclass
+class OffloadStats:
+    """Bytes and storages moved by the last offload/onload of each component, and the time it took."""
+
+    bytes: dict[str, int] = field(default_factory=dict)
+    storages: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class StorageOffloader:
+    """Moves whole storages to host buffers and back, per named component; a storage is held by one component."""
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self._held: dict[str, dict[int, _Held]] = {c: {} for c in COMPONENTS}
+        self.stats = OffloadStats()
+
+    def is_offloaded(self, component: str) -> bool:
+        return any(h.offloaded for h in self._held[component].values())
+
+    def _owner(self, key: int) -> Optional[str]:
+        for name, held in self._held.items():
+            if key in held and held[key].offloaded:
+                return name
+        return None
+
+    def _unique_storages(self, tensors: Iterable[torch.Tensor]) -> Iterator[tuple[int, torch.UntypedStorage]]:
+        seen: set[int] = set()
+        device_type = self.platform.device_type
+        for t in tensors:
+            if t.device.type != device_type:
+                continue  # e.g. Adam's CPU ``step`` counter on an accelerator
+            key = _storage_key(t)
+            if key in seen:
+                continue
+            seen.add(key)
+            yield key, t.untyped_storage()
+
+    @torch.no_grad()
+    def offload(self, component: str, tensors: Iterable[torch.Tensor], keep_values: bool = True) -> int:
+        """Copy every distinct storage behind ``tensors`` to host, then free it. Returns the bytes released."""
+        start = time.perf_counter()
+        held = self._held[component]
+        moving: list[_Held] = []
+        for key, storage in self._unique_storages(tensors):
+            nbytes = storage.nbytes()
+            if nbytes == 0 or self._owner(key) is not None:
+                continue  # empty, or already off the device (e.g. a storage shared with another component)
+            entry = held.get(key)
+            host = entry.host if entry is not None and entry.nbytes == nbytes else None
+            if keep_values:
+                if host is None:
+                    host = self.platform.host_buffer(nbytes)
+                self.platform.copy_to_host(host, _bytes_view(storage))
+            entry = _Held(storage=storage, nbytes=nbytes, host=host if keep_values else None)
+            held[key] = entry
+            moving.append(entry)
+        self.platform.synchronize()  # copies done before the memory is handed back
+        for entry in moving:
+            self.platform.release_storage(entry.storage)
+        moved = sum(e.nbytes for e in moving)
+        self._record(component, moved, len(moving), start)
+        return moved
+
+    @torch.no_grad()
+    def onload(self, component: str) -> int:
+        """Re-allocate the component's storages and copy their bytes back (or zero them if values were discarded)."""
+        start = time.perf_counter()
+        restored = [e for e in self._held[component].values() if e.offloaded]
+        for entry in restored:
+            self.platform.restore_storage(entry.storage, entry.nbytes)
+            view = _bytes_view(entry.storage)
+            if entry.host is None:
+                view.zero_()
+            else:
+                self.platform.copy_to_device(view, entry.host)
+            entry.offloaded = False
+        self.platform.synchronize()
+        moved = sum(e.nbytes for e in restored)
+        self._record(component, moved, len(restored), start)
+        return moved
+
+    def _record(self, component: str, nbytes: int, count: int, start: float) -> None:
+        self.stats.bytes[component] = nbytes
+        self.stats.storages[component] = count
+        self.stats.seconds[component] = time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------------------- functional primitives
+
+
+def offload_actor_params(off: StorageOffloader, chunks: list) -> int:
+    return off.offload("params", param_tensors(chunks))
+
+
+def offload_actor_grads(off: StorageOffloader, chunks: list, optimizer=None, keep_values: bool = True) -> int:
+    return off.offload("grads", grad_tensors(chunks, optimizer), keep_values=keep_values)
+
+
+def offload_optimizer(off: StorageOffloader, optimizer, chunks: list) -> int:
+    return off.offload("optimizer", optimizer_tensors(optimizer, exclude=param_tensors(chunks)))
+
+
+def offload_reference(off: StorageOffloader, ref_chunks: list) -> int:
+    return off.offload("reference", reference_tensors(ref_chunks))
+
+
+class MemoryHandoff:
+    """Phase-boundary memory moves for one rank: the actor (DDP chunks + megatron optimizer), the reference, and
+    the colocated rollout engine. See the module docstring for the sequence and the per-platform plan.
+
+    The trainer calls, every step::
+
+        handoff.before_rollout(engine, lambda: weight_sync.sync(actor_chunks))
+        batch = engine.generate(...)
+        handoff.after_rollout(engine)
+        old_log_probs = actor.compute_log_probs(...)
+        handoff.before_reference(); ref_log_probs = ref.compute_log_probs(...); handoff.after_reference()
+        handoff.before_update()
+        actor.update(...)
+
+    ``phase_peaks_gb`` holds the platform's peak memory of each phase (``rollout``, ``old_log_probs``,
+    ``reference``, ``update``) measured between the calls; ``metrics()`` returns them with the moved bytes under
+    ``perf/`` names. With nothing to offload (CPU) only the peaks are recorded.
+    """
+
+    def __init__(
+        self,
+        platform: Platform,
+        plan: HandoffPlan,
+        actor_chunks: list,
+        optimizer=None,
+        ref_chunks: Optional[list] = None,
+    ) -> None:
+        self.platform = platform
+        self.plan = plan
+        self.actor_chunks = actor_chunks
+        self.optimizer = optimizer
+        self.ref_chunks = ref_chunks or []
+        self.offloader = StorageOffloader(platform)
+        self.phase_peaks_gb: dict[str, float] = {}
+        self._phase: Optional[str] = None
+
+    @classmethod
+    def from_config(
+        cls, cfg: Any, platform: Platform, actor_chunks: list, optimizer=None, ref_chunks: Optional[list] = None
+    ) -> MemoryHandoff:
+        return cls(platform, resolve_handoff_plan(cfg, platform), actor_chunks, optimizer, ref_chunks)
+
+    # ----- phase bookkeeping
+    def _enter(self, phase: Optional[str]) -> None:
+        if self._phase is not None:
+            self.phase_peaks_gb[self._phase] = self.platform.peak_memory_gb()
+        self._phase = phase
+        self.platform.reset_peak_memory()
+
+    def _empty_cache(self) -> None:
+        gc.collect()
+        self.platform.empty_cache()
+
+    # ----- the sequence
+    def before_rollout(self, engine: Any, sync_fn: Callable[[], Any]) -> Any:
+        """Free training state, wake the engine's weights, sync, free params (if planned), wake the KV cache.
+
+        Returns what ``sync_fn`` returned (the sync's metrics)."""
+        self._enter(None)
+        p = self.plan
+        if p.grads and self.optimizer is not None:
+            offload_actor_grads(self.offloader, self.actor_chunks, self.optimizer, keep_values=p.keep_grad_values)
+        if p.optimizer and self.optimizer is not None:
+            offload_optimizer(self.offloader, self.optimizer, self.actor_chunks)
+        if p.reference and self.ref_chunks:
+            offload_reference(self.offloader, self.ref_chunks)
+        self._empty_cache()
+        self._enter("weight_sync")
+        engine.wake_up(["weights"])
+        result = sync_fn()
+        if p.params:
+            offload_actor_params(self.offloader, self.actor_chunks)
+        self._empty_cache()
+        engine.wake_up(["kv_cache"])
+        self._enter("rollout")
+        return result
+
+    def after_rollout(self, engine: Any) -> None:
+        """Put the engine to sleep (planned level), give its memory back, bring the actor's params back."""
+        engine.sleep(self.plan.sleep_level)
+        self._empty_cache()
+        if self.offloader.is_offloaded("params"):
+            self.offloader.onload("params")
+        self._enter("old_log_probs")
+
+    def before_reference(self) -> None:
+        if self.offloader.is_offloaded("reference"):
+            self.offloader.onload("reference")
+        self._enter("reference")
+
+    def after_reference(self) -> None:
+        if self.plan.reference and self.ref_chunks:
+            offload_reference(self.offloader, self.ref_chunks)
+            self._empty_cache()
+        self._enter("between")
+
+    def before_update(self) -> None:
+        """Bring grads and optimizer state back for the actor update."""
+        for component in ("params", "grads", "optimizer"):
+            if self.offloader.is_offloaded(component):
+                self.offloader.onload(component)
+        self._enter("update")
+
+    def restore_all(self) -> None:
+        """Bring every offloaded part of the actor back (before a checkpoint save reads it)."""
+        for component in ("params", "grads", "optimizer"):
+            if self.offloader.is_offloaded(component):
+                self.offloader.onload(component)
+
+    def end_step(self) -> None:
+        """Close the update phase's peak window (call after the optimizer step, before ``metrics``)."""
+        self._enter(None)
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"perf/peak_memory_gb/{k}": v for k, v in self.phase_peaks_gb.items()}
+        for k, v in self.offloader.stats.bytes.items():
+            out[f"perf/offload_gb/{k}"] = v / 2**30
+        return out

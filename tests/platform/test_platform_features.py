@@ -1,0 +1,115 @@
+"""Per-platform choices, tested on CPU through the platform objects (no GPU/NPU here: what happens at run time on
+CUDA/NPU after these choices — TE kernels, MindSpeed patches, HCCL, vllm-ascend sleep — is unverified)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from megatron_dapo.config import load_config
+from megatron_dapo.platform import make_platform
+from megatron_dapo.platform.npu import mindspeed_features
+
+TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
+MINDSPEED_INSTALLED = importlib.util.find_spec("mindspeed") is not None
+
+
+def test_memory_handoff_defaults_and_sleep_levels():
+    cpu, cuda, npu = (make_platform(n) for n in ("cpu", "cuda", "npu"))
+    d = cpu.memory_handoff_defaults()
+    assert not d.anything  # CPU: host memory is the device memory, nothing to hand off
+    for p, level in ((cuda, 2), (npu, 1)):
+        d = p.memory_handoff_defaults()
+        assert (d.params, d.grads, d.optimizer, d.reference, d.sleep_level) == (False, True, True, True, level)
+        assert d.grad_values is False  # the actor zeroes grads before each update: not copied back and forth
+
+
+def test_causal_mask_and_enforce_eager_per_platform():
+    cpu, cuda, npu = (make_platform(n) for n in ("cpu", "cuda", "npu"))
+    assert cpu.causal_mask_needed and cuda.causal_mask_needed
+    assert not npu.causal_mask_needed  # MindSpeed's flash attention generates the causal mask (attention_mask=None)
+    assert (cpu.default_enforce_eager, cuda.default_enforce_eager, npu.default_enforce_eager) == (True, False, True)
+
+
+def test_transformer_impl_resolution_on_cpu():
+    cpu = make_platform("cpu")
+    assert cpu.resolve_transformer_impl("auto") == "local"
+    assert cpu.resolve_transformer_impl("local") == "local"
+    assert not TE_INSTALLED  # this machine's stack; the check below needs TE absent
+    with pytest.raises(RuntimeError, match=r"transformer_impl=transformer_engine .* does not import: Module") as e:
+        cpu.resolve_transformer_impl("transformer_engine")
+    assert "No module named 'transformer_engine'" in str(e.value) and isinstance(e.value.__cause__, ImportError)
+    with pytest.raises(ValueError, match="expected auto, transformer_engine or local"):
+        cpu.resolve_transformer_impl("te")
+
+
+def test_transformer_impl_resolution_on_cuda_and_npu():
+    cuda, npu = make_platform("cuda"), make_platform("npu")
+    assert cuda.resolve_transformer_impl("auto") == ("transformer_engine" if TE_INSTALLED else "local")
+    assert cuda.resolve_transformer_impl("local") == "local"
+    assert npu.resolve_transformer_impl("local") == "local"
+    if not MINDSPEED_INSTALLED:
+        with pytest.raises(RuntimeError, match="needs MindSpeed"):
+            npu.resolve_transformer_impl("auto")
+
+
+def test_context_parallel_needs_te_or_mindspeed():
+    cpu, cuda, npu = (make_platform(n) for n in ("cpu", "cuda", "npu"))
+    for p in (cpu, cuda, npu):
+        p.check_context_parallel(1, "local")  # CP 1 is always fine
+    with pytest.raises(RuntimeError, match=r"context_parallel_size=2 on platform 'cpu': .*needs TransformerEngine"):
+        cpu.check_context_parallel(2, "local")
+    with pytest.raises(RuntimeError, match=r"needs TransformerEngine \(CUDA\) or MindSpeed \(Ascend NPU\)"):
+        cuda.check_context_parallel(2, "local")
+    cuda.check_context_parallel(4, "transformer_engine")
+    npu.check_context_parallel(2, "transformer_engine")
+
+
+def test_builder_refuses_cp_on_cpu_and_te_without_te():
+    from megatron_dapo.models.builder import resolve_transformer_impl
+
+    cfg = load_config(None, ["parallel.context_parallel_size=2", "parallel.platform=cpu"])
+    with pytest.raises(RuntimeError, match=r"needs TransformerEngine \(CUDA\) or MindSpeed \(Ascend NPU\)"):
+        resolve_transformer_impl(cfg.model, cfg.parallel)
+    cfg = load_config(None, ["model.transformer_impl=transformer_engine", "parallel.platform=cpu"])
+    with pytest.raises(RuntimeError, match="No module named 'transformer_engine'"):
+        resolve_transformer_impl(cfg.model, cfg.parallel)
+    assert resolve_transformer_impl(load_config(None, []).model, load_config(None, []).parallel) == "local"
+
+
+def test_mindspeed_features_follow_the_config():
+    cfg = load_config(
+        None,
+        [
+            "parallel.tensor_model_parallel_size=4",
+            "parallel.sequence_parallel=true",
+            "parallel.context_parallel_size=2",
+            "actor.recompute=full",
+            "actor.recompute_num_layers=3",
+        ],
+    )
+    f = mindspeed_features(cfg)
+    for key in ("use_flash_attn", "use_fused_rmsnorm", "use_fused_swiglu", "use_fused_rotary_pos_emb"):
+        assert f[key] is True
+    assert (f["tensor_model_parallel_size"], f["sequence_parallel"], f["context_parallel_size"]) == (4, True, 2)
+    assert f["context_parallel_algo"] == "megatron_cp_algo"
+    assert (f["recompute_granularity"], f["recompute_method"], f["recompute_num_layers"]) == ("full", "uniform", 3)
+    plain = mindspeed_features(load_config(None, []))
+    assert "context_parallel_algo" not in plain and "recompute_granularity" not in plain
+
+
+def test_cpu_peak_memory_windows():
+    cpu = make_platform("cpu")
+    cpu.reset_peak_memory()
+    base = cpu.peak_memory_gb()
+    assert base > 0 and abs(base - cpu.memory_allocated_gb()) < 0.05
+    block = bytearray(256 * 2**20)  # 256 MiB, touched
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    peak = cpu.peak_memory_gb()
+    assert peak - base > 0.2
+    del block
+    assert cpu.peak_memory_gb() >= peak  # the window keeps its maximum until reset
+    cpu.reset_peak_memory()
+    assert cpu.peak_memory_gb() < peak
