@@ -172,6 +172,9 @@ def main() -> int:
                 print(f"phase={phase:15s} mean_s={t:.4f} share={t / step_s:.3f}")
         for key in sorted({k for r in steady for k in r if k.startswith("perf/padding_ratio/")}):
             print(f"{key}={statistics.mean(r[key] for r in steady if key in r):.3f}")
+        if any("perf/update_guard_s" in r for r in steady):  # the non-finite guard's own cost (#16)
+            guard = statistics.mean(r.get("perf/update_guard_s", 0.0) for r in steady)
+            print(f"update_guard_s={guard:.5f} update_guard_share_of_step={guard / step_s:.5f}")
 
         update_s = statistics.mean(r.get("timing_s/update_actor", 0.0) for r in steady)
         num_seqs = int(

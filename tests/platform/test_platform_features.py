@@ -69,7 +69,8 @@ def test_context_parallel_needs_te_or_mindspeed():
 def test_builder_refuses_cp_on_cpu_and_te_without_te():
     from megatron_dapo.models.builder import resolve_transformer_impl
 
-    cfg = load_config(None, ["parallel.context_parallel_size=2", "parallel.platform=cpu"])
+    cfg = load_config(None, ["parallel.platform=cpu"])
+    cfg.parallel.context_parallel_size = 2  # past the config check (which refuses CP until the actor splits sequences)
     with pytest.raises(RuntimeError, match=r"needs TransformerEngine \(CUDA\) or MindSpeed \(Ascend NPU\)"):
         resolve_transformer_impl(cfg.model, cfg.parallel)
     cfg = load_config(None, ["model.transformer_impl=transformer_engine", "parallel.platform=cpu"])
@@ -84,11 +85,11 @@ def test_mindspeed_features_follow_the_config():
         [
             "parallel.tensor_model_parallel_size=4",
             "parallel.sequence_parallel=true",
-            "parallel.context_parallel_size=2",
             "actor.recompute=full",
             "actor.recompute_num_layers=3",
         ],
     )
+    cfg.parallel.context_parallel_size = 2  # past the config check (which refuses CP until the actor splits sequences)
     f = mindspeed_features(cfg)
     for key in ("use_flash_attn", "use_fused_rmsnorm", "use_fused_swiglu", "use_fused_rotary_pos_emb"):
         assert f[key] is True
