@@ -1,6 +1,6 @@
 """CPU accommodations for megatron-core's CUDA-only spots — the only place they live; applied only on CPU.
 
-megatron-core 0.16 assumes CUDA in a handful of places (see shared/notes/cpu-stack.md):
+megatron-core 0.16 assumes CUDA in a handful of places (see docs/cpu_stack.md):
   * tensor factories with a hard-coded ``device="cuda"`` / ``torch.cuda.current_device()`` (schedules' token
     counter, p2p shapes, SP buffers, grad-norm scratch tensors, optimizer scale tensors);
   * ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks in grad clipping and the optimizers' __init__;

@@ -3,7 +3,7 @@
 The model starts from random weights and gets a short *format-only* supervised warm-start: it learns to answer a
 prompt with one number and stop, but the numbers it is taught are random, so its accuracy starts near chance
 (1 / number of possible answers). Real pipelines start RL from an SFT or pretrained model; a randomly initialised
-model that has not seen the answer format samples special tokens and never stops (shared/notes/cpu-stack.md), and
+model that has not seen the answer format samples special tokens and never stops (docs/cpu_stack.md), and
 RL would spend its whole budget learning to emit EOS. What the RL run then learns — the addition table — comes from
 the reward alone.
 
