@@ -21,16 +21,15 @@ except ImportError:  # run as a script from a checkout without installing the pa
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from megatron_dapo.data.rows import DataError, write_rows
 
-_BOXED = "\\boxed{"
-
 
 def last_boxed(text: str) -> str | None:
-    r"""Content of the last ``\boxed{...}`` in ``text`` with balanced braces; None if there is none or it is open."""
-    start = text.rfind(_BOXED)
+    r"""Content of the last ``\boxed{...}`` (or ``\boxed {...}``) in ``text`` with balanced braces; None if there is
+    none or it is open. Shared with ``tools/data/math_eval.py``."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\boxed {"))
     if start < 0:
         return None
+    begin = text.index("{", start) + 1
     depth = 0
-    begin = start + len(_BOXED)
     for pos in range(begin, len(text)):
         if text[pos] == "{":
             depth += 1

@@ -44,27 +44,10 @@ def _sibling(name: str):
 
 
 wrap_problem = _sibling("dapo_math").wrap_problem
+last_boxed = _sibling("instruction_json").last_boxed
 
 PROBLEM_KEYS = ("problem", "question")
-_BOXED = "\\boxed{"
 _SCALARS = (str, int, float, bool)
-
-
-def last_boxed(text: str) -> str | None:
-    r"""Content of the last ``\boxed{...}`` (or ``\boxed {...}``) with balanced braces; None if absent or open."""
-    start = max(text.rfind(_BOXED), text.rfind("\\boxed {"))
-    if start < 0:
-        return None
-    begin = text.index("{", start) + 1
-    depth = 0
-    for pos in range(begin, len(text)):
-        if text[pos] == "{":
-            depth += 1
-        elif text[pos] == "}":
-            if depth == 0:
-                return text[begin:pos]
-            depth -= 1
-    return None
 
 
 def read_input(path: str) -> list[dict]:
