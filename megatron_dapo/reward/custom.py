@@ -28,8 +28,6 @@ This module imports no third-party package: it is what reward worker processes i
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import math
 import numbers
 import os
@@ -42,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from megatron_dapo.reward import math_dapo
+from megatron_dapo.user_code import load_python_file
 
 __all__ = [
     "ALARM_REPEAT_S",
@@ -75,28 +74,9 @@ ALARM_REPEAT_S = 0.1
 _EXPECTED = "expected a finite int or float (or a dict whose 'score' is one)"
 _MAX_REPR_CHARS = 200
 
-_MODULE_CACHE: dict[str, Any] = {}
-
 
 def _load_module(path: str) -> Any:
-    abspath = os.path.abspath(os.path.expanduser(path))
-    if abspath in _MODULE_CACHE:
-        return _MODULE_CACHE[abspath]
-    if not os.path.isfile(abspath):
-        raise FileNotFoundError(f"reward function file {path!r} does not exist (resolved to {abspath})")
-    module_name = "_megatron_dapo_reward_" + hashlib.sha1(abspath.encode()).hexdigest()[:16]
-    spec = importlib.util.spec_from_file_location(module_name, abspath)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"reward function file {abspath} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # lets functions defined there be pickled by reference
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(module_name, None)
-        raise ImportError(f"importing reward function file {abspath} failed: {exc!r}") from exc
-    _MODULE_CACHE[abspath] = module
-    return module
+    return load_python_file(path, "reward function file")
 
 
 def load_reward_function(path: str, name: str = "compute_score") -> RewardFunction:

@@ -1,0 +1,89 @@
+"""Named, pluggable algorithm parts: advantage estimators and policy-loss variants.
+
+Config validation, dispatch and the implementations meet here: ``algorithm.adv_estimator`` and
+``actor.policy_loss`` must name a registered entry, and the built-in ones register themselves where they are defined
+(``algo/advantages.py``, ``algo/policy_loss.py``). A user adds their own in a Python file named by
+``algorithm.user_algorithms_file``, the way custom reward functions come from ``reward.custom_function.path``::
+
+    from megatron_dapo.algo.registry import register_adv_estimator
+
+    @register_adv_estimator("my_grpo")
+    def my_grpo(batch, cfg):            # AdvantageInputs, AlgorithmConfig -> (advantages[B, T], returns[B, T])
+        ...
+
+Signatures are documented on :data:`ADV_ESTIMATORS` and :data:`POLICY_LOSSES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, Optional, TypeVar
+
+from megatron_dapo.user_code import load_python_file
+
+F = TypeVar("F", bound=Callable)
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "POLICY_LOSSES",
+    "Registry",
+    "load_user_algorithms",
+    "register_adv_estimator",
+    "register_policy_loss",
+]
+
+
+class Registry(Generic[F]):
+    """Functions by name, for one config key (``config_key`` is named in every error)."""
+
+    def __init__(self, kind: str, config_key: str) -> None:
+        self.kind = kind
+        self.config_key = config_key
+        self._entries: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        """Decorator registering a function as ``name``. A name is registered once (a second one is an error, so a
+        user file cannot silently replace a built-in)."""
+
+        def add(fn: F) -> F:
+            if name in self._entries and self._entries[name] is not fn:
+                raise ValueError(f"{self.kind} {name!r} is registered already (by {self._entries[name].__module__})")
+            self._entries[name] = fn
+            return fn
+
+        return add
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self._entries))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def unknown(self, name: str) -> str:
+        """The problem text for an unregistered ``name`` (used by config validation and ``get``)."""
+        return (
+            f"{self.config_key}={name!r}: no such {self.kind}; registered: {', '.join(self.names())}. Register your "
+            f"own with @register_{self.config_key.split('.')[-1]}(name) in a file named by "
+            "algorithm.user_algorithms_file"
+        )
+
+    def get(self, name: str) -> F:
+        if name not in self._entries:
+            raise ValueError(self.unknown(name))
+        return self._entries[name]
+
+
+#: ``fn(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> (advantages[B, T], returns[B, T])``; pure, no process groups.
+ADV_ESTIMATORS: Registry = Registry("advantage estimator", "algorithm.adv_estimator")
+#: ``fn(log_prob, old_log_prob, advantages, cfg: ActorConfig, is_weights) -> PolicyLossTerms``, all ``[b, T]``
+#: per-token tensors, nothing masked or aggregated (``algo/loss.py`` aggregates).
+POLICY_LOSSES: Registry = Registry("policy loss", "actor.policy_loss")
+
+register_adv_estimator = ADV_ESTIMATORS.register
+register_policy_loss = POLICY_LOSSES.register
+
+
+def load_user_algorithms(path: Optional[str]) -> None:
+    """Import ``algorithm.user_algorithms_file`` so that its ``@register_*`` decorators run (no-op for None/"")."""
+    if path:
+        load_python_file(path, "algorithm.user_algorithms_file")
