@@ -1,8 +1,9 @@
 """Benchmark of the algorithm math and the math_dapo reward.
 
-(a) GRPO advantages + clipped policy loss + aggregation on a 512 x 4096 fp32 batch (groups of 16): our vectorised
-    functions vs a straightforward reference (verl-style per-response/per-group loop for the advantages, per-row
-    loop for the policy loss), forward only, same run; prints ``algo_vs_reference=<ours/reference>`` (< 1 = faster).
+(a) GRPO advantages + the DAPO loss (``algo/loss.py:dapo_loss``, per micro-batch of 16 rows as the actor's hook
+    runs it) on a 512 x 4096 fp32 batch (groups of 16) vs a straightforward reference (verl-style
+    per-response/per-group loop for the advantages, per-row loop for the policy loss), forward only, same run;
+    prints ``algo_vs_reference=<ours/reference>`` (< 1 = faster).
 (b) math_dapo scoring of a generated corpus of 10k responses (correct/wrong, ``Answer:`` lines, boxed answers,
     fractions, long reasoning, no answer): prints ``reward_per_s`` (in-process scorer) and
     ``reward_manager_per_s`` (decode + process pool of 2 workers).
@@ -20,12 +21,13 @@ from collections import defaultdict
 import torch
 
 from megatron_dapo.algo.advantages import compute_grpo_advantages
-from megatron_dapo.algo.policy_loss import compute_policy_loss
-from megatron_dapo.config import RewardConfig
+from megatron_dapo.algo.loss import LossNormalisers, dapo_loss
+from megatron_dapo.config import ActorConfig, RewardConfig
 from megatron_dapo.reward import math_dapo
 from megatron_dapo.reward.manager import RewardManager
 
 LOW, HIGH, C = 0.2, 0.28, 10.0
+MICRO_BATCH_ROWS = 16  # the loss hook sees one micro-batch at a time
 
 
 def make_batch(b: int, t: int, n: int, seed: int = 0) -> dict:
@@ -43,10 +45,26 @@ def make_batch(b: int, t: int, n: int, seed: int = 0) -> dict:
 
 
 def ours(batch: dict) -> torch.Tensor:
-    adv, _ = compute_grpo_advantages(batch["scores"], batch["group_ids"], batch["mask"])
-    loss, _ = compute_policy_loss(
-        batch["log_prob"], batch["old_log_prob"], adv, batch["mask"], LOW, HIGH, C, "token-mean"
-    )
+    """GRPO advantages, then the training loss function (``dapo_loss``) micro-batch by micro-batch with the batch's
+    global normalisers, as the actor's loss hook runs it."""
+    mask = batch["mask"]
+    adv, _ = compute_grpo_advantages(batch["scores"], batch["group_ids"], mask)
+    cfg = ActorConfig(clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C, loss_agg_mode="token-mean")
+    norm = LossNormalisers.of(mask)
+    loss = torch.zeros(())
+    for start in range(0, mask.shape[0], MICRO_BATCH_ROWS):
+        rows = slice(start, start + MICRO_BATCH_ROWS)
+        part, _ = dapo_loss(
+            batch["log_prob"][rows],
+            None,
+            loss_mask=mask[rows],
+            response_mask=mask[rows],
+            advantages=adv[rows],
+            cfg=cfg,
+            norm=norm,
+            old_log_probs=batch["old_log_prob"][rows],
+        )
+        loss = loss + part
     return loss
 
 

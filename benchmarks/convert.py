@@ -59,39 +59,9 @@ def make_checkpoint(
     from safetensors.torch import save_file
 
     hf_dir.mkdir(parents=True)
-    hd = hidden // heads
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (hidden,),
-                p + "self_attn.q_proj.weight": (heads * hd, hidden),
-                p + "self_attn.q_proj.bias": (heads * hd,),
-                p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
-                p + "self_attn.k_proj.bias": (kv_heads * hd,),
-                p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
-                p + "self_attn.v_proj.bias": (kv_heads * hd,),
-                p + "self_attn.o_proj.weight": (hidden, heads * hd),
-                p + "post_attention_layernorm.weight": (hidden,),
-                p + "mlp.gate_proj.weight": (ffn, hidden),
-                p + "mlp.up_proj.weight": (ffn, hidden),
-                p + "mlp.down_proj.weight": (hidden, ffn),
-            }
-        )
-    shapes["model.norm.weight"] = (hidden,)
-    shapes["lm_head.weight"] = (vocab, hidden)
-    names = list(shapes)
+    shapes = qwen2_shapes(layers, vocab, hidden, ffn, heads, kv_heads)
     sizes = {n: 4 * int(torch.Size(s).numel()) for n, s in shapes.items()}
-    per_shard = sum(sizes.values()) / shards
-    groups: list[list[str]] = [[]]
-    acc = 0
-    for n in names:
-        if groups[-1] and acc + sizes[n] > per_shard and len(groups) < shards:
-            groups.append([])
-            acc = 0
-        groups[-1].append(n)
-        acc += sizes[n]
+    groups = shard_groups(sizes, shards)
     gen = torch.Generator().manual_seed(0)
     weight_map = {}
     for i, group in enumerate(groups):
@@ -125,6 +95,49 @@ def make_checkpoint(
     return max(sizes.values())
 
 
+def qwen2_shapes(
+    layers: int, vocab: int, hidden: int, ffn: int, heads: int, kv_heads: int
+) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape of an untied Qwen2 model, in checkpoint order."""
+    hd = hidden // heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (heads * hd, hidden),
+                p + "self_attn.q_proj.bias": (heads * hd,),
+                p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
+                p + "self_attn.k_proj.bias": (kv_heads * hd,),
+                p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
+                p + "self_attn.v_proj.bias": (kv_heads * hd,),
+                p + "self_attn.o_proj.weight": (hidden, heads * hd),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "mlp.gate_proj.weight": (ffn, hidden),
+                p + "mlp.up_proj.weight": (ffn, hidden),
+                p + "mlp.down_proj.weight": (hidden, ffn),
+            }
+        )
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def shard_groups(sizes: dict[str, int], shards: int) -> list[list[str]]:
+    """The tensor names (in order) of each of at most ``shards`` files of about equal size."""
+    per_shard = sum(sizes.values()) / shards
+    groups: list[list[str]] = [[]]
+    acc = 0
+    for n in sizes:
+        if groups[-1] and acc + sizes[n] > per_shard and len(groups) < shards:
+            groups.append([])
+            acc = 0
+        groups[-1].append(n)
+        acc += sizes[n]
+    return groups
+
+
 def copy_dir(src: Path, dst: Path) -> tuple[float, float]:
     """Wall and CPU seconds (user + system, this process) of copying every file of ``src``."""
     if dst.exists():
@@ -135,6 +148,60 @@ def copy_dir(src: Path, dst: Path) -> tuple[float, float]:
     for p in sorted(src.iterdir()):
         shutil.copyfile(p, dst / p.name)
     return time.perf_counter() - t0, time.process_time() - c0
+
+
+def time_copy_and_convert(
+    root: Path, hf_dir: Path, warm_hf: Path, repeats: int
+) -> tuple[list[float], list[float], list[dict]] | None:
+    """``repeats`` rounds of a file copy and a conversion in a child process: ``(copy wall seconds, copy CPU
+    seconds, the child's reports)``, or None (after printing its stderr) if a conversion failed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    copies, copy_cpus, children = [], [], []
+    for _ in range(repeats):
+        wall, cpu = copy_dir(hf_dir, root / "copy")
+        copies.append(wall)
+        copy_cpus.append(cpu)
+        shutil.rmtree(root / "copy")
+        # Start each timed phase with no dirty pages from the previous one (both write ~1 GB into the cache).
+        os.sync()
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, str(hf_dir), str(root / "mcore"), str(warm_hf), str(root / "warm_mcore")],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode != 0:
+            print(out.stderr, file=sys.stderr)
+            return None
+        children.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        shutil.rmtree(root / "mcore")
+    return copies, copy_cpus, children
+
+
+def report(copies: list[float], copy_cpus: list[float], children: list[dict], largest: int) -> None:
+    """Print the timings, the ``convert_vs_copy`` ratio and the peak memory against its target."""
+    converts = [c["seconds"] for c in children]
+    copy_t, conv_t = min(copies), min(converts)
+    peak = max(c["peak_rss_mb"] for c in children)
+    baseline = min(c["baseline_rss_mb"] for c in children)
+    print(
+        f"copy_seconds={copy_t:.3f} convert_seconds={conv_t:.3f} (all: copy {[round(c, 3) for c in copies]},"
+        f" convert {[round(c, 3) for c in converts]}; {children[0]['num_tensors']} tensors,"
+        f" {children[0]['num_bytes'] / 2**20:.0f} MiB written)"
+    )
+    # CPU time is what a shared machine distorts least (wall time includes waiting for a core).
+    conv_cpu = min(c["cpu_seconds"] for c in children)
+    print(
+        f"copy_cpu_seconds={min(copy_cpus):.3f} convert_cpu_seconds={conv_cpu:.3f}"
+        f" cpu_ratio={min(copy_cpus) / conv_cpu:.3f}"
+    )
+    print(f"convert_vs_copy={copy_t / conv_t:.3f}")
+    print(f"peak_rss_mb={peak:.1f} baseline_rss_mb={baseline:.1f} largest_tensor_mb={largest / 2**20:.1f}")
+    budget = baseline + 3 * largest / 2**20
+    print(
+        f"peak_minus_baseline_mb={peak - baseline:.1f} target_peak_mb<={budget:.1f}"
+        f" {'OK' if peak <= budget else 'ABOVE TARGET'}"
+    )
 
 
 def main() -> int:
@@ -165,49 +232,10 @@ def main() -> int:
         )
         warm_hf = root / "warm_hf"
         make_checkpoint(warm_hf, 2, 256, 64, 96, 4, 2, 2)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        copies, copy_cpus, converts, children = [], [], [], []
-        for _ in range(args.repeats):
-            wall, cpu = copy_dir(hf_dir, root / "copy")
-            copies.append(wall)
-            copy_cpus.append(cpu)
-            shutil.rmtree(root / "copy")
-            # Start each timed phase with no dirty pages from the previous one (both write ~1 GB into the cache).
-            os.sync()
-            out = subprocess.run(
-                [sys.executable, "-c", CHILD, str(hf_dir), str(root / "mcore"), str(warm_hf), str(root / "warm_mcore")],
-                env=env,
-                capture_output=True,
-                text=True,
-            )
-            if out.returncode != 0:
-                print(out.stderr, file=sys.stderr)
-                return 1
-            child = json.loads(out.stdout.strip().splitlines()[-1])
-            children.append(child)
-            converts.append(child["seconds"])
-            shutil.rmtree(root / "mcore")
-        copy_t, conv_t = min(copies), min(converts)
-        peak = max(c["peak_rss_mb"] for c in children)
-        baseline = min(c["baseline_rss_mb"] for c in children)
-        print(
-            f"copy_seconds={copy_t:.3f} convert_seconds={conv_t:.3f} (all: copy {[round(c, 3) for c in copies]},"
-            f" convert {[round(c, 3) for c in converts]}; {children[0]['num_tensors']} tensors,"
-            f" {children[0]['num_bytes'] / 2**20:.0f} MiB written)"
-        )
-        # CPU time is what a shared machine distorts least (wall time includes waiting for a core).
-        conv_cpu = min(c["cpu_seconds"] for c in children)
-        print(
-            f"copy_cpu_seconds={min(copy_cpus):.3f} convert_cpu_seconds={conv_cpu:.3f}"
-            f" cpu_ratio={min(copy_cpus) / conv_cpu:.3f}"
-        )
-        print(f"convert_vs_copy={copy_t / conv_t:.3f}")
-        print(f"peak_rss_mb={peak:.1f} baseline_rss_mb={baseline:.1f} largest_tensor_mb={largest / 2**20:.1f}")
-        budget = baseline + 3 * largest / 2**20
-        print(
-            f"peak_minus_baseline_mb={peak - baseline:.1f} target_peak_mb<={budget:.1f}"
-            f" {'OK' if peak <= budget else 'ABOVE TARGET'}"
-        )
+        timings = time_copy_and_convert(root, hf_dir, warm_hf, args.repeats)
+        if timings is None:
+            return 1
+        report(*timings, largest)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

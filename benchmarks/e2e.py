@@ -147,6 +147,31 @@ def update_floor_s(hf_dir: Path, num_seqs: int, seq_len: int, micro_batch: int) 
     return time.perf_counter() - started
 
 
+def print_phases(steady: list[dict], step_s: float) -> None:
+    """Mean time and share of the step of every phase, the padding ratios and the non-finite guard's cost."""
+    for phase in PHASES:
+        key = f"timing_s/{phase}"
+        if any(key in r for r in steady):
+            t = statistics.mean(r.get(key, 0.0) for r in steady)
+            print(f"phase={phase:15s} mean_s={t:.4f} share={t / step_s:.3f}")
+    for key in sorted({k for r in steady for k in r if k.startswith("perf/padding_ratio/")}):
+        print(f"{key}={statistics.mean(r[key] for r in steady if key in r):.3f}")
+    if any("perf/update_guard_s" in r for r in steady):  # the non-finite guard's own cost (#16)
+        guard = statistics.mean(r.get("perf/update_guard_s", 0.0) for r in steady)
+        print(f"update_guard_s={guard:.5f} update_guard_share_of_step={guard / step_s:.5f}")
+
+
+def floor_shape(steady: list[dict], overrides: list[str]) -> tuple[int, int, int]:
+    """``(sequences, tokens per sequence, micro-batch)`` of a step, for :func:`update_floor_s`."""
+    seq_len_mean = statistics.mean(r["prompt_length/mean"] + r["response_length/mean"] for r in steady)
+    num_seqs = int(round(statistics.mean(r["perf/total_num_tokens"] for r in steady) / max(seq_len_mean, 1)))
+    micro = next(
+        (int(o.split("=")[1]) for o in overrides if o.startswith("actor.ppo_micro_batch_size_per_gpu=")),
+        64,
+    )
+    return num_seqs, int(round(seq_len_mean)), micro
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -165,33 +190,9 @@ def main() -> int:
         step_s = statistics.mean(r["timing_s/step"] for r in steady)
         tokens = statistics.mean(r["perf/total_num_tokens"] for r in steady)
         print(f"size={args.size} first_step_s={first['timing_s/step']:.3f} (warm-up) steady_steps={len(steady)}")
-        for phase in PHASES:
-            key = f"timing_s/{phase}"
-            if any(key in r for r in steady):
-                t = statistics.mean(r.get(key, 0.0) for r in steady)
-                print(f"phase={phase:15s} mean_s={t:.4f} share={t / step_s:.3f}")
-        for key in sorted({k for r in steady for k in r if k.startswith("perf/padding_ratio/")}):
-            print(f"{key}={statistics.mean(r[key] for r in steady if key in r):.3f}")
-        if any("perf/update_guard_s" in r for r in steady):  # the non-finite guard's own cost (#16)
-            guard = statistics.mean(r.get("perf/update_guard_s", 0.0) for r in steady)
-            print(f"update_guard_s={guard:.5f} update_guard_share_of_step={guard / step_s:.5f}")
-
+        print_phases(steady, step_s)
         update_s = statistics.mean(r.get("timing_s/update_actor", 0.0) for r in steady)
-        num_seqs = int(
-            round(
-                statistics.mean(r["perf/total_num_tokens"] for r in steady)
-                / max(statistics.mean(r["prompt_length/mean"] + r["response_length/mean"] for r in steady), 1)
-            )
-        )
-        seq_len = int(round(statistics.mean(r["prompt_length/mean"] + r["response_length/mean"] for r in steady)))
-        micro = next(
-            (
-                int(o.split("=")[1])
-                for o in SIZES[args.size]["overrides"] + extra
-                if o.startswith("actor.ppo_micro_batch_size_per_gpu=")
-            ),
-            64,
-        )
+        num_seqs, seq_len, micro = floor_shape(steady, SIZES[args.size]["overrides"] + extra)
         floor = update_floor_s(hf_dir, num_seqs, seq_len, micro) / NPROC
     print(
         f"update floor: HF forward+backward of {num_seqs} x {seq_len} tokens (micro-batch {micro}), one process,"

@@ -31,10 +31,11 @@ from pathlib import Path
 
 import torch
 
+from megatron_dapo import dtypes
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LEN = 128
 PATHS = ("gathered", "chunked", "chunked_inplace")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _proc_status_kib(key: str) -> int:
@@ -103,11 +104,11 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--chunk-tokens", type=int, default=64)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--case", nargs=2, metavar=("PATH", "LENGTH"), help=argparse.SUPPRESS)  # the subprocess mode
     args = ap.parse_args()
-    dtype, device = DTYPES[args.dtype], torch.device(args.device)
+    dtype, device = dtypes.from_config_name(args.dtype, "--dtype"), torch.device(args.device)
 
     if args.case:
         path, length = args.case[0], int(args.case[1])

@@ -63,16 +63,45 @@ def timed_min(fn, repeats: int) -> float:
 
 def main() -> None:
     args = parse()
+    from megatron_dapo.rollout.engine import teardown
+    from megatron_dapo.rollout.sync import WeightSync
+
+    cfg, arch, chunks, engine, log = setup(args)
+    t = time.perf_counter()
+    WeightSync(engine, arch, cfg).sync(chunks)
+    log(f"warm-up sync: {time.perf_counter() - t:.3f}s", flush=True)
+    memcpy_s, held_bytes = memcpy_baseline(chunks, arch, engine, args)
+    default_mb = cfg.rollout.weight_sync_bucket_mb
+    sizes = sorted({int(x) for x in args.buckets_mb.split(",")} | {default_mb})
+    ratios = {}
+    for mb in sizes:
+        sync = WeightSync(engine, arch, cfg, bucket_bytes=mb * 2**20)
+        runs = [sync.sync(chunks) for _ in range(args.repeats)]
+        best = min(runs, key=lambda r: r["timing_s/update_weights"])
+        ratio = slowest(best["timing_s/update_weights"] / memcpy_s)
+        ratios[mb] = ratio
+        log(
+            f"bucket_mb={mb} buckets={int(best['buckets'])} sync_s={best['timing_s/update_weights']:.3f}"
+            f" (gather {best['timing_s/update_weights_gather']:.3f}"
+            f" convert {best['timing_s/update_weights_convert']:.3f}"
+            f" reload {best['timing_s/update_weights_load']:.3f}) memcpy_s={memcpy_s:.3f}"
+            f" ({held_bytes / 2**20:.0f} MiB) ratio_slowest_rank={ratio:.2f}",
+            flush=True,
+        )
+    diff = slowest(logprob_max_diff(chunks, arch, engine))
+    teardown(engine)
+    log(f"weight_sync_vs_memcpy={ratios[default_mb]:.2f} logprob_max_diff={diff:.2e}", flush=True)
+
+
+def setup(args: argparse.Namespace):
+    """Process groups, the model (megatron-core's random init, ``config.json`` only on disk) and the vLLM engine;
+    returns ``(cfg, arch, chunks, engine, log)`` with ``log`` printing on rank 0 only."""
     from megatron_dapo.config import load_config
     from megatron_dapo.models.builder import build_gpt_chunks
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.parallel import init_distributed, init_model_parallel
-    from megatron_dapo.rollout.engine import RolloutEngine, teardown
-    from megatron_dapo.rollout.recompute import megatron_sampled_log_probs
-    from megatron_dapo.rollout.sync import WeightSync
+    from megatron_dapo.rollout.engine import RolloutEngine
     from megatron_dapo.testing.tiny_models import tiny_hf_config
-    from megatron_dapo.weights.layout import mcore_to_hf
-    from megatron_dapo.weights.model_io import iter_full_tensors
 
     port = os.environ.get("MASTER_PORT", "")
     work = args.work_dir or os.path.join(tempfile.gettempdir(), f"weight_sync_bench_{port}")
@@ -111,50 +140,37 @@ def main() -> None:
         f" world={info.world_size}",
         flush=True,
     )
+    return cfg, arch, chunks, engine, log
 
-    t = time.perf_counter()
-    WeightSync(engine, arch, cfg).sync(chunks)
-    log(f"warm-up sync: {time.perf_counter() - t:.3f}s", flush=True)
 
-    # Baseline: clone() what this rank's engine holds after a sync.
+def memcpy_baseline(chunks, arch, engine, args: argparse.Namespace) -> tuple[float, int]:
+    """``(seconds, bytes)`` of the fastest ``clone()`` of what this rank's engine holds after a sync."""
+    from megatron_dapo.weights.layout import mcore_to_hf
+    from megatron_dapo.weights.model_io import iter_full_tensors
+
     held = []
     for mapping, full in iter_full_tensors(chunks, arch):
         for name, tensor in zip(mapping.hf, mcore_to_hf(mapping, full, arch)):
             held.append(vllm_shard(name, tensor, args.rollout_tp, engine.tp_rank).contiguous())
     held_bytes = sum(x.numel() * x.element_size() for x in held)
-    memcpy_s = timed_min(lambda: [x.clone() for x in held], args.repeats)  # noqa: B023 (called right here)
-    held.clear()
+    return timed_min(lambda: [x.clone() for x in held], args.repeats), held_bytes
 
-    def slowest(value: float) -> float:
-        v = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(v, op=dist.ReduceOp.MAX)
-        return float(v)
 
-    default_mb = cfg.rollout.weight_sync_bucket_mb
-    sizes = sorted({int(x) for x in args.buckets_mb.split(",")} | {default_mb})
-    ratios = {}
-    for mb in sizes:
-        sync = WeightSync(engine, arch, cfg, bucket_bytes=mb * 2**20)
-        runs = [sync.sync(chunks) for _ in range(args.repeats)]
-        best = min(runs, key=lambda r: r["timing_s/update_weights"])
-        ratio = slowest(best["timing_s/update_weights"] / memcpy_s)
-        ratios[mb] = ratio
-        log(
-            f"bucket_mb={mb} buckets={int(best['buckets'])} sync_s={best['timing_s/update_weights']:.3f}"
-            f" (gather {best['timing_s/update_weights_gather']:.3f}"
-            f" convert {best['timing_s/update_weights_convert']:.3f}"
-            f" reload {best['timing_s/update_weights_load']:.3f}) memcpy_s={memcpy_s:.3f}"
-            f" ({held_bytes / 2**20:.0f} MiB) ratio_slowest_rank={ratio:.2f}",
-            flush=True,
-        )
+def logprob_max_diff(chunks, arch, engine) -> float:
+    """Max |vLLM - Megatron| log-prob of the tokens vLLM samples after the syncs (this rank)."""
+    from megatron_dapo.rollout.recompute import megatron_sampled_log_probs
 
     prompts = [[5 + i, 17, 300 + 7 * i, 42, 9] for i in range(4)]
     batch = engine.generate(prompts, engine.train_sampling(), seed_offset=0)
     lp = megatron_sampled_log_probs(chunks, arch.vocab_size, batch)
-    diff = 0.0 if lp is None else float((lp - batch.rollout_log_probs.double()).abs()[batch.response_mask.bool()].max())
-    diff = slowest(diff)
-    teardown(engine)
-    log(f"weight_sync_vs_memcpy={ratios[default_mb]:.2f} logprob_max_diff={diff:.2e}", flush=True)
+    return 0.0 if lp is None else float((lp - batch.rollout_log_probs.double()).abs()[batch.response_mask.bool()].max())
+
+
+def slowest(value: float) -> float:
+    """The largest ``value`` over all ranks."""
+    v = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(v, op=dist.ReduceOp.MAX)
+    return float(v)
 
 
 if __name__ == "__main__":

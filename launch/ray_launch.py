@@ -168,7 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if args.nnodes < 1 or args.nproc_per_node < 1:
         raise LaunchError(f"--nnodes={args.nnodes} and --nproc-per-node={args.nproc_per_node} must both be >= 1")
@@ -184,40 +183,10 @@ def run(args: argparse.Namespace) -> int:
     strategy = "PACK" if args.allow_same_node else "STRICT_SPREAD"
     pg = placement_group([dict(bundle) for _ in range(args.nnodes)], strategy=strategy)
     runners: list = []
-    ips: list[str] = []
     try:
-        ready, _ = ray.wait([pg.ready()], timeout=args.placement_timeout)
-        if not ready:
-            nodes = [n for n in ray.nodes() if n.get("Alive")]
-            raise LaunchError(
-                f"could not reserve {args.nnodes} bundles of {bundle} with strategy {strategy} within"
-                f" {args.placement_timeout:.0f}s: the cluster has {len(nodes)} alive node(s) with"
-                f" {ray.available_resources()} available"
-                + ("" if args.allow_same_node else " (STRICT_SPREAD needs one node per bundle; see --allow-same-node)")
-            )
-        actor_cls = ray.remote(num_cpus=0)(NodeRunner)
-        for i in range(args.nnodes):
-            strategy_i = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-            runners.append(actor_cls.options(scheduling_strategy=strategy_i, num_gpus=0).remote())
-        addresses = ray.get([r.address.remote() for r in runners])
-        ips = [ip for ip, _ in addresses]
-        master_addr = ips[0]
-        master_port = args.master_port or addresses[0][1]
-        print(
-            f"ray_launch: {args.nnodes} node(s) {ips}, {args.nproc_per_node} process(es) each,"
-            f" MASTER_ADDR={master_addr} MASTER_PORT={master_port}",
-            flush=True,
-        )
-        for rank, runner in enumerate(runners):
-            env = {
-                "NNODES": str(args.nnodes),
-                "NODE_RANK": str(rank),
-                "NPROC_PER_NODE": str(args.nproc_per_node),
-                "MASTER_ADDR": master_addr,
-                "MASTER_PORT": str(master_port),
-            }
-            cmd = ["bash", str(script), str(config.resolve()), *args.overrides]
-            ray.get(runner.start.remote(cmd, env, str(args.repo_dir)))
+        _wait_for_placement(pg, args, bundle, strategy)
+        _create_runners(pg, args.nnodes, runners)
+        ips = _start_nodes(runners, args, config, script)
         return supervise(runners, ips)
     finally:
         for runner in runners:
@@ -228,6 +197,59 @@ def run(args: argparse.Namespace) -> int:
             ray.kill(runner)
         remove_placement_group(pg)
         ray.shutdown()
+
+
+def _wait_for_placement(pg, args: argparse.Namespace, bundle: dict, strategy: str) -> None:
+    """Wait up to ``--placement-timeout`` for the placement group; a :class:`LaunchError` saying why otherwise."""
+    import ray
+
+    ready, _ = ray.wait([pg.ready()], timeout=args.placement_timeout)
+    if ready:
+        return
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    raise LaunchError(
+        f"could not reserve {args.nnodes} bundles of {bundle} with strategy {strategy} within"
+        f" {args.placement_timeout:.0f}s: the cluster has {len(nodes)} alive node(s) with"
+        f" {ray.available_resources()} available"
+        + ("" if args.allow_same_node else " (STRICT_SPREAD needs one node per bundle; see --allow-same-node)")
+    )
+
+
+def _create_runners(pg, nnodes: int, runners: list) -> None:
+    """One :class:`NodeRunner` actor per bundle, appended to ``runners`` (so the caller can stop them all)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    actor_cls = ray.remote(num_cpus=0)(NodeRunner)
+    for i in range(nnodes):
+        strategy_i = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+        runners.append(actor_cls.options(scheduling_strategy=strategy_i, num_gpus=0).remote())
+
+
+def _start_nodes(runners: list, args: argparse.Namespace, config: Path, script: Path) -> list[str]:
+    """Start ``run_node.sh`` on every node with node 0 as the rendezvous; returns the nodes' IPs."""
+    import ray
+
+    addresses = ray.get([r.address.remote() for r in runners])
+    ips = [ip for ip, _ in addresses]
+    master_addr = ips[0]
+    master_port = args.master_port or addresses[0][1]
+    print(
+        f"ray_launch: {args.nnodes} node(s) {ips}, {args.nproc_per_node} process(es) each,"
+        f" MASTER_ADDR={master_addr} MASTER_PORT={master_port}",
+        flush=True,
+    )
+    for rank, runner in enumerate(runners):
+        env = {
+            "NNODES": str(args.nnodes),
+            "NODE_RANK": str(rank),
+            "NPROC_PER_NODE": str(args.nproc_per_node),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+        }
+        cmd = ["bash", str(script), str(config.resolve()), *args.overrides]
+        ray.get(runner.start.remote(cmd, env, str(args.repo_dir)))
+    return ips
 
 
 def supervise(runners: list, ips: list[str]) -> int:

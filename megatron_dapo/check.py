@@ -4,10 +4,10 @@ Run it before ``torchrun``. It needs no process group, builds no model and reads
 
 * the config (``megatron_dapo/config.py``: ``from_dict`` + ``validate_config``: required keys, ranges, cross-field);
 * model-dependent checks from the HF ``config.json`` (``model.hf_config_dir``, else ``<checkpoint.load_dir>/hf_config``
-  as ``DAPOTrainer.__init__`` in ``megatron_dapo/training/trainer.py`` does): the family is supported, the actor
-  layout fits the world size and the model (``validate_parallel_layout``; FFN ÷ TP as the converter's
-  ``_check_layout``), the rollout layout (``validate_rollout_layout`` in ``megatron_dapo/rollout/engine.py``, plus
-  the heads / KV heads / FFN divisibility vLLM needs), the sequence budget against ``max_position_embeddings`` and
+  as ``DAPOTrainer.__init__`` in ``megatron_dapo/training/trainer.py`` does): the family is supported, and the
+  trainer's own checks from ``megatron_dapo/config_checks.py`` (``validate_run``'s parts): the actor layout against
+  the world size and the model (heads / KV heads / FFN ÷ TP, layers ÷ PP × VPP), the rollout layout (plus the
+  divisibility vLLM needs), the sequence budget against ``max_position_embeddings`` and
   ``rollout.max_num_batched_tokens``, mini-batches against the data-parallel size;
 * every data file (``read_records`` + ``validate_row`` on every row; the chat template and tokenizer on the first
   ``sample_rows`` rows, reporting prompts over ``data.max_prompt_length`` under ``truncation=error``);
@@ -15,8 +15,11 @@ Run it before ``torchrun``. It needs no process group, builds no model and reads
   ground truth as the response;
 * the checkpoint at ``checkpoint.load_dir``: a Megatron checkpoint or HF directory whose architecture matches the
   HF config (``find_checkpoint``: what it is, its HF config, the manifest's sizes and the tensor index; no tensor data);
-* a plan: sizes, batch arithmetic and a per-rank memory estimate by phase (formulas in ``docs/check.md`` and in the
-  output itself).
+* a plan: sizes, batch arithmetic and a per-rank memory plan by phase of a training step (``sync``, ``gen``,
+  ``old_log_prob``, ``ref``, ``update``): device and pinned-host bytes of every term under the memory hand-off the
+  trainer applies (``training/offload.py``: what is offloaded, the vLLM sleep level, both resolved against the
+  platform's defaults), activations under ``actor.recompute`` and the pipeline schedule, the peak phase and whether it
+  fits ``--device-memory-gb`` (formulas in ``docs/check.md`` and in the output itself).
 
 All problems are collected and reported together; the exit status is 1 when there is any, 0 (and ``OK``) otherwise.
 Memory estimates over ``--device-memory-gb`` are warnings (marked ``OVER`` in the plan), not problems: they are
@@ -40,7 +43,6 @@ from megatron_dapo.config import (
     apply_override,
     from_dict,
     validate_config,
-    validate_parallel_layout,
 )
 
 GIB = 2**30
@@ -58,8 +60,13 @@ class CheckReport:
     warnings: list[str] = field(default_factory=list)
     plan: str = ""
     # The plan's numbers by name (world_size, dp, rollout_dp, params, actor_params_per_rank, micro_batches, ...,
-    # memory_<phase>_bytes); empty where the plan could not be computed.
+    # memory_<term>_bytes, memory_phase_<phase>_bytes / _host_bytes, memory_peak_bytes, memory_pinned_host_bytes);
+    # empty where the plan could not be computed.
     numbers: dict[str, float] = field(default_factory=dict)
+    # The memory plan by phase (sync, gen, old_log_prob, ref, update: device and host bytes by term) and the name
+    # of the phase with the highest device estimate among those the step runs; empty where not computed.
+    phases: list[PhaseMemory] = field(default_factory=list)
+    peak_phase: str = ""
 
     @property
     def ok(self) -> bool:
@@ -147,6 +154,91 @@ def rollout_params_per_rank(counts: ParamCounts, rollout_tp: int) -> int:
     return split // rollout_tp + counts.num_layers * counts.layer_replicated + counts.final_norm
 
 
+# --------------------------------------------------------------------------------------------- the memory model
+# What one rank holds on its device in each phase of a training step, following the memory hand-off of
+# ``megatron_dapo/training/offload.py`` (``MemoryHandoff``) and the trainer's step order. Formulas: docs/check.md.
+
+PHASES = ("sync", "gen", "old_log_prob", "ref", "update")
+LP_LAYER = "one layer's activations"  # the forward-only log-prob phases' activations term
+LOGIT_CHUNK_ROWS_DEFAULT = 64  # response_log_probs(chunk_tokens=...) as the actor calls it
+
+
+def logit_chunk_rows() -> int:
+    """Logit rows ``response_log_probs`` scores at once (its ``chunk_tokens`` default; the actor passes none)."""
+    import inspect
+
+    try:
+        from megatron_dapo.algo.logprobs import response_log_probs
+
+        return int(inspect.signature(response_log_probs).parameters["chunk_tokens"].default)
+    except (ImportError, KeyError, TypeError, ValueError):
+        return LOGIT_CHUNK_ROWS_DEFAULT
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes per token of one decoder layer's activations kept for backward (megatron-core layer, RMSNorm, SwiGLU
+    MLP, no dropout), split by how they shard. ``core`` is what the core attention keeps beyond Q, K, V and its
+    output: the softmax statistics (fp32, per head) with fused/flash attention, the s x s probabilities without."""
+
+    replicated: float  # inputs and outputs of the 2 norms: 4 h B (÷ TP with sequence parallelism)
+    split: float  # QKV output, rotated Q and K, QK-norm input, attention output, fc1 and SwiGLU outputs, ÷ TP
+    core: float  # core attention internals, ÷ TP; not kept with recompute=selective
+
+    @property
+    def total(self) -> float:
+        return self.replicated + self.split + self.core
+
+
+def layer_activations(
+    arch: Any, b: int, tp: int, sequence_parallel: bool, flash: bool, seq_len: int, selective: bool = False
+) -> LayerActivations:
+    """Per-token activation bytes of one layer (see ``LayerActivations``)."""
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    # The QKV projection's output (kept whole: V is a view of it), the rotated copies of Q and K that the attention
+    # keeps, the QK-norm's input copy of Q (Qwen3), the attention output (the projection's input), fc1's output
+    # (gate + up: the SwiGLU's input) and the SwiGLU output (fc2's input).
+    qkv_out, rotated, qk_norm_input = q + 2 * kv, q + kv, (q if arch.qk_layernorm else 0)
+    split = (qkv_out + rotated + qk_norm_input + q + 2 * f + f) * b / tp
+    replicated = 4 * h * b / (tp if sequence_parallel else 1)
+    if selective:
+        core = 0.0
+    elif flash:
+        core = arch.num_attention_heads * 4 / tp  # log-sum-exp per head and token, fp32
+    else:
+        core = arch.num_attention_heads * seq_len * b / tp  # softmax probabilities, a x s per token
+    return LayerActivations(replicated, split, core)
+
+
+def held_chunks(pp: int, vpp: Optional[int], micro_batches: int, stage: int) -> int:
+    """Model chunks' activations (micro-batch x virtual stage) a pipeline rank holds at once in megatron-core's
+    schedules: 1F1B holds ``pp - stage`` micro-batches, the interleaved schedule ``(pp - stage - 1) x 2 +
+    (vpp - 1) x pp + 1`` chunks; never more than there are."""
+    if vpp:
+        return min(micro_batches * vpp, (pp - stage - 1) * 2 + (vpp - 1) * pp + 1)
+    return min(micro_batches, pp - stage)
+
+
+@dataclass
+class PhaseMemory:
+    """One phase: the device bytes by term, the host (pinned) bytes by term, and whether the step runs it."""
+
+    name: str
+    device: dict[str, float]
+    host: dict[str, float]
+    runs: bool = True
+    note: str = ""
+
+    @property
+    def device_total(self) -> float:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+
 # --------------------------------------------------------------------------------------------- the check
 
 
@@ -212,6 +304,8 @@ class _Checker:
         self.data_sources: dict[str, tuple[str, dict]] = {}  # data_source -> (where, row), first row seen
         self.train_rows = 0
         self.numbers: dict[str, float] = {}
+        self.phases: list[PhaseMemory] = []
+        self.peak_phase = ""
 
     # ----------------------------------------------------------------------------------------- config
 
@@ -268,7 +362,8 @@ class _Checker:
         if cfg.model.hf_config_dir:
             self.hf_dir = cfg.model.hf_config_dir
         elif cfg.checkpoint.load_dir:
-            from megatron_dapo.weights.dist_format import CheckpointError, hf_config_dir_of
+            from megatron_dapo.weights.dist_format import hf_config_dir_of
+            from megatron_dapo.weights.errors import CheckpointError
 
             self.hf_key = "checkpoint.load_dir (its HF config, since model.hf_config_dir is not set)"
             try:
@@ -298,149 +393,46 @@ class _Checker:
             )
 
     def check_layout(self) -> None:
-        """Actor and rollout layouts against the world size and the model; every problem, not the first."""
+        """Actor and rollout layouts against the world size and the model, and mini-batches against data
+        parallelism: the trainer's own checks (``megatron_dapo/config_checks.py``); every problem, not the first."""
+        from megatron_dapo.config_checks import parallel_layout_problems, rollout_layout_problems
+
         cfg, arch, world = self.cfg, self.arch, self.world_size
-        p = cfg.parallel
-        tp, pp, vpp = (
-            p.tensor_model_parallel_size,
-            p.pipeline_model_parallel_size,
-            p.virtual_pipeline_model_parallel_size,
-        )
-        heads, groups, layers, ffn = (
+        p, rtp = cfg.parallel, cfg.rollout.tensor_model_parallel_size
+        where = f" = {self.nnodes} node(s) x {self.nproc_per_node} process(es) per node"
+        found = parallel_layout_problems(
+            p,
+            world,
+            arch.num_layers,
             arch.num_attention_heads,
             arch.num_query_groups,
-            arch.num_layers,
             arch.ffn_hidden_size,
+            world_desc=where,
         )
-        found: list[str] = []
-        where = f"(world size {world} = {self.nnodes} node(s) x {self.nproc_per_node} process(es) per node)"
-        if world % (tp * pp):
-            found.append(
-                f"parallel.tensor_model_parallel_size x pipeline_model_parallel_size = {tp} x {pp} = {tp * pp} does "
-                f"not divide the world size {world} {where}; change TP/PP or --nnodes/--nproc-per-node"
-            )
-        if heads % tp:
-            found.append(
-                f"parallel.tensor_model_parallel_size={tp} does not divide the model's num_attention_heads={heads}; "
-                f"use a divisor of {heads}"
-            )
-        if groups % tp:
-            found.append(
-                f"parallel.tensor_model_parallel_size={tp} does not divide the model's num_key_value_heads={groups} "
-                f"(query groups); use a divisor of {groups}"
-            )
-        if ffn % tp:
-            found.append(
-                f"parallel.tensor_model_parallel_size={tp} does not divide the model's intermediate_size={ffn}; "
-                f"use a divisor of {ffn}"
-            )
-        if layers % (pp * (vpp or 1)):
-            found.append(
-                f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {pp} x {vpp or 1} "
-                f"does not divide the model's num_hidden_layers={layers}; use sizes whose product divides {layers}"
-            )
-        if vpp is not None and pp < 2:
-            found.append(
-                f"parallel.virtual_pipeline_model_parallel_size={vpp} needs parallel.pipeline_model_parallel_size "
-                ">= 2; set it to null or raise PP"
-            )
-        if p.sequence_parallel and tp == 1:
-            found.append(
-                "parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1; set it to false"
-            )
-        if not found:  # the trainer's own check must agree
-            try:
-                self.dp = validate_parallel_layout(p, world, layers, heads, groups)
-            except ConfigError as exc:
-                found.append(f"{exc} {where}")
         self.problems.extend(found)
         self.layout_ok = not found
-
-        r = cfg.rollout
-        rtp = r.tensor_model_parallel_size
-        rfound: list[str] = []
-        if world % rtp:
-            rfound.append(
-                f"rollout.tensor_model_parallel_size={rtp} does not divide the world size {world} {where}: each "
-                f"group of {rtp} consecutive ranks forms one vLLM replica; use a divisor of {world}"
-            )
-        if heads % rtp:
-            rfound.append(
-                f"rollout.tensor_model_parallel_size={rtp} does not divide num_attention_heads={heads} (vLLM splits "
-                f"the heads); use a divisor of {heads}"
-            )
-        if (groups % rtp) if rtp <= groups else (rtp % groups):
-            rfound.append(
-                f"rollout.tensor_model_parallel_size={rtp} and num_key_value_heads={groups}: vLLM needs one to divide "
-                "the other (it splits the KV heads, or replicates them when TP is larger)"
-            )
-        if ffn % rtp:
-            rfound.append(
-                f"rollout.tensor_model_parallel_size={rtp} does not divide intermediate_size={ffn}; use a divisor"
-            )
-        budget = cfg.data.max_prompt_length + cfg.data.max_response_length
-        if budget > arch.max_position_embeddings:
-            rfound.append(
-                f"data.max_prompt_length + data.max_response_length = {cfg.data.max_prompt_length} + "
-                f"{cfg.data.max_response_length} = {budget} exceeds the model's max_position_embeddings="
-                f"{arch.max_position_embeddings} ({self.hf_dir}/config.json); shorten one of them"
-            )
-        batched = r.max_num_batched_tokens
-        if batched is not None and batched < budget:
-            rfound.append(
-                f"rollout.max_num_batched_tokens={batched} is below data.max_prompt_length + "
-                f"data.max_response_length = {budget}: chunked prefill is off, so a whole sequence must fit in one "
-                f"engine step; set it to at least {budget} (or null)"
-            )
-        if not rfound:
-            from megatron_dapo.rollout.engine import validate_rollout_layout
-
-            try:
-                _, self.rollout_dp = validate_rollout_layout(cfg, world, arch.max_position_embeddings)
-            except ConfigError as exc:
-                rfound.append(str(exc))
+        if self.layout_ok:
+            self.dp = world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+        rfound = rollout_layout_problems(cfg, world, arch.max_position_embeddings, arch, world_desc=where)
         self.problems.extend(rfound)
         self.rollout_ok = not rfound
-
+        if self.rollout_ok:
+            self.rollout_dp = world // rtp
         if self.layout_ok:
             self._check_batches()
 
     def _check_batches(self) -> None:
-        cfg, dp = self.cfg, self.dp
-        a, n = cfg.actor, cfg.rollout.n
-        mini_rows = a.ppo_mini_batch_size * n
-        if mini_rows % dp:
-            self.problems.append(
-                f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size} x {n} = {mini_rows} sequences per "
-                f"mini-batch is not divisible by the data-parallel size {dp} (world {self.world_size} / (TP x PP)); "
-                "each DP rank takes an equal share: change the mini-batch size, rollout.n or the layout"
-            )
-            return
-        vpp, pp = cfg.parallel.virtual_pipeline_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-        if vpp is None:
-            return
-        if a.use_dynamic_bsz:
+        from megatron_dapo.config_checks import batch_layout_problems
+
+        cfg = self.cfg
+        found = batch_layout_problems(cfg, self.dp)
+        self.problems.extend(found)
+        if not found and cfg.parallel.virtual_pipeline_model_parallel_size is not None and cfg.actor.use_dynamic_bsz:
             self.warnings.append(
                 "parallel.virtual_pipeline_model_parallel_size with actor.use_dynamic_bsz=true: megatron-core's "
-                f"interleaved schedule needs the number of micro-batches to be a multiple of PP={pp}, which "
-                "dynamic batching does not guarantee"
+                "interleaved schedule needs the number of micro-batches to be a multiple of PP="
+                f"{cfg.parallel.pipeline_model_parallel_size}, which dynamic batching does not guarantee"
             )
-            return
-        for key, mbs, rows in (
-            ("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu, mini_rows // dp),
-            (
-                "actor.log_prob_micro_batch_size_per_gpu",
-                a.log_prob_micro_batch_size_per_gpu,
-                cfg.data.train_batch_size * n // dp,
-            ),
-        ):
-            m = -(-rows // mbs)
-            if m % pp:
-                self.problems.append(
-                    f"{key}={mbs}: {rows} sequences per rank give {m} micro-batches, not a multiple of "
-                    f"parallel.pipeline_model_parallel_size={pp} as the interleaved (VPP) schedule needs; choose a "
-                    "micro-batch size that gives a multiple"
-                )
 
     # ----------------------------------------------------------------------------------------- checkpoint
 
@@ -461,9 +453,11 @@ class _Checker:
             )
 
     def _check_one_checkpoint(self, key: str, directory: str) -> None:
-        from megatron_dapo.weights.dist_format import CheckpointError, DistCheckpointReader, find_checkpoint
+        from megatron_dapo.weights.dist_format import find_checkpoint
+        from megatron_dapo.weights.dist_reader import DistCheckpointReader
+        from megatron_dapo.weights.errors import CheckpointError
         from megatron_dapo.weights.integrity import read_manifest, verify_files
-        from megatron_dapo.weights.mcore_checkpoint import arch_mismatches, checkpoint_arch
+        from megatron_dapo.weights.loading import arch_mismatches, checkpoint_arch
 
         tp, pp = self.cfg.parallel.tensor_model_parallel_size, self.cfg.parallel.pipeline_model_parallel_size
         fix = (
@@ -753,15 +747,43 @@ class _Checker:
     def _kl(self) -> bool:
         return self.cfg.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward
 
+    def _handoff(self, on_device: bool) -> tuple[str, Any, bool]:
+        """The platform whose defaults apply, the resolved hand-off plan (``resolve_handoff_plan``, as the trainer
+        resolves it) and whether vLLM sleeps between rollouts (its sleep mode and ``rollout.free_cache_engine``)."""
+        from megatron_dapo.platform import make_platform
+        from megatron_dapo.training.offload import resolve_handoff_plan
+
+        p = self.cfg.parallel
+        name = p.platform if p.platform != "auto" else ("cuda" if on_device else "cpu")
+        platform = make_platform(name)  # no setup(): only its defaults are read
+        plan = resolve_handoff_plan(self.cfg, platform)
+        return name, plan, bool(platform.supports_vllm_sleep() and self.cfg.rollout.free_cache_engine)
+
+    def _on_policy_update(self) -> bool:
+        """The trainer skips the old-policy forward (``DAPOTrainer.on_policy_update``)."""
+        a, cfg = self.cfg.actor, self.cfg
+        return (
+            a.old_log_prob_forward == "auto"
+            and a.ppo_epochs == 1
+            and a.ppo_mini_batch_size == cfg.data.train_batch_size
+            and not cfg.algorithm.use_kl_in_reward
+        )
+
     def memory_plan(self) -> list[str]:
         from megatron_dapo.rollout.engine import rollout_dtype
         from megatron_dapo.weights.layout import padded_vocab_size
 
         cfg, arch = self.cfg, self.arch
         p, a, r, d = cfg.parallel, cfg.actor, cfg.rollout, cfg.data
-        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        tp, pp, vpp = (
+            p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size,
+            p.virtual_pipeline_model_parallel_size,
+        )
+        cp, sp = max(1, p.context_parallel_size), p.sequence_parallel
         counts = param_counts(arch)
         vp = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+        vshard = vp // tp
         p_rank = actor_params_per_rank(arch, counts, tp, pp, vp)
         rtp = r.tensor_model_parallel_size
         p_vllm = rollout_params_per_rank(counts, rtp)
@@ -769,8 +791,8 @@ class _Checker:
         rdt = rollout_dtype(cfg)
         br = DTYPE_BYTES[rdt]
         dist_div = self.dp if p.use_distributed_optimizer else 1
-        kl = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        h, L, heads = arch.hidden_size, arch.num_layers, arch.num_attention_heads
+        kl = self._kl()
+        h, L = arch.hidden_size, arch.num_layers
         seq = d.max_prompt_length + d.max_response_length
 
         weights = p_rank * b
@@ -781,6 +803,7 @@ class _Checker:
         vllm_w = p_vllm * br
         mem = self.device_memory_gb * GIB if self.device_memory_gb else None
         on_device = p.platform in ("cuda", "npu") or (p.platform == "auto" and mem is not None)
+        platform_name, handoff, sleeps = self._handoff(on_device)
         if on_device and mem is not None:
             budget = r.gpu_memory_utilization * mem
             kv = max(0.0, budget - vllm_w)
@@ -808,39 +831,173 @@ class _Checker:
                 f"data.max_response_length = {seq}; vLLM would refuse to start: give the KV cache more memory"
             )
 
-        # Activations of one training micro-batch on the first pipeline stage (the one with the most in flight).
+        # Micro-batches: tokens of one training / log-prob micro-batch (the longest: every sequence full length).
         tokens = max(a.ppo_max_token_len_per_gpu, seq) if a.use_dynamic_bsz else a.ppo_micro_batch_size_per_gpu * seq
+        lp_tokens = (
+            max(a.ppo_max_token_len_per_gpu, seq) if a.use_dynamic_bsz else a.log_prob_micro_batch_size_per_gpu * seq
+        )
         mini_rows = a.ppo_mini_batch_size * cfg.rollout.n // max(self.dp, 1)
         if a.use_dynamic_bsz:
             n_micro = -(-mini_rows // max(1, a.ppo_max_token_len_per_gpu // seq))
         else:
             n_micro = -(-mini_rows // a.ppo_micro_batch_size_per_gpu)
-        in_flight = min(pp, n_micro)
-        per_tok = (34 / tp) if p.sequence_parallel else (10 + 24 / tp)
-        flash = on_device  # TransformerEngine / MindSpeed spec: fused attention, no s x s scores kept
-        per_seq_len = seq if not a.use_dynamic_bsz else min(seq, tokens)
-        attn = 0.0 if flash else 5 * heads * per_seq_len / (h * tp)
-        act_layer = tokens * h * (per_tok + attn) * b / 2
-        act = act_layer * (L // pp) * in_flight
-        logits = tokens * (vp // tp) * (b + 8)
-        lp_tokens = (
-            max(a.ppo_max_token_len_per_gpu, seq) if a.use_dynamic_bsz else a.log_prob_micro_batch_size_per_gpu * seq
-        )
-        lp_logits = lp_tokens * (vp // tp) * (b + 8)
-        bucket = 2 * r.weight_sync_bucket_mb * MIB
+        # TransformerEngine / MindSpeed spec (fused attention: no s x s probabilities kept) unless local is asked for.
+        flash = on_device and cfg.model.transformer_impl != "local"
+        t_upd, t_lp = -(-tokens // cp), -(-lp_tokens // cp)  # tokens per rank: CP splits the sequence
+        s_upd, s_lp = min(seq, tokens), min(seq, lp_tokens)
+        full_layer = layer_activations(arch, b, tp, sp, flash, s_upd)
+        kept_layer = layer_activations(arch, b, tp, sp, flash, s_upd, selective=a.recompute == "selective")
+        chunk_layers = L // (pp * (vpp or 1))
+        group = a.recompute_num_layers
+        layer_input = h * b / (tp if sp else 1)  # per token: what full recompute keeps of a group of layers
 
-        resident = weights + grads + optim + ref + vllm_w + kv
-        phases = [
-            ("generation", resident, "resident"),
-            ("log-probs", resident + lp_logits, "resident + log-prob micro-batch logits"),
-            ("update", resident + act + logits, "resident + activations + logits of a training micro-batch"),
-            ("weight sync", resident + bucket, "resident + 2 x rollout.weight_sync_bucket_mb"),
-        ]
+        def stage_update(stage: int) -> dict[str, float]:
+            chunks = held_chunks(pp, vpp, n_micro, stage)
+            terms: dict[str, float] = {}
+            if a.recompute == "full":
+                terms["layer inputs"] = chunks * -(-chunk_layers // group) * t_upd * layer_input
+                terms["recomputed group"] = min(group, chunk_layers) * t_upd * full_layer.total
+            else:
+                terms["activations"] = chunks * chunk_layers * t_upd * kept_layer.total
+            if stage == pp - 1:
+                terms["logits"] = t_upd * vshard * b
+                terms["logit chunks"] = rows * vshard * (2 * b + 8)
+            return terms
+
+        rows = logit_chunk_rows()
+        stages = {0: stage_update(0), pp - 1: stage_update(pp - 1)}
+        upd_stage = max(stages, key=lambda s: sum(stages[s].values()))
+        upd_terms = stages[upd_stage]
+        act_upd = sum(v for k, v in upd_terms.items() if k in ("activations", "layer inputs", "recomputed group"))
+        lp_layer = layer_activations(arch, b, tp, sp, flash, s_lp)
+        lp_terms = {
+            LP_LAYER: t_lp * lp_layer.total,
+            "logits": t_lp * vshard * b,
+            "logit chunks": rows * vshard * (b + 8),
+        }
+        # Weight sync: one bucket of full (TP-gathered) tensors, at least the largest module (a module is never split:
+        # the padded embedding or output layer, or fc1), plus vLLM's staging copy of it in the rollout dtype.
+        q_dim, kv_dim = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
+        largest_module = max(vp * h, 2 * arch.ffn_hidden_size * h, (q_dim + 2 * kv_dim) * h) * b
+        bucket_full = max(r.weight_sync_bucket_mb * MIB, largest_module)
+        bucket = bucket_full + bucket_full * br // b
+        # Log-prob results (compute_log_probs): log-prob and entropy in fp32 for this rank's rows while the forward
+        # runs, then the DP all-gather of every row's (plus this rank's copy), after the forward's tensors are freed.
+        step_rows = d.train_batch_size * r.n
+        own_results = 8 * (step_rows // max(self.dp, 1)) * d.max_response_length
+        gathered_results = 8 * step_rows * d.max_response_length + own_results
+
+        on_policy = self._on_policy_update()
+        phases: list[PhaseMemory] = []
+        for name in PHASES:
+            dev: dict[str, float] = {}
+            host: dict[str, float] = {}
+            training = name in ("old_log_prob", "ref", "update")  # after_rollout: the engine sleeps
+            if name == "gen" and handoff.params:
+                host["actor weights"] = weights
+            else:
+                dev["actor weights"] = weights
+            for key, value, offloaded in (("grads", grads, handoff.grads), ("optimizer", optim, handoff.optimizer)):
+                if offloaded and name != "update":
+                    if key != "grads" or handoff.keep_grad_values:
+                        host[key] = value
+                else:
+                    dev[key] = value
+            if kl:
+                (host if handoff.reference and name != "ref" else dev)["reference"] = ref
+            if not sleeps or not training:
+                dev["vLLM weights"] = vllm_w
+                if not sleeps or name == "gen":
+                    dev["vLLM KV cache"] = kv
+            elif handoff.sleep_level == 1:
+                host["vLLM weights"] = vllm_w
+            if name == "sync":
+                dev["sync buckets"] = bucket
+            elif name in ("old_log_prob", "ref"):
+                dev["log-prob results"] = own_results
+                if sum(lp_terms.values()) >= gathered_results:
+                    dev.update(lp_terms)
+                else:
+                    dev["DP all-gather of results"] = gathered_results
+            elif name == "update":
+                dev.update(upd_terms)
+            runs, note = True, ""
+            if name == "old_log_prob" and on_policy:
+                runs = False
+                note = (
+                    "not run: actor.old_log_prob_forward=auto with one epoch and one mini-batch per step uses the "
+                    "update's own forward"
+                )
+            if name == "ref" and not kl:
+                runs, note = False, "not run: no KL term, no reference"
+            if name == "update" and pp > 1:
+                note = f"pipeline stage {upd_stage} of {pp}: " + (
+                    "the first holds the most micro-batches in flight" if upd_stage == 0 else "the last has the logits"
+                )
+            phases.append(PhaseMemory(name, dev, host, runs, note))
+        running = [ph for ph in phases if ph.runs]
+        peak = max(running, key=lambda ph: ph.device_total)
+        pinned_kept = sum(
+            v
+            for v, on in (
+                (weights, handoff.params),
+                (grads, handoff.grads and handoff.keep_grad_values),
+                (optim, handoff.optimizer),
+                (ref, handoff.reference and kl),
+            )
+            if on
+        )
+        vllm_backup = vllm_w if sleeps and handoff.sleep_level == 1 else 0.0
 
         def gib(x: float) -> str:
             return f"{x / GIB:9.2f} GiB" if x >= GIB else f"{x / MIB:9.2f} MiB"
 
+        yes_no = {True: "yes", False: "no"}
+        grads_text = yes_no[handoff.grads] + (
+            " (values discarded, re-zeroed on onload)" if handoff.grads and not handoff.keep_grad_values else ""
+        )
+        if sleeps:
+            sleep_text = (
+                f"vLLM sleeps at level {handoff.sleep_level} after generation ("
+                + (
+                    "weights to pinned host memory, KV cache freed"
+                    if handoff.sleep_level == 1
+                    else "weights and KV cache freed"
+                )
+                + ")"
+            )
+        else:
+            why = (
+                "rollout.free_cache_engine=false"
+                if not r.free_cache_engine
+                else f"no vLLM sleep mode on {platform_name}"
+            )
+            sleep_text = f"vLLM never sleeps ({why}): its weights and KV cache stay on the device"
         total = counts.total
+        head_note = (
+            "QKV output, rotated Q and K, "
+            + ("QK-norm input, " if arch.qk_layernorm else "")
+            + f"attention output, fc1 and SwiGLU outputs {full_layer.split:,.0f} B/tok"
+            + f" + norms {full_layer.replicated:,.0f} B/tok"
+        )
+        if flash:
+            core_text = f"softmax stats {full_layer.core:,.0f} B/tok (flash attention)"
+        else:
+            core_text = f"attention probabilities {full_layer.core:,.0f} B/tok (a x s x B / TP, local spec)"
+        if a.recompute == "full":
+            act_text = (
+                f"[recompute full, groups of {group}] layer inputs {t_upd} tok x {layer_input:,.0f} B x "
+                f"{-(-chunk_layers // group)} group(s)/chunk x {held_chunks(pp, vpp, n_micro, upd_stage)} chunk(s) in "
+                f"flight + one group recomputed: {min(group, chunk_layers)} layer(s) x {t_upd} tok x "
+                f"{full_layer.total:,.0f} B ({head_note} + {core_text})"
+            )
+        else:
+            sel = a.recompute == "selective"
+            act_text = (
+                f"[recompute {a.recompute}] {t_upd} tok x {kept_layer.total:,.0f} B/tok/layer ({head_note}"
+                + ("; core attention recomputed, not kept" if sel else f" + {core_text}")
+                + f") x {chunk_layers} layers/chunk x {held_chunks(pp, vpp, n_micro, upd_stage)} chunk(s) in flight"
+            )
         out = [
             f"  parameters (from {self.hf_dir}/config.json): {total:,} = {_human(total)} (embedding "
             f"{counts.embedding:,}, output layer {counts.output_layer:,}{' (tied)' if arch.tie_word_embeddings else ''}"
@@ -848,8 +1005,13 @@ class _Checker:
             f"  actor parameters per rank (largest stage, vocabulary padded to {vp}): {p_rank:,}; rollout per rank "
             f"(rollout TP {rtp}): {p_vllm:,}",
             f"  memory per rank, estimate ({cfg.model.params_dtype} actor, {rdt} rollout; GiB = 2^30 bytes):",
+            f"    hand-off ({platform_name} defaults + config; training/offload.py): offload actor params "
+            f"{yes_no[handoff.params]}, grads {grads_text}, optimizer {yes_no[handoff.optimizer]}, reference "
+            f"{yes_no[handoff.reference] if kl else '- (none)'}; {sleep_text}",
+            "    terms (bytes while on the device):",
             f"    actor weights      {gib(weights)}  = params/rank x {b} B",
-            f"    actor grads        {gib(grads)}  = params/rank x 4 B (fp32 grad buffer, grad_reduce_in_fp32)",
+            f"    actor grads        {gib(grads)}  = params/rank x 4 B (fp32 main grads in the DDP buffers, "
+            "grad_reduce_in_fp32)",
             f"    optimizer state    {gib(optim)}  = params/rank x {opt_per_param} B (Adam: 2 fp32 moments"
             + (" + fp32 master weights" if b < 4 else "")
             + (f") / DP {dist_div} (distributed optimizer)" if dist_div > 1 else ")"),
@@ -858,26 +1020,65 @@ class _Checker:
             f"    vLLM weights       {gib(vllm_w)}  = full model / rollout TP {rtp} x {br} B",
             f"    vLLM KV cache      {gib(kv)}  = {kv_formula}; {kv_tokens:,} tokens = {kv_tokens // seq} full "
             "sequences",
-            f"    activations        {gib(act)}  = tokens {tokens} x h {h} x ("
-            + (f"34/TP {tp}" if p.sequence_parallel else f"10 + 24/TP {tp}")
-            + (f" + 5 x heads {heads} x s {per_seq_len} / (h x TP)" if not flash else "")
-            + f") x {b}/2 B x {L // pp} layers/stage x {in_flight} micro-batch(es) in flight"
-            + (" [no recomputation; flash attention]" if flash else " [no recomputation; local attention spec]"),
-            f"    training logits    {gib(logits)}  = tokens {tokens} x padded vocab/TP {vp // tp} x ({b} + 8) B",
-            f"    log-prob logits    {gib(lp_logits)}  = tokens {lp_tokens} x padded vocab/TP {vp // tp} x ({b} + 8) B",
-            f"    sync buckets       {gib(bucket)}  = 2 x rollout.weight_sync_bucket_mb={r.weight_sync_bucket_mb}",
-            "  peak per rank by phase (vLLM weights and KV cache stay resident: the trainer does not put vLLM to "
-            "sleep):",
+            f"    update activations {gib(act_upd)}  = {act_text}"
+            + (f"; / CP {cp}" if cp > 1 else "")
+            + (f" ({'first' if upd_stage == 0 else 'last'} pipeline stage)" if pp > 1 else ""),
+            f"    training logits    {gib(t_upd * vshard * b)}  = tokens {t_upd} x padded vocab/TP {vshard} x {b} B "
+            "(their gradient is written into them)",
+            f"    log-prob forward   {gib(lp_terms[LP_LAYER])}  = one layer's "
+            f"activations, {t_lp} tok x {lp_layer.total:,.0f} B (forward only: nothing kept for backward)",
+            f"    log-prob logits    {gib(lp_terms['logits'])}  = tokens {t_lp} x padded vocab/TP {vshard} x {b} B",
+            f"    logit chunks       {gib(rows * vshard * (2 * b + 8))}  = {rows} rows x padded vocab/TP {vshard} x "
+            f"({b} + 4 + 4 + {b}) B in the update's backward; x ({b} + 8) B = {gib(rows * vshard * (b + 8)).strip()} "
+            "forward only",
+            f"    log-prob results   {gib(own_results)}  = 8 B (fp32 log-prob + entropy) x "
+            f"{step_rows // max(self.dp, 1)} rows/rank x response {d.max_response_length}; their DP all-gather "
+            f"afterwards {gib(gathered_results).strip()} (all {step_rows} rows + this rank's copy, once the forward "
+            "is done)",
+            f"    sync buckets       {gib(bucket)}  = max(rollout.weight_sync_bucket_mb={r.weight_sync_bucket_mb}, "
+            f"largest module {gib(largest_module).strip()}) of full tensors x (1 + vLLM staging copy {br}/{b})",
+            "  per phase, per rank (device: allocated on the device; host: offloaded values in pinned host memory):",
         ]
-        for name, value, formula in phases:
+        for ph in phases:
+            dev_total, host_total = ph.device_total, ph.host_total
+            unit, unit_name = (GIB, "GiB") if dev_total >= GIB else (MIB, "MiB")
+            parts = " + ".join(f"{k} {v / unit:.2f}" for k, v in ph.device.items() if v)
+            host_parts = " + ".join(f"{k} {v / unit:.2f}" for k, v in ph.host.items() if v)
             flag = ""
-            if mem is not None and value > mem:
+            if ph.runs and mem is not None and dev_total > mem:
                 flag = f"  OVER --device-memory-gb {self.device_memory_gb:g}"
                 self.warnings.append(
-                    f"memory estimate of phase {name!r} is {value / GIB:.1f} GiB per rank, over --device-memory-gb "
-                    f"{self.device_memory_gb:g} ({formula}); see the plan above for the terms"
+                    f"memory estimate of phase {ph.name!r} is {dev_total / GIB:.1f} GiB per rank, over "
+                    f"--device-memory-gb {self.device_memory_gb:g} ({unit_name}: {parts}); see the plan above for "
+                    "the terms"
                 )
-            out.append(f"    {name:<12} {gib(value)}  ({formula}){flag}")
+            line = (
+                f"    {ph.name:<12} {gib(dev_total)} device {gib(host_total)} host  "
+                f"({unit_name}: {parts}{'; host: ' + host_parts if host_parts else ''}){flag}"
+            )
+            if ph.note:
+                line += f"  [{ph.note}]"
+            out.append(line)
+        verdict = ""
+        if mem is not None:
+            spare = mem - peak.device_total
+            verdict = (
+                f": fits --device-memory-gb {self.device_memory_gb:g} with {gib(spare).strip()} "
+                f"({100 * spare / mem:.0f}%) left for what the estimate leaves out (allocator fragmentation, "
+                "CUDA/HCCL context, communication buffers)"
+                if spare >= 0
+                else f": OVER --device-memory-gb {self.device_memory_gb:g} by {gib(-spare).strip()}"
+            )
+        out.append(f"  peak per rank: {peak.name} {gib(peak.device_total).strip()}{verdict}")
+        nproc = self.nproc_per_node or 1
+        out.append(
+            f"  pinned host memory per rank: hand-off buffers {gib(pinned_kept).strip()} (kept between steps)"
+            + (f" + vLLM weights {gib(vllm_backup).strip()} while asleep (level 1)" if vllm_backup else "")
+            + f" = {gib(pinned_kept + vllm_backup).strip()} at most; x {nproc} per node = "
+            f"{gib(nproc * (pinned_kept + vllm_backup)).strip()}"
+        )
+        self.phases = phases
+        self.peak_phase = peak.name
         self.numbers.update(
             params=total,
             actor_params_per_rank=p_rank,
@@ -885,6 +1086,8 @@ class _Checker:
             padded_vocab=vp,
             kv_cache_tokens=kv_tokens,
             micro_batch_tokens=tokens,
+            log_prob_micro_batch_tokens=lp_tokens,
+            update_pipeline_stage=upd_stage,
             **{
                 f"memory_{k}_bytes": v
                 for k, v in (
@@ -894,13 +1097,20 @@ class _Checker:
                     ("reference", ref),
                     ("vllm_weights", vllm_w),
                     ("kv_cache", kv),
-                    ("activations", act),
-                    ("logits", logits),
-                    ("log_prob_logits", lp_logits),
+                    ("activations", act_upd),
+                    ("logits", t_upd * vshard * b),
+                    ("log_prob_activations", lp_terms[LP_LAYER]),
+                    ("log_prob_logits", lp_terms["logits"]),
+                    ("logit_chunks", rows * vshard * (2 * b + 8)),
                     ("sync_buckets", bucket),
+                    ("log_prob_results", own_results),
+                    ("log_prob_gathered", gathered_results),
+                    ("pinned_host", pinned_kept + vllm_backup),
+                    ("peak", peak.device_total),
                 )
             },
-            **{f"memory_phase_{name.replace(' ', '_').replace('-', '_')}_bytes": v for name, v, _ in phases},
+            **{f"memory_phase_{ph.name}_bytes": ph.device_total for ph in phases},
+            **{f"memory_phase_{ph.name}_host_bytes": ph.host_total for ph in phases},
         )
         return out
 
@@ -923,7 +1133,7 @@ class _Checker:
             lines.append("plan: not computed (needs a readable HF config and a valid parallel layout; see problems)")
         lines.append("inputs:")
         lines += self.plan or ["  (none readable)"]
-        return CheckReport(self.problems, self.warnings, "\n".join(lines), self.numbers)
+        return CheckReport(self.problems, self.warnings, "\n".join(lines), self.numbers, self.phases, self.peak_phase)
 
 
 def _human(count: int) -> str:
@@ -963,7 +1173,8 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
         "--device-memory-gb",
         type=float,
         default=None,
-        help="memory per device in GiB: sizes the vLLM KV cache and marks phases estimated above it",
+        help="memory per device in GiB: sizes the vLLM KV cache (gpu_memory_utilization x it), marks phases "
+        "estimated above it and says whether the peak phase fits",
     )
     parser.add_argument(
         "--sample-rows",

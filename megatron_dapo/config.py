@@ -124,6 +124,9 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     log_prob_micro_batch_size_per_gpu: int = 8
+    # A registered policy-loss variant (megatron_dapo/algo/registry.py POLICY_LOSSES); "vanilla" is verl's
+    # compute_policy_loss_vanilla (dual-clip PPO). Add one with @register_policy_loss in algorithm.user_algorithms_file.
+    policy_loss: str = "vanilla"
     # The old-policy forward before the update. "auto" skips it when it is provably redundant — one epoch and one
     # mini-batch per step, so the policy has not moved since the rollout (verl's on-policy path) and no KL-in-reward
     # needs it first — and uses the training forward's detached log-probs instead; "always" recomputes it.
@@ -131,11 +134,15 @@ class ActorConfig:
     # Activation recomputation, passed to megatron-core (recompute_granularity / recompute_method=uniform).
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_num_layers: int = 1  # layers per recomputed group with recompute=full
-    # Memory hand-off around rollout: move to pinned host memory while vLLM generates. None = the platform's default
-    # (off on CPU, where there is nothing to free; on for grads/optimizer on GPU/NPU).
+    # Memory hand-off around rollout while vLLM generates: params and optimizer state move to pinned host memory, grads
+    # are freed (re-zeroed before the update). None = the platform's default (off on CPU, where there is nothing to
+    # free; on for grads/optimizer on GPU/NPU). `megatron-dapo check` prints the budget per phase (docs/check.md).
     offload_params: Optional[bool] = None
     offload_grads: Optional[bool] = None
     offload_optimizer: Optional[bool] = None
+    # Packed (THD) micro-batches without padding, for TransformerEngine / MindSpeed attention (verl's
+    # use_remove_padding). None = on where the attention supports it (not the local spec) and CP is 1.
+    use_remove_padding: Optional[bool] = None
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -199,7 +206,10 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
+    # A registered advantage estimator (megatron_dapo/algo/registry.py ADV_ESTIMATORS): grpo, rloo,
+    # reinforce_plus_plus, reinforce_plus_plus_baseline, or one added with @register_adv_estimator in the file below.
+    adv_estimator: str = "grpo"
+    user_algorithms_file: Optional[str] = None  # a Python file registering extra estimators / policy losses
     norm_adv_by_std_in_grpo: bool = True
     gamma: float = 1.0
     use_kl_in_reward: bool = False
@@ -414,185 +424,242 @@ def validate_parallel_layout(
     num_attention_heads: int,
     num_query_groups: int,
 ) -> int:
-    """Check that the parallel sizes fit the world and the model; returns the data-parallel size."""
-    tp = parallel.tensor_model_parallel_size
-    pp = parallel.pipeline_model_parallel_size
-    vpp = parallel.virtual_pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ConfigError(
-            f"parallel.tensor_model_parallel_size={tp} and pipeline_model_parallel_size={pp} must be >= 1"
-        )
-    if world_size % (tp * pp) != 0:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size"
-            f" = {tp} x {pp} = {tp * pp}"
-        )
-    if num_attention_heads % tp != 0:
-        raise ConfigError(
-            f"num_attention_heads={num_attention_heads} is not divisible by tensor_model_parallel_size={tp}"
-        )
-    if num_query_groups % tp != 0:
-        raise ConfigError(
-            f"num_key_value_heads (query groups)={num_query_groups} is not divisible by tensor_model_parallel_size={tp}"
-        )
-    stages = pp * (vpp or 1)
-    if num_layers % stages != 0:
-        raise ConfigError(
-            f"num_hidden_layers={num_layers} is not divisible by pipeline_model_parallel_size x virtual size"
-            f" = {pp} x {vpp or 1} = {stages}"
-        )
-    if vpp is not None and pp < 2:
-        raise ConfigError(f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2")
-    if parallel.sequence_parallel and tp == 1:
-        raise ConfigError("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
+    """Check that the parallel sizes fit the world and the model; returns the data-parallel size.
+
+    Kept for callers that have no ``ModelArch`` (``tools/checkpoint_convert/verify.py``); a training run uses
+    ``megatron_dapo.config_checks.validate_run``, which makes these checks and every other one."""
+    from megatron_dapo.config_checks import parallel_layout_problems
+
+    problems = parallel_layout_problems(parallel, world_size, num_layers, num_attention_heads, num_query_groups)
+    if problems:
+        raise ConfigError.of(problems)
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     return world_size // (tp * pp)
 
 
 # --------------------------------------------------------------------------------------------------- value checks
 
 
-def _range_problems(cfg: ExperimentConfig) -> list[str]:
-    """Every value against its valid range; one line per problem, naming the key, the value and what is valid."""
-    problems: list[str] = []
+class _Problems(list):
+    """Problem lines, one per bad value, each naming the key, the value and what is valid."""
 
-    def need(key: str, value: Any, ok: bool, expected: str, fix: str = "") -> None:
+    def need(self, key: str, value: Any, ok: bool, expected: str, fix: str = "") -> None:
         if not ok:
-            problems.append(f"{key}={value!r}: expected {expected}" + (f"; {fix}" if fix else ""))
+            self.append(f"{key}={value!r}: expected {expected}" + (f"; {fix}" if fix else ""))
 
-    def positive_int(key: str, value: Any, allow_none: bool = False) -> None:
-        need(key, value, (allow_none and value is None) or (isinstance(value, int) and value >= 1), "an integer >= 1")
+    def positive_int(self, key: str, value: Any, allow_none: bool = False) -> None:
+        ok = (allow_none and value is None) or (isinstance(value, int) and value >= 1)
+        self.need(key, value, ok, "an integer >= 1")
 
-    def in_unit(key: str, value: float, low_open: bool = False, high_open: bool = True) -> None:
+    def in_unit(self, key: str, value: float, low_open: bool = False, high_open: bool = True) -> None:
         lo_ok = value > 0 if low_open else value >= 0
         hi_ok = value < 1 if high_open else value <= 1
         interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
-        need(key, value, lo_ok and hi_ok, f"a value in {interval}")
+        self.need(key, value, lo_ok and hi_ok, f"a value in {interval}")
 
-    m, p, a, o, r, d = cfg.model, cfg.parallel, cfg.actor, cfg.actor.optim, cfg.rollout, cfg.data
-    positive_int("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
-    in_unit("model.attention_dropout", m.attention_dropout)
-    in_unit("model.hidden_dropout", m.hidden_dropout)
-    positive_int("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size)
-    positive_int("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size)
-    positive_int("parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size, True)
-    positive_int("parallel.context_parallel_size", p.context_parallel_size)
-    need(
+    def finite(self, key: str, value: float) -> None:
+        self.need(key, value, math.isfinite(value), "a finite number")
+
+
+def _model_parallel_ranges(out: _Problems, m: ModelConfig, p: ParallelConfig) -> None:
+    out.positive_int("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
+    out.in_unit("model.attention_dropout", m.attention_dropout)
+    out.in_unit("model.hidden_dropout", m.hidden_dropout)
+    out.positive_int("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size)
+    out.positive_int("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size)
+    out.positive_int("parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size, True)
+    out.positive_int("parallel.context_parallel_size", p.context_parallel_size)
+
+
+def _checkpoint_data_ranges(out: _Problems, c: CheckpointConfig, d: DataConfig) -> None:
+    out.need(
         "checkpoint.save_freq",
-        cfg.checkpoint.save_freq,
-        cfg.checkpoint.save_freq == -1 or cfg.checkpoint.save_freq >= 1,
+        c.save_freq,
+        c.save_freq == -1 or c.save_freq >= 1,
         "-1 (save at the end only) or a number of steps >= 1",
     )
-    positive_int("data.max_prompt_length", d.max_prompt_length)
-    positive_int("data.max_response_length", d.max_response_length)
-    positive_int("data.train_batch_size", d.train_batch_size)
-    positive_int("data.gen_batch_size", d.gen_batch_size, True)
-    positive_int("data.val_batch_size", d.val_batch_size, True)
-    need("actor.optim.lr", o.lr, o.lr > 0 and math.isfinite(o.lr), "a finite value > 0")
-    need("actor.optim.min_lr", o.min_lr, 0 <= o.min_lr <= o.lr, f"a value in [0, actor.optim.lr={o.lr}]")
-    need("actor.optim.lr_warmup_steps", o.lr_warmup_steps, o.lr_warmup_steps >= 0, "an integer >= 0")
-    in_unit("actor.optim.lr_warmup_steps_ratio", o.lr_warmup_steps_ratio, high_open=False)
-    need("actor.optim.weight_decay", o.weight_decay, 0 <= o.weight_decay < 1, "a value in [0, 1)")
-    in_unit("actor.optim.adam_beta1", o.adam_beta1)
-    in_unit("actor.optim.adam_beta2", o.adam_beta2)
-    need("actor.optim.adam_eps", o.adam_eps, o.adam_eps > 0, "a value > 0")
-    need("actor.optim.clip_grad", o.clip_grad, o.clip_grad >= 0, "a value >= 0 (0 = no clipping)")
-    positive_int("actor.ppo_mini_batch_size", a.ppo_mini_batch_size)
-    positive_int("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu)
-    positive_int("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu)
-    positive_int("actor.ppo_epochs", a.ppo_epochs)
-    positive_int("actor.log_prob_micro_batch_size_per_gpu", a.log_prob_micro_batch_size_per_gpu)
-    positive_int("actor.recompute_num_layers", a.recompute_num_layers)
-    need(
+    out.positive_int("data.max_prompt_length", d.max_prompt_length)
+    out.positive_int("data.max_response_length", d.max_response_length)
+    out.positive_int("data.train_batch_size", d.train_batch_size)
+    out.positive_int("data.gen_batch_size", d.gen_batch_size, True)
+    out.positive_int("data.val_batch_size", d.val_batch_size, True)
+
+
+def _optim_ranges(out: _Problems, o: OptimConfig) -> None:
+    out.need("actor.optim.lr", o.lr, o.lr > 0 and math.isfinite(o.lr), "a finite value > 0")
+    out.need("actor.optim.min_lr", o.min_lr, 0 <= o.min_lr <= o.lr, f"a value in [0, actor.optim.lr={o.lr}]")
+    out.need("actor.optim.lr_warmup_steps", o.lr_warmup_steps, o.lr_warmup_steps >= 0, "an integer >= 0")
+    out.in_unit("actor.optim.lr_warmup_steps_ratio", o.lr_warmup_steps_ratio, high_open=False)
+    out.need("actor.optim.weight_decay", o.weight_decay, 0 <= o.weight_decay < 1, "a value in [0, 1)")
+    out.in_unit("actor.optim.adam_beta1", o.adam_beta1)
+    out.in_unit("actor.optim.adam_beta2", o.adam_beta2)
+    out.need("actor.optim.adam_eps", o.adam_eps, o.adam_eps > 0, "a value > 0")
+    out.need("actor.optim.clip_grad", o.clip_grad, o.clip_grad >= 0, "a value >= 0 (0 = no clipping)")
+
+
+def _actor_ranges(out: _Problems, a: ActorConfig) -> None:
+    out.positive_int("actor.ppo_mini_batch_size", a.ppo_mini_batch_size)
+    out.positive_int("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu)
+    out.positive_int("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu)
+    out.positive_int("actor.ppo_epochs", a.ppo_epochs)
+    out.positive_int("actor.log_prob_micro_batch_size_per_gpu", a.log_prob_micro_batch_size_per_gpu)
+    out.positive_int("actor.recompute_num_layers", a.recompute_num_layers)
+    out.need(
         "actor.clip_ratio_low",
         a.clip_ratio_low,
         0 <= a.clip_ratio_low < 1,
         "a value in [0, 1): the lower clip bound is 1 - clip_ratio_low and must stay positive",
     )
-    need("actor.clip_ratio_high", a.clip_ratio_high, a.clip_ratio_high >= 0, "a value >= 0")
-    need("actor.clip_ratio_c", a.clip_ratio_c, a.clip_ratio_c > 1, "a value > 1 (the dual-clip bound, verl's rule)")
-    need("actor.entropy_coeff", a.entropy_coeff, math.isfinite(a.entropy_coeff), "a finite number")
-    need("actor.kl_loss_coef", a.kl_loss_coef, a.kl_loss_coef >= 0, "a value >= 0")
-    positive_int("rollout.tensor_model_parallel_size", r.tensor_model_parallel_size)
-    positive_int("rollout.n", r.n)
-    need("rollout.temperature", r.temperature, r.temperature >= 0, "a value >= 0 (0 = greedy)")
-    need("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "a value in (0, 1]")
-    need("rollout.top_k", r.top_k, r.top_k == -1 or r.top_k >= 1, "-1 (off) or an integer >= 1")
-    in_unit("rollout.gpu_memory_utilization", r.gpu_memory_utilization, low_open=True, high_open=False)
-    positive_int("rollout.kv_cache_memory_mb", r.kv_cache_memory_mb)
-    positive_int("rollout.max_num_seqs", r.max_num_seqs)
-    positive_int("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb)
-    positive_int("rollout.max_num_batched_tokens", r.max_num_batched_tokens, True)
-    need("rollout.sleep_level", r.sleep_level, r.sleep_level in (None, 1, 2), "null (platform default), 1 or 2")
+    out.need("actor.clip_ratio_high", a.clip_ratio_high, a.clip_ratio_high >= 0, "a value >= 0")
+    out.need("actor.clip_ratio_c", a.clip_ratio_c, a.clip_ratio_c > 1, "a value > 1 (the dual-clip bound, verl's rule)")
+    out.finite("actor.entropy_coeff", a.entropy_coeff)
+    out.need("actor.kl_loss_coef", a.kl_loss_coef, a.kl_loss_coef >= 0, "a value >= 0")
+
+
+def _sampling_ranges(out: _Problems, prefix: str, temperature: float, top_p: float, top_k: int) -> None:
+    out.need(f"{prefix}.temperature", temperature, temperature >= 0, "a value >= 0 (0 = greedy)")
+    out.need(f"{prefix}.top_p", top_p, 0 < top_p <= 1, "a value in (0, 1]")
+    out.need(f"{prefix}.top_k", top_k, top_k == -1 or top_k >= 1, "-1 (off) or an integer >= 1")
+
+
+def _rollout_ranges(out: _Problems, r: RolloutConfig) -> None:
+    out.positive_int("rollout.tensor_model_parallel_size", r.tensor_model_parallel_size)
+    out.positive_int("rollout.n", r.n)
+    _sampling_ranges(out, "rollout", r.temperature, r.top_p, r.top_k)
+    out.in_unit("rollout.gpu_memory_utilization", r.gpu_memory_utilization, low_open=True, high_open=False)
+    out.positive_int("rollout.kv_cache_memory_mb", r.kv_cache_memory_mb)
+    out.positive_int("rollout.max_num_seqs", r.max_num_seqs)
+    out.positive_int("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb)
+    out.positive_int("rollout.max_num_batched_tokens", r.max_num_batched_tokens, True)
+    out.need("rollout.sleep_level", r.sleep_level, r.sleep_level in (None, 1, 2), "null (platform default), 1 or 2")
     v = r.val_kwargs
-    need("rollout.val_kwargs.temperature", v.temperature, v.temperature >= 0, "a value >= 0 (0 = greedy)")
-    need("rollout.val_kwargs.top_p", v.top_p, 0 < v.top_p <= 1, "a value in (0, 1]")
-    need("rollout.val_kwargs.top_k", v.top_k, v.top_k == -1 or v.top_k >= 1, "-1 (off) or an integer >= 1")
-    positive_int("rollout.val_kwargs.n", v.n)
-    al = cfg.algorithm
-    in_unit("algorithm.gamma", al.gamma, high_open=False)
-    need("algorithm.kl_ctrl.kl_coef", al.kl_ctrl.kl_coef, al.kl_ctrl.kl_coef >= 0, "a value >= 0")
-    need("algorithm.kl_ctrl.target_kl", al.kl_ctrl.target_kl, al.kl_ctrl.target_kl > 0, "a value > 0")
-    need("algorithm.kl_ctrl.horizon", al.kl_ctrl.horizon, al.kl_ctrl.horizon >= 1, "an integer >= 1")
-    need(
+    _sampling_ranges(out, "rollout.val_kwargs", v.temperature, v.top_p, v.top_k)
+    out.positive_int("rollout.val_kwargs.n", v.n)
+
+
+def _algorithm_ranges(out: _Problems, al: AlgorithmConfig) -> None:
+    out.in_unit("algorithm.gamma", al.gamma, high_open=False)
+    out.need("algorithm.kl_ctrl.kl_coef", al.kl_ctrl.kl_coef, al.kl_ctrl.kl_coef >= 0, "a value >= 0")
+    out.need("algorithm.kl_ctrl.target_kl", al.kl_ctrl.target_kl, al.kl_ctrl.target_kl > 0, "a value > 0")
+    out.need("algorithm.kl_ctrl.horizon", al.kl_ctrl.horizon, al.kl_ctrl.horizon >= 1, "an integer >= 1")
+    out.need(
         "algorithm.filter_groups.max_num_gen_batches",
         al.filter_groups.max_num_gen_batches,
         al.filter_groups.max_num_gen_batches >= 0,
         "an integer >= 0 (0 = one pass over the training prompts)",
     )
-    need(
+    out.need(
         "algorithm.rollout_is_threshold",
         al.rollout_is_threshold,
         al.rollout_is_threshold is None or al.rollout_is_threshold > 0,
         "null (off) or a value > 0",
     )
-    ob = cfg.reward.overlong_buffer
-    positive_int("reward.overlong_buffer.len", ob.len)
-    need(
+
+
+def reward_value_problems(rw: RewardConfig) -> list[str]:
+    """The ``reward`` section's ranges (also for a ``RewardConfig`` built directly, as the reward manager takes)."""
+    out = _Problems()
+    ob = rw.overlong_buffer
+    out.positive_int("reward.overlong_buffer.len", ob.len)
+    out.need(
         "reward.overlong_buffer.penalty_factor",
         ob.penalty_factor,
         0 <= ob.penalty_factor < math.inf,
         "a finite value >= 0",
     )
-    rw = cfg.reward
-    need("reward.num_workers", rw.num_workers, rw.num_workers >= 0, "an integer >= 0 (0 = score in-process)")
-    need("reward.timeout_s", rw.timeout_s, 0 < rw.timeout_s < math.inf, "a value > 0 (seconds per scorer call)")
-    need("reward.error_score", rw.error_score, math.isfinite(rw.error_score), "a finite number")
-    need("reward.max_logged_errors", rw.max_logged_errors, rw.max_logged_errors >= 0, "an integer >= 0")
-    need(
-        "reward.custom_function.weight",
-        rw.custom_function.weight,
-        math.isfinite(rw.custom_function.weight),
-        "a finite number",
+    out.need("reward.num_workers", rw.num_workers, rw.num_workers >= 0, "an integer >= 0 (0 = score in-process)")
+    out.need(
+        "reward.timeout_s",
+        rw.timeout_s,
+        0 < rw.timeout_s < math.inf,
+        "a value > 0 (seconds per scorer call)",
+        "use a large value, e.g. 3600, to debug a slow scorer",
     )
-    t = cfg.trainer
-    positive_int("trainer.total_epochs", t.total_epochs)
-    positive_int("trainer.total_training_steps", t.total_training_steps, True)
-    need(
+    out.finite("reward.error_score", rw.error_score)
+    out.need("reward.max_logged_errors", rw.max_logged_errors, rw.max_logged_errors >= 0, "an integer >= 0")
+    out.finite("reward.custom_function.weight", rw.custom_function.weight)
+    return out
+
+
+def _trainer_ranges(out: _Problems, t: TrainerConfig) -> None:
+    out.positive_int("trainer.total_epochs", t.total_epochs)
+    out.positive_int("trainer.total_training_steps", t.total_training_steps, True)
+    out.need(
         "trainer.test_freq",
         t.test_freq,
         t.test_freq == -1 or t.test_freq >= 1,
         "-1 (validate at the end only) or a number of steps >= 1",
     )
-    need(
+    out.need(
         "trainer.collective_timeout_s",
         t.collective_timeout_s,
         0 < t.collective_timeout_s < math.inf,
         "a finite value > 0 (seconds)",
     )
-    positive_int("trainer.max_consecutive_skipped_updates", t.max_consecutive_skipped_updates)
-    positive_int("trainer.console_every", t.console_every)
+    out.positive_int("trainer.max_consecutive_skipped_updates", t.max_consecutive_skipped_updates)
+    out.positive_int("trainer.console_every", t.console_every)
+
+
+def range_problems(cfg: ExperimentConfig) -> list[str]:
+    """Every value against its valid range, section by section; one line per problem."""
+    out = _Problems()
+    _model_parallel_ranges(out, cfg.model, cfg.parallel)
+    _checkpoint_data_ranges(out, cfg.checkpoint, cfg.data)
+    _optim_ranges(out, cfg.actor.optim)
+    _actor_ranges(out, cfg.actor)
+    _rollout_ranges(out, cfg.rollout)
+    _algorithm_ranges(out, cfg.algorithm)
+    out.extend(reward_value_problems(cfg.reward))
+    _trainer_ranges(out, cfg.trainer)
+    return list(out)
+
+
+# --------------------------------------------------------------------------------------------------- lr schedule
+
+DECAY_STYLES = ("constant", "cosine", "linear")
+
+
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """``lr_warmup_steps`` when positive, else ``int(lr_warmup_steps_ratio × total_steps)`` (verl's rule)."""
+    return optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * total_steps)
+
+
+def lr_schedule_problems(optim: OptimConfig, total_steps: int, steps_key: Optional[str] = None) -> list[str]:
+    """The learning-rate schedule over ``total_steps`` training steps: its fields, and a warm-up shorter than the run
+    (megatron-core's scheduler asserts warm-up < decay steps). ``steps_key`` names where the step count comes from
+    in the messages (e.g. ``trainer.total_training_steps``)."""
+    steps = f"{steps_key}={total_steps}" if steps_key else f"the {total_steps} training steps"
+    if total_steps < 1:
+        where = f" ({steps_key})" if steps_key else ""
+        return [f"the number of training steps{where} must be >= 1 to build the lr schedule, got {total_steps}"]
+    problems = []
+    if optim.lr_decay_style not in DECAY_STYLES:
+        problems.append(f"actor.optim.lr_decay_style={optim.lr_decay_style!r}: expected one of {DECAY_STYLES}")
+    if not (optim.lr > 0 and 0 <= optim.min_lr <= optim.lr):
+        problems.append(
+            f"actor.optim: need lr > 0 and 0 <= min_lr <= lr, got lr={optim.lr}, min_lr={optim.min_lr}; set "
+            "actor.optim.lr > 0 and actor.optim.min_lr between 0 and it"
+        )
+    if not 0.0 <= optim.lr_warmup_steps_ratio <= 1.0:
+        problems.append(f"actor.optim.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio}: expected a value in [0, 1]")
+    warmup = warmup_steps(optim, total_steps)
+    if warmup >= total_steps:
+        problems.append(
+            f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps} (lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio}"
+            f") gives {warmup} warm-up steps, not fewer than {steps}: the warm-up must be shorter than the "
+            f"{total_steps} training steps, or the learning rate would never reach actor.optim.lr; set "
+            f"actor.optim.lr_warmup_steps to at most {max(total_steps - 1, 0)} (or train for more steps)"
+        )
     return problems
 
 
-def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
-    """Settings that are each valid but cannot work together; each line says how to fix it."""
+# --------------------------------------------------------------------------------------------------- cross-field
+
+
+def _batch_and_sampling_problems(cfg: ExperimentConfig) -> list[str]:
     problems: list[str] = []
     a, d, r, fg = cfg.actor, cfg.data, cfg.rollout, cfg.algorithm.filter_groups
-    if (
-        a.ppo_mini_batch_size >= 1
-        and d.train_batch_size >= 1
-        and (a.ppo_mini_batch_size > d.train_batch_size or d.train_batch_size % a.ppo_mini_batch_size)
-    ):
+    if a.ppo_mini_batch_size > d.train_batch_size or d.train_batch_size % a.ppo_mini_batch_size:
         problems.append(
             f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide data.train_batch_size="
             f"{d.train_batch_size}: set actor.ppo_mini_batch_size to a divisor of it (e.g. {d.train_batch_size})"
@@ -614,51 +681,83 @@ def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
             f"group-relative advantage ({cfg.algorithm.adv_estimator}) is zero and nothing trains; set "
             "rollout.temperature > 0"
         )
-    if cfg.parallel.context_parallel_size > 1:
+    return problems
+
+
+def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
+    """Settings that are each valid but cannot work together; each line says how to fix it."""
+    problems = _batch_and_sampling_problems(cfg)
+    if cfg.actor.use_remove_padding and cfg.parallel.context_parallel_size > 1:
         problems.append(
-            f"parallel.context_parallel_size={cfg.parallel.context_parallel_size}: the actor does not split sequences "
-            "over context-parallel ranks yet (the process groups and TransformerConfig are wired, the batch layout "
-            "is not); use 1 and actor.recompute=full for long responses"
+            f"actor.use_remove_padding=true with parallel.context_parallel_size={cfg.parallel.context_parallel_size}: "
+            "packed (THD) micro-batches are not split over context-parallel ranks; set actor.use_remove_padding=false "
+            "(padded micro-batches, split as megatron-core expects) or parallel.context_parallel_size=1"
         )
-    ob = cfg.reward.overlong_buffer
+    ob, d = cfg.reward.overlong_buffer, cfg.data
     if ob.enable and ob.len >= d.max_response_length:
         problems.append(
             f"reward.overlong_buffer.len={ob.len} must be shorter than data.max_response_length="
             f"{d.max_response_length}: the buffer is the tail of the response budget; lower it (DAPO uses 4096 of "
             "20480)"
         )
-    o, steps = a.optim, cfg.trainer.total_training_steps
-    if steps is not None and steps >= 1:
-        warmup = o.lr_warmup_steps if o.lr_warmup_steps > 0 else int(o.lr_warmup_steps_ratio * steps)
-        if warmup >= steps:
-            problems.append(
-                f"actor.optim.lr_warmup_steps={o.lr_warmup_steps} (lr_warmup_steps_ratio={o.lr_warmup_steps_ratio}) "
-                f"gives {warmup} warm-up steps, not fewer than trainer.total_training_steps={steps}: the learning rate "
-                f"would never reach actor.optim.lr; set actor.optim.lr_warmup_steps to at most {max(steps - 1, 0)} "
-                "(or raise trainer.total_training_steps)"
-            )
+    steps = cfg.trainer.total_training_steps
+    if steps is not None:
+        problems += lr_schedule_problems(cfg.actor.optim, steps, "trainer.total_training_steps")
     return problems
 
 
-def check_values(cfg: ExperimentConfig) -> None:
-    """Range and cross-field checks that need neither files nor a model; all problems are reported at once."""
-    problems = _range_problems(cfg)
+def algorithm_name_problems(cfg: ExperimentConfig) -> list[str]:
+    """``algorithm.adv_estimator`` and ``actor.policy_loss`` name registered entries (built-ins, plus those of
+    ``algorithm.user_algorithms_file``, which is imported here)."""
+    # The built-ins register themselves when their modules are imported.
+    import megatron_dapo.algo.advantages  # noqa: F401
+    import megatron_dapo.algo.policy_loss  # noqa: F401
+    from megatron_dapo.algo.registry import ADV_ESTIMATORS, POLICY_LOSSES, load_user_algorithms
+
+    path = cfg.algorithm.user_algorithms_file
+    try:
+        load_user_algorithms(path)
+    except (FileNotFoundError, ImportError, ValueError) as exc:
+        return [
+            f"algorithm.user_algorithms_file={path!r}: {exc}; fix the file or set algorithm.user_algorithms_file "
+            "to null"
+        ]
+    problems = []
+    for registry, name in ((ADV_ESTIMATORS, cfg.algorithm.adv_estimator), (POLICY_LOSSES, cfg.actor.policy_loss)):
+        if name not in registry:
+            problems.append(registry.unknown(name))
+    return problems
+
+
+def config_problems(cfg: ExperimentConfig) -> list[str]:
+    """Every problem ``check_values`` reports (ranges, then cross-field ones, algorithm names), as a list."""
+    problems = range_problems(cfg)
     if not problems:  # cross-field messages assume each value is in range
         problems = _cross_field_problems(cfg)
+    return problems + algorithm_name_problems(cfg)
+
+
+def check_values(cfg: ExperimentConfig) -> None:
+    """Range and cross-field checks that need no model; all problems are reported at once. The only file read is
+    ``algorithm.user_algorithms_file`` (imported so that the algorithm names can be checked)."""
+    problems = config_problems(cfg)
     if problems:
         raise ConfigError.of(problems)
 
 
-def validate_config(cfg: ExperimentConfig) -> None:
-    """Everything a training run needs that can be checked before any file is read or model built."""
+def required_input_problems(cfg: ExperimentConfig) -> list[str]:
+    """What a training run needs and a config for other commands may leave out."""
     problems = []
     if not cfg.checkpoint.load_dir:
         problems.append("checkpoint.load_dir is required: the converter's output (megatron-dapo convert hf-to-mcore)")
     if not cfg.data.train_files:
         problems.append("data.train_files is required: one or more parquet/jsonl files of prompts")
-    try:
-        check_values(cfg)
-    except ConfigError as exc:
-        problems.extend(exc.problems)
+    return problems
+
+
+def validate_config(cfg: ExperimentConfig) -> None:
+    """Everything a training run needs that can be checked before the model architecture is known. With the
+    architecture and the world size, ``megatron_dapo.config_checks.validate_run`` checks this and the rest."""
+    problems = required_input_problems(cfg) + config_problems(cfg)
     if problems:
         raise ConfigError.of(problems)

@@ -308,9 +308,6 @@ def export_to_hf(source: ModelSource, dest: PathLike) -> Path:
     return dest
 
 
-# ====================================================================================================== weights
-
-
 # ====================================================================================================== run
 
 
@@ -324,6 +321,34 @@ def _eos_ids(tokenizer: Any) -> list[int]:
     # As the trainer: the tokenizer's EOS id(s) are the stop tokens.
     eos = tokenizer.eos_token_id
     return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def _default_single_process_env() -> None:
+    """A plain (non-torchrun) run is rank 0 of 1; vLLM's external_launcher reads these variables itself."""
+    if "RANK" not in os.environ:
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def _engine_hf_dir(source: ModelSource, output_dir: Path, export_dir: Path, is_main: bool) -> Path:
+    """The HF directory the engine loads: ``source.path`` itself, or its export to ``export_dir``, written by rank 0;
+    the other ranks learn the outcome (and fail with it)."""
+    from megatron_dapo.parallel import broadcast_object
+
+    if source.kind == "hf":
+        return source.path
+    error = None
+    if is_main:
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            export_to_hf(source, export_dir)
+        except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
+            error = f"{type(exc).__name__}: {exc}"
+    error = broadcast_object(error)
+    if error is not None:
+        raise RuntimeError(f"--model {source.path} ({source.kind}): export to HF failed: {error}")
+    return export_dir
 
 
 def run_eval(
@@ -342,8 +367,8 @@ def run_eval(
     """Evaluate ``model`` on ``data_files``; returns the summary (on every rank) and writes the report (rank 0)."""
     import torch.distributed as dist
 
+    from megatron_dapo import dtypes
     from megatron_dapo.data import build_dataset
-    from megatron_dapo.models.builder import DTYPES
     from megatron_dapo.parallel import broadcast_object, init_distributed
     from megatron_dapo.rollout.engine import RolloutEngine, rollout_dtype, teardown
     from megatron_dapo.rollout.types import SamplingSpec
@@ -353,29 +378,13 @@ def run_eval(
     cfg = build_eval_config(
         source, config_path, overrides, data_files, output_dir, n, temperature, top_p, max_response_length
     )
-    if "RANK" not in os.environ:
-        # A plain (non-torchrun) run is rank 0 of 1; vLLM's external_launcher reads these variables itself.
-        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    _default_single_process_env()
     info, platform = init_distributed(cfg.parallel)
     engine = None
     export_dir = output_dir / EXPORT_SUBDIR
     try:
-        # 1. An HF directory for the engine: rank 0 exports, the others learn the outcome (and fail with it).
-        hf_dir = source.path
-        if source.kind != "hf":
-            error = None
-            if info.is_main:
-                try:
-                    output_dir.mkdir(parents=True, exist_ok=True)
-                    export_to_hf(source, export_dir)
-                except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
-                    error = f"{type(exc).__name__}: {exc}"
-            error = broadcast_object(error)
-            if error is not None:
-                raise RuntimeError(f"--model {source.path} ({source.kind}): export to HF failed: {error}")
-            hf_dir = export_dir
+        # 1. An HF directory for the engine.
+        hf_dir = _engine_hf_dir(source, output_dir, export_dir, info.is_main)
 
         from transformers import AutoTokenizer
 
@@ -389,7 +398,12 @@ def run_eval(
 
         # 2. Generation, exactly as DAPOTrainer.validate: one call, seed_offset 0.
         engine = RolloutEngine(cfg, str(hf_dir), platform, pad_token_id=pad_id, eos_token_ids=eos_ids)
-        load_hf_weights_into_engine(engine, hf_dir, DTYPES[rollout_dtype(cfg)], cfg.rollout.weight_sync_bucket_mb)
+        load_hf_weights_into_engine(
+            engine,
+            hf_dir,
+            dtypes.from_config_name(rollout_dtype(cfg), "rollout.dtype"),
+            cfg.rollout.weight_sync_bucket_mb,
+        )
         rollout = engine.generate([it["input_ids"] for it in items], sampling, seed_offset=0)
 
         # 3. Scoring and the report, on rank 0.
@@ -407,6 +421,7 @@ def run_eval(
 
 
 def _score_and_write(cfg, tokenizer, eos_ids, items, rollout, n: int, output_dir: Path) -> dict:
+    """Score the rollout with the ``reward`` config, write ``samples.jsonl`` and ``summary.json``; the summary."""
     from megatron_dapo.reward.manager import RewardManager
 
     rows = rollout.prompt_index.tolist()
@@ -428,33 +443,37 @@ def _score_and_write(cfg, tokenizer, eos_ids, items, rollout, n: int, output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     with open(output_dir / SAMPLES_FILE, "w") as f:
         for r, i in enumerate(rows):
-            item = items[i]
-            pred = None if preds[r] is None else str(preds[r])
             rec = SampleRecord(
-                data_source=str(item["data_source"]),
+                data_source=str(items[i]["data_source"]),
                 prompt_index=int(i),
                 sample_index=r % n,  # rows come sorted by (prompt, sample), n per prompt
                 acc=float(bool(accs[r])),
-                pred=pred,
+                pred=None if preds[r] is None else str(preds[r]),
                 response_length=int(lengths[r]),
                 truncated=bool(rollout.truncated[r]),
             )
             records.append(rec)
-            line = {
-                "data_source": rec.data_source,
-                "prompt_index": rec.prompt_index,
-                "sample_index": rec.sample_index,
-                "prompt": item["raw_prompt"],
-                "response": texts[r],
-                "ground_truth": item["ground_truth"],
-                "score": float(result.extra["score"][r]) if result.extra["score"][r] is not None else None,
-                "reward": float(result.scores[r]),
-                "pred": pred,
-                "acc": rec.acc,
-                "response_length": rec.response_length,
-                "truncated": rec.truncated,
-            }
+            score = result.extra["score"][r]
+            line = _sample_line(rec, items[i], texts[r], score, float(result.scores[r]))
             f.write(json.dumps(line, default=str) + "\n")
     summary = summarize(records, n)
     (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
+
+
+def _sample_line(rec: SampleRecord, item: dict, response: str, score: Any, reward: float) -> dict[str, Any]:
+    """One line of ``samples.jsonl``."""
+    return {
+        "data_source": rec.data_source,
+        "prompt_index": rec.prompt_index,
+        "sample_index": rec.sample_index,
+        "prompt": item["raw_prompt"],
+        "response": response,
+        "ground_truth": item["ground_truth"],
+        "score": float(score) if score is not None else None,
+        "reward": reward,
+        "pred": rec.pred,
+        "acc": rec.acc,
+        "response_length": rec.response_length,
+        "truncated": rec.truncated,
+    }

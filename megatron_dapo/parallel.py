@@ -6,7 +6,7 @@ import datetime
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -104,6 +104,19 @@ def destroy_model_parallel() -> None:
         parallel_state.destroy_model_parallel()
 
 
+# ------------------------------------------------------------------------------ collectives (no-ops alone)
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 without torch.distributed)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Ranks in the default group (1 without torch.distributed)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -118,7 +131,35 @@ def broadcast_object(obj, src: int = 0):
     return holder[0]
 
 
-def all_reduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
+def all_gather_object(obj: Any) -> list:
+    """Every rank's ``obj`` (one collective), in rank order; ``[obj]`` without torch.distributed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def agree_error(local: Optional[str]) -> Optional[str]:
+    """The lowest failing rank's message on every rank (None when no rank failed). Collective."""
+    msgs = all_gather_object(local)
+    failed = [(r, m) for r, m in enumerate(msgs) if m]
+    if not failed:
+        return None
+    first, msg = failed[0]
+    more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+    return f"rank {first}: {msg}{more}" if len(msgs) > 1 else msg
+
+
+def parallel_layout() -> dict[str, Any]:
+    """The parallel layout this rank runs under (world size, TP, PP, VPP, DP): what a checkpoint records, and what
+    decides whether its per-rank state (RNG) can be restored."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world_size": world_size(),
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "data_parallel_size": ps.get_data_parallel_world_size(),
+    }

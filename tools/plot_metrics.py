@@ -77,52 +77,76 @@ def plot(rows: list[dict], out: Path, title: Optional[str] = None) -> list[str]:
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
     (ax_reward, ax_val), (ax_len, ax_ent) = axes
-    empty = []
+    drawn = {
+        "reward": _reward_panel(ax_reward, rows),
+        "validation accuracy": _validation_panel(ax_val, rows),
+        "response length": _length_panel(ax_len, rows),
+        "entropy": _entropy_panel(ax_ent, rows),
+    }
+    _decorate(fig, axes, rows, title)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return [panel for panel, ok in drawn.items() if not ok]
 
-    if not _line_with_band(ax_reward, rows, "critic/score", "score", "tab:blue"):
-        _missing(ax_reward, "critic/score/mean")
-        empty.append("reward")
-    ax_reward.set_title("Reward (sequence score)")
 
+def _reward_panel(ax, rows: list[dict]) -> bool:
+    ok = _line_with_band(ax, rows, "critic/score", "score", "tab:blue")
+    if not ok:
+        _missing(ax, "critic/score/mean")
+    ax.set_title("Reward (sequence score)")
+    return ok
+
+
+def _validation_panel(ax, rows: list[dict]) -> bool:
     val_keys = sorted({k for row in rows for k in row if VAL_KEY.match(k)})
     for i, key in enumerate(val_keys):
         xs, ys = series(rows, key)
         m = VAL_KEY.match(key)
-        ax_val.plot(xs, ys, marker="o", markersize=3, color=f"C{i}", label=f"{m['source']} mean@{m['n']}")
+        ax.plot(xs, ys, marker="o", markersize=3, color=f"C{i}", label=f"{m['source']} mean@{m['n']}")
     if val_keys:
-        ax_val.set_ylim(-0.02, 1.02)
+        ax.set_ylim(-0.02, 1.02)
     else:
-        _missing(ax_val, "val-core/*/acc/mean@* keys")
-        empty.append("validation accuracy")
-    ax_val.set_title("Validation accuracy")
+        _missing(ax, "val-core/*/acc/mean@* keys")
+    ax.set_title("Validation accuracy")
+    return bool(val_keys)
 
-    if _line_with_band(ax_len, rows, "response_length", "length", "tab:green"):
+
+def _length_panel(ax, rows: list[dict]) -> bool:
+    """Mean response length with its min-max band, and the clip ratio on a second axis."""
+    ok = _line_with_band(ax, rows, "response_length", "length", "tab:green")
+    if ok:
         xs, ys = series(rows, "response_length/clip_ratio")
         if xs:
-            ax_clip = ax_len.twinx()
+            ax_clip = ax.twinx()
             ax_clip.plot(xs, ys, color="tab:red", linestyle="--", linewidth=1, label="clip ratio")
             ax_clip.set_ylim(-0.02, 1.02)
             ax_clip.set_ylabel("clip ratio", color="tab:red")
             ax_clip.legend(loc="upper right", fontsize=8)
     else:
-        _missing(ax_len, "response_length/mean")
-        empty.append("response length")
-    ax_len.set_title("Response length (tokens)")
+        _missing(ax, "response_length/mean")
+    ax.set_title("Response length (tokens)")
+    return ok
 
+
+def _entropy_panel(ax, rows: list[dict]) -> bool:
     xs, ys = series(rows, "actor/entropy")
     if xs:
-        ax_ent.plot(xs, ys, color="tab:purple", marker="o" if len(xs) < 30 else None, markersize=3, label="entropy")
+        ax.plot(xs, ys, color="tab:purple", marker="o" if len(xs) < 30 else None, markersize=3, label="entropy")
     else:
-        _missing(ax_ent, "actor/entropy")
-        empty.append("entropy")
-    ax_ent.set_title("Policy entropy")
+        _missing(ax, "actor/entropy")
+    ax.set_title("Policy entropy")
+    return bool(xs)
+
+
+def _decorate(fig, axes, rows: list[dict], title: Optional[str]) -> None:
+    """Grids, legends, integer step ticks and the figure title (with the step range)."""
+    from matplotlib.ticker import MaxNLocator
 
     for ax in axes.flat:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="upper left", fontsize=8)
-    from matplotlib.ticker import MaxNLocator
-
     for ax in axes[1]:
         ax.set_xlabel("training step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -132,10 +156,6 @@ def plot(rows: list[dict], out: Path, title: Optional[str] = None) -> list[str]:
         suptitle += f"  (steps {steps[0]}-{steps[-1]})"
     fig.suptitle(suptitle)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return empty
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,6 +1,7 @@
-"""RL algorithm math: advantages, policy loss and aggregation, KL, entropy, dynamic sampling.
+"""RL algorithm math: advantages, policy loss and aggregation, KL, dynamic sampling.
 
-Pure functions on tensors (no process groups); vocab-parallel log-probs live in ``megatron_dapo.algo.logprobs``.
+Pure functions on tensors (no process groups); vocab-parallel log-probs and entropy live in
+``megatron_dapo.algo.logprobs``.
 """
 
 from megatron_dapo.algo.advantages import (
@@ -11,7 +12,6 @@ from megatron_dapo.algo.advantages import (
     compute_rloo_advantages,
 )
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingAccumulator, filter_groups
-from megatron_dapo.algo.entropy import compute_entropy_loss, entropy_from_logits, masked_entropy_mean
 from megatron_dapo.algo.kl import (
     AdaptiveKLController,
     FixedKLController,
@@ -23,8 +23,6 @@ from megatron_dapo.algo.masked import masked_mean, masked_sum, masked_var, maske
 from megatron_dapo.algo.policy_loss import (
     LOSS_AGG_MODES,
     agg_loss,
-    agg_normalisers,
-    compute_policy_loss,
     compute_policy_loss_terms,
     compute_rollout_is_weights,
     policy_loss_metric_sums,
@@ -36,22 +34,17 @@ __all__ = [
     "DynamicSamplingAccumulator",
     "FixedKLController",
     "agg_loss",
-    "agg_normalisers",
     "apply_kl_penalty_to_rewards",
     "compute_advantages",
-    "compute_entropy_loss",
     "compute_grpo_advantages",
-    "compute_policy_loss",
     "compute_policy_loss_terms",
     "compute_reinforce_pp_advantages",
     "compute_reinforce_pp_baseline_advantages",
     "compute_rloo_advantages",
     "compute_rollout_is_weights",
-    "entropy_from_logits",
     "filter_groups",
     "get_kl_controller",
     "kl_penalty",
-    "masked_entropy_mean",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -6,6 +6,9 @@ prompt each response was sampled from: any hashable ids (str/int/...) as a list/
 tensor. All functions are pure (no process groups); group statistics are computed in float64 and cast back to the
 dtype of ``scores`` (float32 if ``scores`` is not floating), so results agree with verl's float32 loops to rounding.
 
+Estimators are registered by name (``algo/registry.py``); ``compute_advantages`` dispatches on
+``algorithm.adv_estimator``.
+
 Every estimator returns ``(advantages[B, T], returns[B, T])``; outcome estimators return the same tensor twice
 (as verl does), REINFORCE++ returns the discounted returns as ``returns``.
 """
@@ -13,15 +16,18 @@ Every estimator returns ``(advantages[B, T], returns[B, T])``; outcome estimator
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from megatron_dapo.algo.masked import masked_whiten
+from megatron_dapo.algo.registry import ADV_ESTIMATORS, register_adv_estimator
 
 GroupIds = Sequence[Hashable] | np.ndarray | torch.Tensor
 
 __all__ = [
+    "AdvantageInputs",
     "GroupIds",
     "compute_advantages",
     "compute_grpo_advantages",
@@ -199,31 +205,42 @@ def compute_reinforce_pp_baseline_advantages(
     return out, out
 
 
-def compute_advantages(
-    estimator: str,
-    *,
-    scores: torch.Tensor,
-    group_ids: GroupIds,
-    response_mask: torch.Tensor,
-    token_level_rewards: torch.Tensor | None = None,
-    norm_adv_by_std_in_grpo: bool = True,
-    gamma: float = 1.0,
-    epsilon: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch on ``AlgorithmConfig.adv_estimator`` (``grpo`` | ``rloo`` | ``reinforce_plus_plus`` |
-    ``reinforce_plus_plus_baseline``). ``token_level_rewards[B, T]`` is needed only by ``reinforce_plus_plus``.
-    """
-    if estimator == "grpo":
-        return compute_grpo_advantages(scores, group_ids, response_mask, norm_adv_by_std_in_grpo, epsilon)
-    if estimator == "rloo":
-        return compute_rloo_advantages(scores, group_ids, response_mask, epsilon)
-    if estimator == "reinforce_plus_plus":
-        if token_level_rewards is None:
-            raise ValueError("adv_estimator 'reinforce_plus_plus' needs token_level_rewards[B, T]")
-        return compute_reinforce_pp_advantages(token_level_rewards, response_mask, gamma)
-    if estimator == "reinforce_plus_plus_baseline":
-        return compute_reinforce_pp_baseline_advantages(scores, group_ids, response_mask, epsilon)
-    raise ValueError(
-        f"unknown algorithm.adv_estimator {estimator!r}; expected one of grpo, rloo, reinforce_plus_plus, "
-        "reinforce_plus_plus_baseline"
-    )
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an advantage estimator gets: ``scores[B]`` (sequence rewards), ``group_ids[B]``, ``response_mask[B, T]``,
+    ``token_level_rewards[B, T]`` (None when only sequence rewards exist) and the ``algorithm.*`` settings."""
+
+    scores: torch.Tensor
+    group_ids: GroupIds
+    response_mask: torch.Tensor
+    token_level_rewards: torch.Tensor | None = None
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    epsilon: float = 1e-6
+
+
+@register_adv_estimator("grpo")
+def _grpo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return compute_grpo_advantages(x.scores, x.group_ids, x.response_mask, x.norm_adv_by_std_in_grpo, x.epsilon)
+
+
+@register_adv_estimator("rloo")
+def _rloo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return compute_rloo_advantages(x.scores, x.group_ids, x.response_mask, x.epsilon)
+
+
+@register_adv_estimator("reinforce_plus_plus")
+def _reinforce_pp(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.token_level_rewards is None:
+        raise ValueError("adv_estimator 'reinforce_plus_plus' needs token_level_rewards[B, T]")
+    return compute_reinforce_pp_advantages(x.token_level_rewards, x.response_mask, x.gamma)
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+def _reinforce_pp_baseline(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return compute_reinforce_pp_baseline_advantages(x.scores, x.group_ids, x.response_mask, x.epsilon)
+
+
+def compute_advantages(estimator: str, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the estimator registered as ``estimator`` (``algorithm.adv_estimator``) on ``AdvantageInputs(**inputs)``."""
+    return ADV_ESTIMATORS.get(estimator)(AdvantageInputs(**inputs))

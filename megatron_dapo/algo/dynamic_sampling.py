@@ -14,7 +14,9 @@ import torch
 
 from megatron_dapo.algo.advantages import GroupIds, group_index
 
-Batch = dict[str, Any]  # values: tensors / arrays with a leading [B] dimension, or lists of length B
+# A batch of rows: a dict of tensors / arrays with a leading [B] dimension or lists of length B, or an object with
+# ``__len__``, ``select(rows)`` and a classmethod ``concat(parts)`` (``megatron_dapo.batch.TrainBatch``).
+Batch = Any
 
 __all__ = ["DynamicSamplingAccumulator", "concat_batches", "filter_groups", "select_rows"]
 
@@ -62,6 +64,8 @@ def _length(value: Any) -> int:
 
 def select_rows(batch: Batch, rows: Sequence[int]) -> Batch:
     """Rows ``rows`` (in that order) of every entry of ``batch``."""
+    if not isinstance(batch, dict):
+        return batch.select(list(rows))
     out: Batch = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
@@ -78,6 +82,8 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
     ``np.concatenate``; lists: list concatenation). Tensors must agree on trailing dims (pad before adding)."""
     if not batches:
         return {}
+    if not isinstance(batches[0], dict):
+        return type(batches[0]).concat(batches)
     keys = list(batches[0])
     out: Batch = {}
     for key in keys:
@@ -163,14 +169,15 @@ class DynamicSamplingAccumulator:
         """Add one generation batch (``B`` trajectories; ``B`` may be 0) and keep its informative groups.
 
         Args:
-            batch: dict of tensors/arrays/lists, each with leading length ``B``.
+            batch: ``B`` rows (see ``Batch``).
             group_ids: ``[B]`` prompt ids.
             metric_values: ``[B]`` filter metric; ignored (may be None) when filtering is disabled.
         """
         size = len(group_ids)
-        for key, value in batch.items():
-            if _length(value) != size:
-                raise ValueError(f"batch[{key!r}] has {_length(value)} rows, group_ids has {size}")
+        lengths = {k: _length(v) for k, v in batch.items()} if isinstance(batch, dict) else {"batch": len(batch)}
+        for key, length in lengths.items():
+            if length != size:
+                raise ValueError(f"batch[{key!r}] has {length} rows, group_ids has {size}")
         self.num_gen_batches += 1
         self.num_trajectories_generated += size
         part = len(self._parts)  # == generation batch index since the last take()

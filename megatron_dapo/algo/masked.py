@@ -33,33 +33,27 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: Axis = None) -> 
     return masked_sum(values, mask, axis) / (denom + MEAN_EPS)
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance over all masked elements (scalar). Unbiased (Bessel-corrected) by default, as verl.
+def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unbiased (Bessel-corrected) variance over all masked elements (scalar), as verl.
 
-    Raises ``ValueError`` when fewer than two elements are selected and ``unbiased`` is set (verl does the same:
-    the correction would divide by zero).
+    Raises ``ValueError`` when fewer than two elements are selected (verl does the same: the correction would
+    divide by zero).
     """
     mean = masked_mean(values, mask)
     var = masked_mean((values - mean) ** 2, mask)
-    if unbiased:
-        count = mask.sum()
-        if count == 0:
-            raise ValueError("masked_var: the mask selects no element; at least two are needed")
-        if count == 1:
-            raise ValueError("masked_var: the mask selects one element; the unbiased variance needs at least two")
-        var = var * (count / (count - 1))
-    return var
+    count = mask.sum()
+    if count == 0:
+        raise ValueError("masked_var: the mask selects no element; at least two are needed")
+    if count == 1:
+        raise ValueError("masked_var: the mask selects one element; the unbiased variance needs at least two")
+    return var * (count / (count - 1))
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``(values - mean) * rsqrt(var + 1e-8)`` with mean/unbiased var over the masked elements of the whole tensor.
 
     Output has the shape of ``values``; masked-out positions are transformed too (multiply by the mask if zeros
-    are wanted). With ``shift_mean=False`` the mean is added back.
+    are wanted).
     """
     mean = masked_mean(values, mask)
-    var = masked_var(values, mask)
-    whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPS)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened
+    return (values - mean) * torch.rsqrt(masked_var(values, mask) + WHITEN_EPS)

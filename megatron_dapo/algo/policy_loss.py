@@ -3,16 +3,9 @@
 Shapes: ``[B, T]`` per-token tensors (B responses, T response tokens); ``response_mask[B, T]`` selects the tokens
 that count. Everything is a pure function (no process groups).
 
-Two ways to use it:
-
-* whole batch: :func:`compute_policy_loss` returns the aggregated loss and the metrics for the batch it is given;
-* split (distributed-exact) form for a loss hook that sees one micro-batch at a time:
-  :func:`compute_policy_loss_terms` gives the per-token loss matrix and indicators, :func:`agg_loss` aggregates a
-  micro-batch with explicit *global* normalisers (obtained by summing :func:`agg_normalisers` over all
-  micro-batches and data-parallel ranks of the optimizer step), and :func:`policy_loss_metric_sums` gives token
-  sums for the metrics. Then ``sum over micro-batches and ranks of agg_loss(micro, normalisers=global)`` equals
-  ``agg_loss(whole batch)`` for every mode (up to float rounding). If the data-parallel gradient reduction
-  *averages* over ranks (Megatron's default), multiply each rank's loss by the DP size to get the sum.
+The loss of a micro-batch is assembled in ``algo/loss.py`` (``dapo_loss``), from the pieces here: the per-token
+policy-loss terms (a registered variant: ``vanilla`` is verl's ``compute_policy_loss_vanilla``), :func:`agg_loss`
+with explicit global normalisers, and :func:`policy_loss_metric_sums`.
 """
 
 from __future__ import annotations
@@ -22,6 +15,7 @@ from typing import Literal
 import torch
 
 from megatron_dapo.algo.masked import masked_sum
+from megatron_dapo.algo.registry import register_policy_loss
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -34,11 +28,10 @@ __all__ = [
     "LOSS_AGG_MODES",
     "LossAggMode",
     "agg_loss",
-    "agg_normalisers",
-    "compute_policy_loss",
     "compute_policy_loss_terms",
     "compute_rollout_is_weights",
     "policy_loss_metric_sums",
+    "vanilla_policy_loss",
 ]
 
 
@@ -46,19 +39,6 @@ def _as_divisor(value: Number, like: torch.Tensor) -> torch.Tensor:
     """Normaliser as a tensor of ``like``'s dtype; a zero normaliser becomes 1 (the numerator is then 0 too)."""
     d = torch.as_tensor(value, dtype=like.dtype, device=like.device)
     return torch.where(d == 0, torch.ones_like(d), d)
-
-
-def agg_normalisers(loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Local counts to be summed over micro-batches and DP ranks to get :func:`agg_loss`'s global normalisers.
-
-    Returns ``{"global_token_count": number of masked tokens, "global_seq_count": number of sequences with at
-    least one masked token}`` (0-dim float64 tensors) for ``loss_mask[B, T]``.
-    """
-    mask = loss_mask.to(torch.float64)
-    return {
-        "global_token_count": mask.sum(),
-        "global_seq_count": (mask.sum(dim=-1) > 0).to(torch.float64).sum(),
-    }
 
 
 def agg_loss(
@@ -82,9 +62,9 @@ def agg_loss(
       does: ``sum(loss * m) / N_seqs / C``. Pass ``max_response_length`` whenever micro-batches may be padded to
       different ``T`` so that the split form stays exact.
 
-    Passing the global normalisers (sums of :func:`agg_normalisers` over the whole batch) makes the result additive
-    over any split of the batch into micro-batches/ranks. Fully masked sequences contribute nothing; a fully masked
-    batch gives 0 (verl 0.9.1 gives NaN, 0/0; see ``docs/verl_config_mapping.md``).
+    Passing the global normalisers (``algo/loss.py``: ``LossNormalisers``, summed over the whole batch) makes the
+    result additive over any split of the batch into micro-batches/ranks. Fully masked sequences contribute
+    nothing; a fully masked batch gives 0 (verl 0.9.1 gives NaN, 0/0; see ``docs/verl_config_mapping.md``).
     Values outside the mask never contaminate the result (NaN-safe).
 
     Returns a 0-dim tensor of ``loss_mat``'s dtype, differentiable w.r.t. ``loss_mat``.
@@ -153,6 +133,21 @@ def compute_policy_loss_terms(
     }
 
 
+@register_policy_loss("vanilla")
+def vanilla_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    cfg,
+    is_weights: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """verl's ``vanilla`` policy loss: :func:`compute_policy_loss_terms` with the actor's clip settings
+    (``actor.clip_ratio_low/high``, ``clip_ratio_c``)."""
+    return compute_policy_loss_terms(
+        log_prob, old_log_prob, advantages, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, is_weights
+    )
+
+
 def policy_loss_metric_sums(terms: dict[str, torch.Tensor], response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Masked token sums of the metric terms of one micro-batch (detached 0-dim tensors).
 
@@ -166,76 +161,6 @@ def policy_loss_metric_sums(terms: dict[str, torch.Tensor], response_mask: torch
         "ppo_kl": masked_sum(terms["approx_kl"], response_mask).detach(),
         "num_tokens": response_mask.sum().to(terms["approx_kl"].dtype),
     }
-
-
-def compute_policy_loss(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-    loss_agg_mode: str = "token-mean",
-    is_weights: torch.Tensor | None = None,
-    global_token_count: Number | None = None,
-    global_seq_count: Number | None = None,
-    max_response_length: Number | None = None,
-    chunk_elements: int | None = -1,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped PPO policy loss of a batch (verl ``compute_policy_loss_vanilla``).
-
-    Args:
-        log_prob, old_log_prob, advantages, response_mask: ``[B, T]``.
-        clip_ratio_low, clip_ratio_high: decoupled clip range ``[1 - low, 1 + high]`` (DAPO clip-higher).
-        clip_ratio_c: dual-clip bound (> 1) for negative advantages.
-        loss_agg_mode: see :func:`agg_loss`.
-        is_weights: optional ``[B, T]`` (detached) truncated IS weights multiplied into the per-token loss.
-        global_token_count, global_seq_count, max_response_length: optional normalisers, see :func:`agg_loss`;
-            by default those of this batch (``max_response_length`` defaults to ``T``).
-        chunk_elements: process the batch in blocks of rows of at most this many elements, summing the blocks
-            with the batch's normalisers (the split form, so the result is the same up to float summation order).
-            This keeps the temporaries cache- and allocator-friendly on CPU (>10x faster for 512 x 4096 there).
-            ``-1`` (default): 65536 for CPU tensors, one block otherwise; ``None``: one block.
-
-    Returns:
-        ``(loss, metrics)``: ``loss`` is a differentiable 0-dim tensor; ``metrics`` maps ``pg_loss`` (the loss,
-        detached), ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` to detached 0-dim tensors (call ``.item()``
-        when logging). The last three are masked token means over this batch (``sum / (count + 1e-8)``, verl).
-    """
-    if log_prob.dim() != 2:
-        raise ValueError(f"log_prob must be [B, T], got shape {tuple(log_prob.shape)}")
-    batch, width = log_prob.shape
-    if chunk_elements == -1:
-        chunk_elements = 65536 if log_prob.device.type == "cpu" else None
-    rows = batch if not chunk_elements else max(1, chunk_elements // max(1, width))
-    counts = agg_normalisers(response_mask)
-    norm = {
-        "global_token_count": counts["global_token_count"] if global_token_count is None else global_token_count,
-        "global_seq_count": counts["global_seq_count"] if global_seq_count is None else global_seq_count,
-        "max_response_length": width if max_response_length is None else max_response_length,
-    }
-    loss = log_prob.new_zeros(())
-    sums = {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": 0.0}
-    for start in range(0, batch, rows):
-        block = slice(start, start + rows)
-        terms = compute_policy_loss_terms(
-            log_prob[block],
-            old_log_prob[block],
-            advantages[block],
-            clip_ratio_low,
-            clip_ratio_high,
-            clip_ratio_c,
-            None if is_weights is None else is_weights[block],
-        )
-        loss = loss + agg_loss(terms["pg_losses"], response_mask[block], loss_agg_mode, **norm)
-        block_sums = policy_loss_metric_sums(terms, response_mask[block])
-        for key in sums:
-            sums[key] = sums[key] + block_sums[key]
-    denom = counts["global_token_count"].to(log_prob.dtype) + 1e-8
-    metrics = {"pg_loss": loss.detach()}
-    metrics.update({key: torch.as_tensor(value, dtype=log_prob.dtype) / denom for key, value in sums.items()})
-    return loss, metrics
 
 
 @torch.no_grad()

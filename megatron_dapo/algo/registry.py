@@ -8,7 +8,7 @@ Config validation, dispatch and the implementations meet here: ``algorithm.adv_e
     from megatron_dapo.algo.registry import register_adv_estimator
 
     @register_adv_estimator("my_grpo")
-    def my_grpo(batch, cfg):            # AdvantageInputs, AlgorithmConfig -> (advantages[B, T], returns[B, T])
+    def my_grpo(inputs):                # AdvantageInputs -> (advantages[B, T], returns[B, T])
         ...
 
 Signatures are documented on :data:`ADV_ESTIMATORS` and :data:`POLICY_LOSSES`.
@@ -73,10 +73,10 @@ class Registry(Generic[F]):
         return self._entries[name]
 
 
-#: ``fn(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> (advantages[B, T], returns[B, T])``; pure, no process groups.
+#: ``fn(inputs: AdvantageInputs) -> (advantages[B, T], returns[B, T])`` (``algo/advantages.py``); pure.
 ADV_ESTIMATORS: Registry = Registry("advantage estimator", "algorithm.adv_estimator")
-#: ``fn(log_prob, old_log_prob, advantages, cfg: ActorConfig, is_weights) -> PolicyLossTerms``, all ``[b, T]``
-#: per-token tensors, nothing masked or aggregated (``algo/loss.py`` aggregates).
+#: ``fn(log_prob, old_log_prob, advantages, cfg: ActorConfig, is_weights) -> dict`` of ``[b, T]`` per-token tensors
+#: ``pg_losses``, ``clipped``, ``clipped_lower``, ``approx_kl`` (``algo/policy_loss.py``), unaggregated.
 POLICY_LOSSES: Registry = Registry("policy loss", "actor.policy_loss")
 
 register_adv_estimator = ADV_ESTIMATORS.register

@@ -1,6 +1,5 @@
 """Prompt data: verl-format rows, the tokenized prompt dataset, the resumable sampler and padding helpers."""
 
-from megatron_dapo.data.collate import collate_prompts, pad_responses
 from megatron_dapo.data.dataset import RLDataset, build_dataset
 from megatron_dapo.data.prompts import TRUNCATION_MODES, prompt_text, truncate_prompt
 from megatron_dapo.data.rows import (
@@ -21,9 +20,7 @@ __all__ = [
     "PromptSampler",
     "RLDataset",
     "build_dataset",
-    "collate_prompts",
     "load_rows",
-    "pad_responses",
     "prompt_text",
     "read_records",
     "truncate_prompt",

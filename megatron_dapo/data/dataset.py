@@ -18,7 +18,7 @@ _TOKENIZE_CHUNK = 1024
 
 
 class RLDataset:
-    """Tokenized prompts, ready for ``PromptSampler`` and ``collate_prompts``.
+    """Tokenized prompts, ready for ``PromptSampler`` and the rollout engine.
 
     All rows are templated and tokenized here, at construction, so that a bad or overlong row stops the run before
     any model is loaded, and so that ``filter_overlong_prompts`` knows the final length. Each item is a dict:
@@ -39,19 +39,8 @@ class RLDataset:
         if not rows:
             raise DataError(f"{name}: no rows")
 
-        texts: list[str] = []
-        places: list[str] = []
-        for i, row in enumerate(rows):
-            where = row_location(row, f"{name}: row {i}")
-            validate_row(row, where, data_config.prompt_key)
-            texts.append(prompt_text(row[data_config.prompt_key], tokenizer, data_config.apply_chat_template, where))
-            places.append(where)
-
-        all_ids: list[list[int]] = []
-        for start in range(0, len(texts), _TOKENIZE_CHUNK):
-            chunk = texts[start : start + _TOKENIZE_CHUNK]
-            all_ids.extend(list(ids) for ids in tokenizer(chunk, add_special_tokens=False)["input_ids"])
-
+        texts, places = _prompt_texts(rows, tokenizer, data_config, name)
+        all_ids = _tokenize(tokenizer, texts)
         self.num_filtered = 0
         self._items: list[dict] = []
         for row, text, ids, where in zip(rows, texts, all_ids, places):
@@ -93,9 +82,28 @@ class RLDataset:
         # Copies of the mutable fields: a caller editing a batch must not change the dataset.
         return {**item, "input_ids": list(item["input_ids"]), "extra_info": dict(item["extra_info"])}
 
-    def max_length(self) -> int:
-        """The longest prompt in tokens (after truncation)."""
-        return max(len(item["input_ids"]) for item in self._items)
+
+def _prompt_texts(
+    rows: Sequence[dict], tokenizer: Any, data_config: DataConfig, name: str
+) -> tuple[list[str], list[str]]:
+    """Validate every row; returns the prompts' texts (chat template applied) and the rows' locations (messages)."""
+    texts: list[str] = []
+    places: list[str] = []
+    for i, row in enumerate(rows):
+        where = row_location(row, f"{name}: row {i}")
+        validate_row(row, where, data_config.prompt_key)
+        texts.append(prompt_text(row[data_config.prompt_key], tokenizer, data_config.apply_chat_template, where))
+        places.append(where)
+    return texts, places
+
+
+def _tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of ``texts`` (no special tokens added), ``_TOKENIZE_CHUNK`` texts per tokenizer call."""
+    all_ids: list[list[int]] = []
+    for start in range(0, len(texts), _TOKENIZE_CHUNK):
+        chunk = texts[start : start + _TOKENIZE_CHUNK]
+        all_ids.extend(list(ids) for ids in tokenizer(chunk, add_special_tokens=False)["input_ids"])
+    return all_ids
 
 
 def build_dataset(

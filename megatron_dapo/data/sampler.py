@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -75,11 +74,6 @@ class PromptSampler:
             self.epoch += 1
             self.position = 0
         return batch
-
-    def __iter__(self) -> Iterator[list[int]]:
-        """Endless: the caller stops after its number of steps or when ``epoch`` reaches its total."""
-        while True:
-            yield self.next_batch()
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, **{k: getattr(self, k) for k in _SETUP_KEYS}}

@@ -8,12 +8,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_dapo.config import ActorConfig, ExperimentConfig, ModelConfig, ParallelConfig
+from megatron_dapo import dtypes
+from megatron_dapo.config import ActorConfig, ConfigError, ExperimentConfig, ModelConfig, ParallelConfig
 from megatron_dapo.models.families import ModelArch
 from megatron_dapo.platform import get_platform
 from megatron_dapo.weights.layout import padded_vocab_size
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class RMSNorm(torch.nn.Module):
@@ -63,12 +62,11 @@ def recompute_kwargs(actor: Optional[ActorConfig]) -> dict:
 def transformer_config(
     arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, actor: Optional[ActorConfig] = None
 ):
-    """``TransformerConfig`` for ``arch`` under ``parallel`` (+ the actor's recompute settings); CPU-safe choices
-    where megatron-core offers them."""
+    """``TransformerConfig`` for ``arch`` under ``parallel`` (+ the actor's recompute settings and the platform's
+    ``transformer_config_overrides``); no fused kernels megatron-core would need extra packages for."""
     from megatron.core.transformer import TransformerConfig
 
-    dtype = DTYPES[model.params_dtype]
-    on_cpu = get_platform().name == "cpu"
+    dtype = dtypes.from_config_name(model.params_dtype, "model.params_dtype")
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -95,7 +93,6 @@ def transformer_config(
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=on_cpu,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -105,7 +102,6 @@ def transformer_config(
         # Responses differ in length from step to step; p2p shapes are exchanged per micro-batch.
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # avoids a MoE-only check that variable_seq_lengths trips
-        batch_p2p_sync=not on_cpu,
         # Interleaved (VPP) schedule: Megatron-LM's default p2p mode (overlapped, unbatched). The batched mode posts
         # sends/receives to both neighbours in one batch_isend_irecv, which deadlocks on gloo when PP=2 (previous
         # rank == next rank); the unbatched path orders them by even/odd rank.
@@ -113,6 +109,7 @@ def transformer_config(
         batch_p2p_comm=parallel.virtual_pipeline_model_parallel_size is None,
         init_method_std=0.02,
         **recompute_kwargs(actor),
+        **get_platform().transformer_config_overrides(),
     )
 
 
@@ -123,6 +120,19 @@ def resolve_transformer_impl(model: ModelConfig, parallel: ParallelConfig) -> st
     impl = platform.resolve_transformer_impl(model.transformer_impl)
     platform.check_context_parallel(parallel.context_parallel_size, impl)
     return impl
+
+
+def resolve_remove_padding(actor: ActorConfig, impl: str, context_parallel_size: int) -> bool:
+    """``actor.use_remove_padding`` for the resolved ``model.transformer_impl``: packed (THD) micro-batches need an
+    attention that takes ``packed_seq_params`` (TransformerEngine; MindSpeed on NPU), which the local spec does not."""
+    if actor.use_remove_padding is None:
+        return impl != "local" and context_parallel_size == 1
+    if actor.use_remove_padding and impl == "local":
+        raise ConfigError(
+            "actor.use_remove_padding=true needs packed (THD) attention: model.transformer_impl=transformer_engine "
+            "(CUDA) or MindSpeed (Ascend NPU); megatron-core's local spec has none. Set actor.use_remove_padding=false"
+        )
+    return actor.use_remove_padding
 
 
 def layer_spec(arch: ModelArch, config, vp_stage: Optional[int] = None, impl: Optional[str] = None):

@@ -201,14 +201,36 @@ def layer_param_mappings(arch: ModelArch, layer: int) -> list[ParamMapping]:
     return out
 
 
+# Tied embeddings (``tie_word_embeddings``): the output layer *is* the input embedding. The map has no output layer
+# for a tied model; what follows from that is decided here and nowhere else.
+EMBEDDING_NAME = "embedding.word_embeddings.weight"
+OUTPUT_LAYER_NAME = "output_layer.weight"
+HF_OUTPUT_NAME = "lm_head.weight"
+
+
+def tied_output_source(arch: ModelArch, mcore_name: str) -> Optional[str]:
+    """The global Megatron name whose tensor ``mcore_name`` is a copy of, or None when it is no copy.
+
+    With tied embeddings megatron-core keeps an ``output_layer.weight`` on a last pipeline stage that is not also the
+    first: a copy of the embedding (kept equal by its gradient all-reduce). Loaders fill it from the embedding; the
+    checkpoint writer, the exporter and the weight sync skip it (the embedding is sent once)."""
+    return EMBEDDING_NAME if arch.tie_word_embeddings and mcore_name == OUTPUT_LAYER_NAME else None
+
+
+def ignorable_hf_names(arch: ModelArch) -> frozenset[str]:
+    """HF tensors a checkpoint of ``arch`` may carry that the map has no place for: a tied model may still store
+    ``lm_head.weight`` (transformers ties it to the embedding on load, and so do we)."""
+    return frozenset({HF_OUTPUT_NAME}) if arch.tie_word_embeddings else frozenset()
+
+
 def param_mappings(arch: ModelArch) -> list[ParamMapping]:
-    """The whole model's map, in HF order (embedding, layers, final norm, output head)."""
-    out = [ParamMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0)]
+    """The whole model's map, in HF order (embedding, layers, final norm, output head unless tied)."""
+    out = [ParamMapping(EMBEDDING_NAME, ("model.embed_tokens.weight",), "vocab", 0)]
     for layer in range(arch.num_layers):
         out += layer_param_mappings(arch, layer)
     out.append(ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None))
     if not arch.tie_word_embeddings:
-        out.append(ParamMapping("output_layer.weight", ("lm_head.weight",), "vocab", 0))
+        out.append(ParamMapping(OUTPUT_LAYER_NAME, (HF_OUTPUT_NAME,), "vocab", 0))
     return out
 
 

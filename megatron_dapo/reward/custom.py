@@ -75,10 +75,6 @@ _EXPECTED = "expected a finite int or float (or a dict whose 'score' is one)"
 _MAX_REPR_CHARS = 200
 
 
-def _load_module(path: str) -> Any:
-    return load_python_file(path, "reward function file")
-
-
 def load_reward_function(path: str, name: str = "compute_score") -> RewardFunction:
     """Load function ``name`` from the Python file ``path``.
 
@@ -90,7 +86,7 @@ def load_reward_function(path: str, name: str = "compute_score") -> RewardFuncti
     """
     if not path:
         raise FileNotFoundError("reward function path is empty; set reward.custom_function.path")
-    module = _load_module(path)
+    module = load_python_file(path, "reward function file")
     if not hasattr(module, name):
         candidates = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise AttributeError(

@@ -52,7 +52,8 @@ from typing import Any
 
 import torch
 
-from megatron_dapo.config import ConfigError, RewardConfig
+from megatron_dapo.config import ConfigError, RewardConfig, reward_value_problems
+from megatron_dapo.config_checks import extra_function_spec
 from megatron_dapo.reward import custom
 from megatron_dapo.reward.overlong import overlong_penalty
 
@@ -140,15 +141,11 @@ def _custom_specs(config: RewardConfig) -> list[custom.RewardSpec]:
     if cf.path:
         specs.append((cf.path, cf.name, float(cf.weight)))
     for i, item in enumerate(config.extra_functions):
-        where = f"reward.extra_functions[{i}]"
-        if not isinstance(item, dict):
-            raise ConfigError(f"{where}: expected a mapping with keys path, name, weight; got {item!r}")
-        unknown = set(item) - {"path", "name", "weight"}
-        if unknown:
-            raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; valid keys are path, name, weight")
-        if not item.get("path"):
-            raise ConfigError(f"{where}: 'path' (a Python file defining the reward function) is required")
-        specs.append((str(item["path"]), str(item.get("name", "compute_score")), float(item.get("weight", 1.0))))
+        spec, problems = extra_function_spec(item, f"reward.extra_functions[{i}]")
+        if problems:
+            raise ConfigError.of(problems)
+        path, name, weight = spec
+        specs.append((path, name, float(weight)))
     return specs
 
 
@@ -292,86 +289,96 @@ class RewardManager:
             self._warn_timeout_unenforced,
         )
 
+    def _score_all(self, kinds: list[str], args: list[tuple]) -> list[tuple[str, Any]]:
+        """The outcome of every call: in the worker pool, or in this process with ``reward.num_workers = 0``."""
+        if self.num_workers > 0 and args:
+            return self._score_pool(kinds, args)
+        return [self._score_inline(k, a) for k, a in zip(kinds, args, strict=True)]
+
     def _score_pool(self, kinds: list[str], args: list[tuple]) -> list[tuple[str, Any]]:
         """Score every item in the pool, at most one in flight per worker.
 
         A worker death (``BrokenProcessPool``) fails every call in flight; those items are re-run one at a time
-        ("suspects"), so only the item that kills its worker when alone is scored as an error.
+        ("suspects"), so only the item that kills its worker when alone is scored as an error. A call still running
+        at the hard deadline has the pool restarted (:meth:`_restart_stuck_pool`).
         """
-        n = len(kinds)
-        outcomes: list[tuple[str, Any] | None] = [None] * n
-        pending: deque[int] = deque(range(n))
-        suspects: deque[int] = deque()
-        inflight: dict[Future, tuple[int, float]] = {}
-        solo = False  # a suspect is running alone
+        run = _PoolRun(outcomes=[None] * len(kinds), pending=deque(range(len(kinds))))
         hard_s = self.timeout_s + self.hard_timeout_grace_s if self.timeout_s > 0 else None
-
-        def settle(fut: Future, i: int) -> bool:
-            """Record a finished call; returns True if its worker died."""
-            try:
-                outcomes[i] = fut.result()
-            except BrokenProcessPool:
-                if solo:
-                    outcomes[i] = ("error", "the reward worker process died while scoring this response")
-                else:
-                    suspects.append(i)
-                return True
-            except custom.ScorerTimeout:  # the alarm fired as the worker was returning
-                outcomes[i] = (
-                    "timeout",
-                    f"reward function {self._scorer_label(kinds[i])} exceeded reward.timeout_s={self.timeout_s:g} s",
-                )
-            except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable result
-                outcomes[i] = ("error", f"{type(exc).__name__}: {exc}")
-            return False
-
-        while pending or suspects or inflight:
+        while run.pending or run.suspects or run.inflight:
             executor = self._ensure_pool()
-            if not inflight:
-                solo = bool(suspects)
+            if not run.inflight:
+                run.solo = bool(run.suspects)
             try:
-                while len(inflight) < (1 if solo else self.num_workers) and (suspects if solo else pending):
-                    i = (suspects if solo else pending).popleft()
-                    try:
-                        fut = executor.submit(custom.run_scorer, kinds[i], *args[i], self.timeout_s)
-                    except BrokenProcessPool:
-                        (suspects if solo else pending).appendleft(i)
-                        raise
-                    inflight[fut] = (i, time.monotonic())
+                self._submit(executor, run, kinds, args)
             except BrokenProcessPool:
                 self._kill_pool()
                 continue
-            if not inflight:
+            if not run.inflight:
                 continue
             wait_s = None
             if hard_s is not None:
-                wait_s = max(0.0, min(start for _, start in inflight.values()) + hard_s - time.monotonic())
-            done, _ = wait(list(inflight), timeout=wait_s, return_when=FIRST_COMPLETED)
+                wait_s = max(0.0, min(start for _, start in run.inflight.values()) + hard_s - time.monotonic())
+            done, _ = wait(list(run.inflight), timeout=wait_s, return_when=FIRST_COMPLETED)
             for fut in done:
-                i, _ = inflight.pop(fut)
-                settle(fut, i)
-            if hard_s is None:
-                continue
-            now = time.monotonic()
-            expired = [fut for fut, (_, start) in inflight.items() if now - start >= hard_s and not fut.done()]
-            if not expired:
-                continue
-            for fut in expired:
-                i, _ = inflight.pop(fut)
-                outcomes[i] = (
-                    "timeout",
-                    f"reward function {self._scorer_label(kinds[i])} did not return within {hard_s:.1f} s "
-                    f"(reward.timeout_s={self.timeout_s:g} plus a grace period); its worker was killed",
-                )
-            logger.warning("reward worker stuck past the hard deadline (%.1f s); restarting the pool", hard_s)
-            for fut, (i, _) in list(inflight.items()):
-                if fut.done() and not fut.cancelled() and fut.exception() is None:
-                    outcomes[i] = fut.result()
-                else:
-                    pending.appendleft(i)  # innocent bystander: score it again in the new pool
-            inflight.clear()
-            self._kill_pool()
-        return [o if o is not None else ("error", "not scored") for o in outcomes]
+                i, _ = run.inflight.pop(fut)
+                self._settle(fut, i, run, kinds)
+            if hard_s is not None:
+                self._restart_stuck_pool(run, kinds, hard_s)
+        return [o if o is not None else ("error", "not scored") for o in run.outcomes]
+
+    def _submit(self, executor: ProcessPoolExecutor, run: _PoolRun, kinds: list[str], args: list[tuple]) -> None:
+        """Fill the free worker slots (a single slot while suspects run alone); on ``BrokenProcessPool`` the item
+        goes back to its queue and the error propagates."""
+        queue = run.suspects if run.solo else run.pending
+        while len(run.inflight) < (1 if run.solo else self.num_workers) and queue:
+            i = queue.popleft()
+            try:
+                fut = executor.submit(custom.run_scorer, kinds[i], *args[i], self.timeout_s)
+            except BrokenProcessPool:
+                queue.appendleft(i)
+                raise
+            run.inflight[fut] = (i, time.monotonic())
+
+    def _settle(self, fut: Future, i: int, run: _PoolRun, kinds: list[str]) -> None:
+        """Record the outcome of finished call ``i``; if its worker died, ``i`` becomes a suspect (an error when it
+        already ran alone)."""
+        try:
+            run.outcomes[i] = fut.result()
+        except BrokenProcessPool:
+            if run.solo:
+                run.outcomes[i] = ("error", "the reward worker process died while scoring this response")
+            else:
+                run.suspects.append(i)
+        except custom.ScorerTimeout:  # the alarm fired as the worker was returning
+            run.outcomes[i] = (
+                "timeout",
+                f"reward function {self._scorer_label(kinds[i])} exceeded reward.timeout_s={self.timeout_s:g} s",
+            )
+        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable result
+            run.outcomes[i] = ("error", f"{type(exc).__name__}: {exc}")
+
+    def _restart_stuck_pool(self, run: _PoolRun, kinds: list[str], hard_s: float) -> None:
+        """If a call has run past the hard deadline ``hard_s``: score it as a timeout, kill and forget the pool, and
+        queue the other unfinished calls again (innocent bystanders)."""
+        now = time.monotonic()
+        expired = [fut for fut, (_, start) in run.inflight.items() if now - start >= hard_s and not fut.done()]
+        if not expired:
+            return
+        for fut in expired:
+            i, _ = run.inflight.pop(fut)
+            run.outcomes[i] = (
+                "timeout",
+                f"reward function {self._scorer_label(kinds[i])} did not return within {hard_s:.1f} s "
+                f"(reward.timeout_s={self.timeout_s:g} plus a grace period); its worker was killed",
+            )
+        logger.warning("reward worker stuck past the hard deadline (%.1f s); restarting the pool", hard_s)
+        for fut, (i, _) in list(run.inflight.items()):
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                run.outcomes[i] = fut.result()
+            else:
+                run.pending.appendleft(i)  # score it again in the new pool
+        run.inflight.clear()
+        self._kill_pool()
 
     def __call__(
         self,
@@ -392,21 +399,41 @@ class RewardManager:
         Returns:
             :class:`RewardResult`.
         """
-        if responses.dim() != 2 or responses.shape != response_mask.shape:
-            raise ValueError(
-                f"responses {tuple(responses.shape)} and response_mask {tuple(response_mask.shape)} must both be [B, T]"
-            )
+        extra_infos = _check_batch(responses, response_mask, data_sources, ground_truths, extra_infos)
         batch, width = responses.shape
-        if extra_infos is None:
-            extra_infos = [None] * batch
-        for name, seq in (
-            ("data_sources", data_sources),
-            ("ground_truths", ground_truths),
-            ("extra_infos", extra_infos),
-        ):
-            if len(seq) != batch:
-                raise ValueError(f"{name} has {len(seq)} entries, responses has {batch} rows")
+        kinds = self._route(data_sources)
+        lengths = _valid_lengths(response_mask)
+        ids = responses.detach().to("cpu")
+        texts = self._decode(ids, lengths)
+        args = [(data_sources[i], texts[i], ground_truths[i], extra_infos[i]) for i in range(batch)]
+        outcomes = self._score_all(kinds, args)
 
+        shaping = self._overlong_shaping(lengths)
+        truncated = self._truncated(ids, lengths)
+        rows, num_errors, num_timeouts = self._rows(outcomes, kinds, data_sources)
+        final = (torch.tensor([r["score"] for r in rows], dtype=torch.float64) + shaping).to(torch.float32)
+        token_level_scores = _on_last_token(final, lengths, width)
+        _check_finite(final, token_level_scores, rows, shaping)
+        metrics = {
+            "reward/num_errors": float(num_errors),
+            "reward/num_timeouts": float(num_timeouts),
+            "reward/num_overlong": float(truncated.sum().item()),
+            "reward/score_mean": float(final.mean().item()) if batch else 0.0,
+        }
+        return RewardResult(
+            token_level_scores=token_level_scores,
+            scores=final,
+            extra=_extra_columns(rows, shaping, truncated),
+            metrics=metrics,
+            response_lengths=lengths.to(torch.long),
+            overlong=truncated,
+        )
+
+    # ------------------------------------------------------------------ parts of __call__
+
+    def _route(self, data_sources: Sequence[str]) -> list[str]:
+        """The scorer kind of every response (:func:`route_data_source`); a ``ConfigError`` naming the data sources
+        if some need a custom function and none is configured."""
         kinds = [route_data_source(ds) for ds in data_sources]
         if "custom" in kinds and self._custom_fn is None:
             missing = sorted({str(ds) for ds, k in zip(data_sources, kinds, strict=True) if k == "custom"})
@@ -416,40 +443,41 @@ class RewardManager:
                 "reward.custom_function.name) to a Python file defining "
                 "compute_score(data_source, solution_str, ground_truth, extra_info)"
             )
+        return kinds
 
-        mask = response_mask.detach().to("cpu").bool()
-        ids = responses.detach().to("cpu")
-        positions = torch.arange(1, width + 1).expand(batch, width)
-        lengths = (
-            torch.where(mask, positions, torch.zeros_like(positions)).amax(dim=-1)
-            if width
-            else torch.zeros(batch, dtype=torch.long)
-        )
+    def _decode(self, ids: torch.Tensor, lengths: torch.Tensor) -> list[str]:
+        """The text of each response's valid prefix, special tokens skipped and a trailing EOS string removed."""
         eos_text = getattr(self.tokenizer, "eos_token", None)
-        args: list[tuple] = []
-        for i in range(batch):
-            length = int(lengths[i])
-            text = self.tokenizer.decode(ids[i, :length].tolist(), skip_special_tokens=True)
+        texts = []
+        for i in range(ids.shape[0]):
+            text = self.tokenizer.decode(ids[i, : int(lengths[i])].tolist(), skip_special_tokens=True)
             if isinstance(eos_text, str) and eos_text and text.endswith(eos_text):
                 text = text[: -len(eos_text)]
-            args.append((data_sources[i], text, ground_truths[i], extra_infos[i]))
+            texts.append(text)
+        return texts
 
-        if self.num_workers > 0 and batch > 0:
-            outcomes = self._score_pool(kinds, args)
-        else:
-            outcomes = [self._score_inline(k, a) for k, a in zip(kinds, args, strict=True)]
-
+    def _overlong_shaping(self, lengths: torch.Tensor) -> torch.Tensor:
+        """``[B]`` float64 DAPO overlong penalty (zeros when ``reward.overlong_buffer`` is off)."""
         ob = self.config.overlong_buffer
-        if ob.enable:
-            shaping = overlong_penalty(lengths, self.max_response_length, ob.len, ob.penalty_factor, torch.float64)
-        else:
-            shaping = torch.zeros(batch, dtype=torch.float64)
+        if not ob.enable:
+            return torch.zeros(len(lengths), dtype=torch.float64)
+        return overlong_penalty(lengths, self.max_response_length, ob.len, ob.penalty_factor, torch.float64)
+
+    def _truncated(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``[B]`` bool: the response has ``max_response_length`` tokens and (when EOS ids are known) does not end
+        with EOS."""
         truncated = lengths >= self.max_response_length
         if self.eos_token_ids is not None:
-            for i in range(batch):
+            for i in range(len(truncated)):
                 if truncated[i] and int(ids[i, int(lengths[i]) - 1]) in self.eos_token_ids:
                     truncated[i] = False
+        return truncated
 
+    def _rows(
+        self, outcomes: list[tuple[str, Any]], kinds: list[str], data_sources: Sequence[str]
+    ) -> tuple[list[dict[str, Any]], int, int]:
+        """``(rows, num_errors, num_timeouts)``: one row per outcome, the scorer's row or ``reward.error_score``
+        with ``acc`` False for a failed call; the first ``reward.max_logged_errors`` failures are logged."""
         num_errors = num_timeouts = logged = 0
         rows: list[dict[str, Any]] = []
         for i, (status, payload) in enumerate(outcomes):
@@ -483,63 +511,97 @@ class RewardManager:
                 num_errors + num_timeouts - logged,
                 self.config.max_logged_errors,
             )
+        return rows, num_errors, num_timeouts
 
-        raw = torch.tensor([r["score"] for r in rows], dtype=torch.float64)
-        final = (raw + shaping).to(torch.float32)
-        token_level_scores = torch.zeros(batch, width, dtype=torch.float32)
-        if width:
-            last = torch.where(lengths > 0, lengths - 1, torch.full_like(lengths, width - 1))
-            token_level_scores[torch.arange(batch), last] = final
-        if not (bool(torch.isfinite(final).all()) and bool(torch.isfinite(token_level_scores).all())):
-            bad = torch.nonzero(~torch.isfinite(final)).flatten().tolist()
-            raise RewardInvariantError(
-                f"internal error in megatron_dapo/reward/manager.py: non-finite final rewards for responses {bad} "
-                f"(scores {[rows[i]['score'] for i in bad]}, overlong shaping {[float(shaping[i]) for i in bad]}); "
-                "every scorer result is checked before this point, so this is a bug here"
-            )
 
-        keys: list[str] = ["score", "acc"]
-        for row in rows:
-            keys.extend(k for k in row if k not in keys)
-        extra: dict[str, list] = {k: [row.get(k) for row in rows] for k in keys}
-        extra["overlong_reward"] = shaping.tolist()
-        extra["overlong"] = truncated.tolist()
-        metrics = {
-            "reward/num_errors": float(num_errors),
-            "reward/num_timeouts": float(num_timeouts),
-            "reward/num_overlong": float(truncated.sum().item()),
-            "reward/score_mean": float(final.mean().item()) if batch else 0.0,
-        }
-        return RewardResult(
-            token_level_scores=token_level_scores,
-            scores=final,
-            extra=extra,
-            metrics=metrics,
-            response_lengths=lengths.to(torch.long),
-            overlong=truncated,
+@dataclass
+class _PoolRun:
+    """Bookkeeping of one :meth:`RewardManager._score_pool` call (indices into its items)."""
+
+    outcomes: list[tuple[str, Any] | None]
+    pending: deque[int]  # not yet submitted
+    suspects: deque[int] = field(default_factory=deque)  # in flight when a worker died: re-run one at a time
+    inflight: dict[Future, tuple[int, float]] = field(default_factory=dict)  # future -> (index, start time)
+    solo: bool = False  # suspects are running, one at a time
+
+
+def _check_batch(
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    data_sources: Sequence[str],
+    ground_truths: Sequence[Any],
+    extra_infos: Sequence[dict | None] | None,
+) -> Sequence[dict | None]:
+    """Check the shapes and lengths of a batch; returns ``extra_infos`` (all None when not given)."""
+    if responses.dim() != 2 or responses.shape != response_mask.shape:
+        raise ValueError(
+            f"responses {tuple(responses.shape)} and response_mask {tuple(response_mask.shape)} must both be [B, T]"
         )
+    batch = responses.shape[0]
+    if extra_infos is None:
+        extra_infos = [None] * batch
+    for name, seq in (
+        ("data_sources", data_sources),
+        ("ground_truths", ground_truths),
+        ("extra_infos", extra_infos),
+    ):
+        if len(seq) != batch:
+            raise ValueError(f"{name} has {len(seq)} entries, responses has {batch} rows")
+    return extra_infos
+
+
+def _valid_lengths(response_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` valid length of each row of a ``[B, T]`` mask: its last valid index + 1 (0 for none)."""
+    mask = response_mask.detach().to("cpu").bool()
+    batch, width = mask.shape
+    if not width:
+        return torch.zeros(batch, dtype=torch.long)
+    positions = torch.arange(1, width + 1).expand(batch, width)
+    return torch.where(mask, positions, torch.zeros_like(positions)).amax(dim=-1)
+
+
+def _on_last_token(final: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, T]`` float32 zeros with ``final[i]`` on row ``i``'s last valid token (``T - 1`` for an empty one)."""
+    batch = len(final)
+    token_level_scores = torch.zeros(batch, width, dtype=torch.float32)
+    if width:
+        last = torch.where(lengths > 0, lengths - 1, torch.full_like(lengths, width - 1))
+        token_level_scores[torch.arange(batch), last] = final
+    return token_level_scores
+
+
+def _check_finite(
+    final: torch.Tensor, token_level_scores: torch.Tensor, rows: list[dict[str, Any]], shaping: torch.Tensor
+) -> None:
+    """Raise :class:`RewardInvariantError` if a final reward is not finite (a bug: scorer results are checked)."""
+    if bool(torch.isfinite(final).all()) and bool(torch.isfinite(token_level_scores).all()):
+        return
+    bad = torch.nonzero(~torch.isfinite(final)).flatten().tolist()
+    raise RewardInvariantError(
+        f"internal error in megatron_dapo/reward/manager.py: non-finite final rewards for responses {bad} "
+        f"(scores {[rows[i]['score'] for i in bad]}, overlong shaping {[float(shaping[i]) for i in bad]}); "
+        "every scorer result is checked before this point, so this is a bug here"
+    )
+
+
+def _extra_columns(rows: list[dict[str, Any]], shaping: torch.Tensor, truncated: torch.Tensor) -> dict[str, list]:
+    """``RewardResult.extra``: ``score``, ``acc``, the scorers' other keys (first seen first, None where missing),
+    ``overlong_reward`` and ``overlong``."""
+    keys: list[str] = ["score", "acc"]
+    for row in rows:
+        keys.extend(k for k in row if k not in keys)
+    extra: dict[str, list] = {k: [row.get(k) for row in rows] for k in keys}
+    extra["overlong_reward"] = shaping.tolist()
+    extra["overlong"] = truncated.tolist()
+    return extra
 
 
 def _check_reward_config(config: RewardConfig) -> None:
-    """Values that would let a NaN out of the manager or a scorer run forever (also checked by the config loader,
-    but a ``RewardConfig`` can be built directly)."""
-    problems = []
-    if not math.isfinite(config.error_score):
-        problems.append(f"reward.error_score={config.error_score!r}: expected a finite number")
-    if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
-        problems.append(
-            f"reward.timeout_s={config.timeout_s!r}: expected a finite number of seconds > 0 (every scorer call has "
-            "a time limit; use a large value, e.g. 3600, to debug a slow scorer)"
-        )
-    if config.num_workers < 0:
-        problems.append(f"reward.num_workers={config.num_workers!r}: expected an integer >= 0 (0 = in-process)")
-    if config.max_logged_errors < 0:
-        problems.append(f"reward.max_logged_errors={config.max_logged_errors!r}: expected an integer >= 0")
-    ob = config.overlong_buffer
-    if ob.enable and not math.isfinite(ob.penalty_factor):
-        problems.append(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor!r}: expected a finite number")
+    """The config loader's checks of the ``reward`` section, again: a ``RewardConfig`` can be built directly, and a
+    bad value here would let a NaN out of the manager or a scorer run forever."""
+    problems = reward_value_problems(config)
     if problems:
-        raise ConfigError("; ".join(problems))
+        raise ConfigError.of(problems)
 
 
 def _check_row(row: Any, index: int) -> None:

@@ -1,4 +1,4 @@
-"""DAPO overlong reward shaping ("soft overlong punishment") and the overlong-filter mask."""
+"""DAPO overlong reward shaping ("soft overlong punishment")."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["overlong_filter_mask", "overlong_penalty"]
+__all__ = ["overlong_penalty"]
 
 
 def overlong_penalty(
@@ -34,9 +34,3 @@ def overlong_penalty(
     exceed = lengths - (max_response_length - buffer_len)
     penalty = torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)
     return penalty.to(dtype)
-
-
-def overlong_filter_mask(response_mask: torch.Tensor, overlong: torch.Tensor | Sequence[bool]) -> torch.Tensor:
-    """DAPO overlong filtering: ``response_mask[B, T]`` with the rows of truncated responses zeroed."""
-    flags = torch.as_tensor(overlong, dtype=torch.bool, device=response_mask.device).reshape(-1, 1)
-    return response_mask * (~flags).to(response_mask.dtype)

@@ -26,8 +26,9 @@ Weights. The engine starts with ``load_format="dummy"``: its first weights come 
 ``WeightSync.sync`` (``rollout/sync.py``), so the checkpoint is read once, by Megatron.
 
 Memory budget per rank, by phase (P = rollout model parameters / rollout TP, in the rollout dtype; K = KV cache):
-  * generation: Megatron actor (+ grads/optimizer state, untouched) + reference + P + K (+ activations of
-    ``max_num_batched_tokens`` tokens);
+  * generation: Megatron actor (grads freed and optimizer state and reference offloaded on GPU/NPU by
+    ``training/offload.py``; all resident on CPU) + P + K (+ activations of ``max_num_batched_tokens`` tokens);
+    ``megatron-dapo check`` prints this budget per phase (``docs/check.md``);
   * training, GPU/NPU with ``rollout.free_cache_engine``: ``sleep(level=1)`` moves P to host memory and frees K,
     ``sleep(level=2)`` frees both (the next sync rewrites P anyway); ``sleep()`` uses ``rollout.sleep_level`` or the
     platform's default (CUDA 2, NPU 1; ``training/offload.py`` sequences it with the actor's hand-off); on CPU there
@@ -56,7 +57,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import dtypes
 from megatron_dapo.config import ConfigError, ExperimentConfig
+from megatron_dapo.config_checks import RunLayout, resolve_max_num_batched_tokens, rollout_layout_problems
 from megatron_dapo.models.families import load_hf_config
 from megatron_dapo.parallel import dist_info_from_env
 from megatron_dapo.platform import Platform
@@ -64,8 +67,6 @@ from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec, build_rollou
 
 logger = logging.getLogger(__name__)
 
-VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-DEFAULT_MIN_BATCHED_TOKENS = 8192
 _SEED_MASK = (1 << 63) - 1
 
 
@@ -75,29 +76,17 @@ def rollout_dtype(cfg: ExperimentConfig) -> str:
 
 
 def validate_rollout_layout(cfg: ExperimentConfig, world_size: int, max_position_embeddings: int) -> tuple[int, int]:
-    """Check rollout TP against the world and the sequence budget against the model; returns (max_model_len, dp)."""
-    tp = cfg.rollout.tensor_model_parallel_size
-    if tp < 1 or world_size % tp != 0:
-        raise ConfigError(
-            f"rollout.tensor_model_parallel_size={tp} must be >= 1 and divide the world size {world_size}"
-            f" (each group of {tp} consecutive ranks forms one vLLM replica)"
-        )
-    prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
-    if prompt < 1 or response < 1:
-        raise ConfigError(f"data.max_prompt_length={prompt} and data.max_response_length={response} must both be >= 1")
-    max_model_len = prompt + response
-    if max_model_len > max_position_embeddings:
-        raise ConfigError(
-            f"data.max_prompt_length + data.max_response_length = {prompt} + {response} = {max_model_len} exceeds"
-            f" the model's max_position_embeddings={max_position_embeddings}; shorten one of them"
-        )
-    batched = cfg.rollout.max_num_batched_tokens
-    if batched is not None and batched < max_model_len:
-        raise ConfigError(
-            f"rollout.max_num_batched_tokens={batched} must be >= data.max_prompt_length + data.max_response_length"
-            f" = {max_model_len} (chunked prefill is disabled, so a whole prompt must fit in one engine step)"
-        )
-    return max_model_len, world_size // tp
+    """Check rollout TP against the world and the sequence budget against the model; returns (max_model_len, dp).
+
+    For an engine built without a ``RunLayout`` (evaluation, benchmarks); a training run checks this, and more, in
+    ``megatron_dapo.config_checks.validate_run`` before any model is built."""
+    problems = rollout_layout_problems(cfg, world_size, max_position_embeddings)
+    if problems:
+        raise ConfigError.of(problems)
+    return (
+        cfg.data.max_prompt_length + cfg.data.max_response_length,
+        world_size // cfg.rollout.tensor_model_parallel_size,
+    )
 
 
 def request_seed(base_seed: int, seed_offset: int, prompt_index: int, sample_index: int) -> int:
@@ -182,6 +171,8 @@ class RolloutEngine:
 
     ``pad_token_id`` pads the returned batch (the tokenizer's pad id). ``eos_token_ids`` are the stop tokens; by
     default those named by ``eos_token_id`` in the checkpoint's ``generation_config.json`` / ``config.json``.
+    ``layout`` is the trainer's ``validate_run`` result (sizes taken from it, nothing checked again); without one
+    the engine checks its own layout (``validate_rollout_layout``) before starting vLLM.
     """
 
     def __init__(
@@ -192,6 +183,7 @@ class RolloutEngine:
         *,
         pad_token_id: int,
         eos_token_ids: Optional[Sequence[int]] = None,
+        layout: Optional[RunLayout] = None,
     ) -> None:
         self.cfg = cfg
         self.hf_dir = str(hf_dir)
@@ -206,9 +198,17 @@ class RolloutEngine:
         else:
             info = dist_info_from_env()
             self.rank, self.world_size = info.rank, info.world_size
-        self.max_model_len, self.dp_size = validate_rollout_layout(
-            cfg, self.world_size, int(hf_config.get("max_position_embeddings", 4096))
-        )
+        if layout is None:
+            self.max_model_len, self.dp_size = validate_rollout_layout(
+                cfg, self.world_size, int(hf_config.get("max_position_embeddings", 4096))
+            )
+        elif layout.world_size != self.world_size:
+            raise RuntimeError(
+                f"RolloutEngine: the layout was validated for world size {layout.world_size}, this job has "
+                f"{self.world_size} ranks"
+            )
+        else:
+            self.max_model_len, self.dp_size = layout.max_model_len, layout.rollout_dp_size
         if not dist.is_initialized():
             raise RuntimeError(
                 "RolloutEngine needs the default process group: call megatron_dapo.parallel.init_distributed first"
@@ -231,16 +231,14 @@ class RolloutEngine:
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(cfg.trainer.output_dir).absolute() / "vllm_cache"))
         from vllm import LLM
 
-        batched = cfg.rollout.max_num_batched_tokens or max(
-            self.max_model_len, min(DEFAULT_MIN_BATCHED_TOKENS, cfg.rollout.max_num_seqs * self.max_model_len)
-        )
+        batched = resolve_max_num_batched_tokens(cfg, self.max_model_len)
         kwargs = dict(
             model=self.hf_dir,
             skip_tokenizer_init=True,  # prompts arrive as token ids; the tokenizer lives in data/
             load_format="dummy",  # weights come from the first WeightSync.sync
             tensor_parallel_size=self.tp_size,
             distributed_executor_backend="external_launcher",
-            dtype=VLLM_DTYPES[self.dtype],
+            dtype=dtypes.hf_name(dtypes.from_config_name(self.dtype, "rollout.dtype")),
             enforce_eager=(
                 platform.default_enforce_eager if cfg.rollout.enforce_eager is None else cfg.rollout.enforce_eager
             ),

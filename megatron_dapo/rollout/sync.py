@@ -26,13 +26,13 @@ pipeline stages. The tests sync with one-module buckets and check every log-prob
 Memory: besides its own shards a rank holds one bucket of full tensors (plus the q/k/v split copies of that bucket)
 and vLLM holds a staging copy of the layers being loaded.
 
-Cost (``benchmarks/weight_sync.py``, 122M-parameter fp32 Qwen2, 2 shared CPU cores): at training TP = rollout TP = 1
-a sync takes 2.3–2.6× a ``clone()`` of the same tensors with one 512 MiB bucket (smaller buckets: 2.6–4×, each
-``reload_weights`` call walks every layer). ~97% of it is inside ``reload_weights``: the oneDNN repack of every
-linear weight (~45%), the copy into vLLM's staging tensors (~25%) and per-layer bookkeeping; gather + layout
-conversion on our side is ~2%. At TP = 2 the gloo all-gather of the shards dominates (0.8–1.3 s of 1.5–2.1 s).
+Cost: almost all of a sync is inside vLLM's ``reload_weights`` (weight repacking, the copy into its staging tensors,
+per-layer bookkeeping), which walks every layer on each call, so fewer, larger buckets are cheaper; our gather and
+layout conversion are a small share. At TP > 1 the all-gather of the shards adds to it. ``benchmarks/weight_sync.py``
+measures it.
 
-Tied embeddings: ``lm_head.weight`` is not sent; the layout map has no output layer for tied models and vLLM's
+Tied embeddings: ``lm_head.weight`` is not sent (``models.families.tied_output_source``: the map has no output
+layer for a tied model, and the last stage's output-layer copy is the embedding, sent once); vLLM's
 Qwen2/Qwen3/Llama tie ``lm_head`` to ``embed_tokens`` themselves (``tie_weights``: one shared tensor). That tensor
 is updated in place, but on CPU vLLM's ``lm_head`` computes with a oneDNN handle packed at load time, which the
 layer-wise reload does not rebuild for a layer that received nothing: ``after_weight_update`` rebuilds it.
@@ -52,12 +52,12 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import dtypes
 from megatron_dapo.config import ExperimentConfig
-from megatron_dapo.models.builder import DTYPES
 from megatron_dapo.models.families import ModelArch, ParamMapping, param_mappings
 from megatron_dapo.rollout.engine import RolloutEngine, rollout_dtype
 from megatron_dapo.weights.layout import mcore_to_hf
-from megatron_dapo.weights.model_io import LocalParam, gather_full_tensor, local_param_table
+from megatron_dapo.weights.model_io import LocalParam, gather_full_tensor, unique_local_params
 
 # vLLM warns for every layer a partial reload did not touch; with buckets that is expected, and ``sync`` checks
 # completeness itself (every HF tensor sent exactly once).
@@ -112,7 +112,7 @@ class WeightSync:
         self.bucket_bytes = int(bucket_bytes if bucket_bytes is not None else cfg.rollout.weight_sync_bucket_mb * 2**20)
         if self.bucket_bytes < 1:
             raise ValueError(f"rollout.weight_sync_bucket_mb must be positive, got bucket size {self.bucket_bytes} B")
-        self.dtype = DTYPES[rollout_dtype(cfg)]
+        self.dtype = dtypes.from_config_name(rollout_dtype(cfg), "rollout.dtype")
         self._buckets: Optional[list[_Bucket]] = None
         self.expected_hf = {name for m in param_mappings(arch) for name in m.hf}
 
@@ -120,13 +120,7 @@ class WeightSync:
 
     def _local_params(self, chunks: list) -> list[LocalParam]:
         """This stage's parameters, each global tensor once (the tied output-layer copy is the embedding)."""
-        seen, out = set(), []
-        for lp in local_param_table(chunks, self.arch):
-            if lp.mapping.mcore in seen:
-                continue
-            seen.add(lp.mapping.mcore)
-            out.append(lp)
-        return out
+        return unique_local_params(chunks, self.arch)
 
     def _plan(self, local: list[LocalParam]) -> list[_Bucket]:
         """Buckets in the same order on every rank: stages' parameter lists are exchanged once as metadata."""

@@ -6,7 +6,6 @@ consumes; it is pure (no vLLM, no process group) so its padding rules are tested
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -108,14 +107,6 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return int(self.responses.shape[0])
-
-    def to(self, device: torch.device | str) -> RolloutBatch:
-        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
-
-    def select(self, rows: torch.Tensor | Sequence[int]) -> RolloutBatch:
-        """The batch restricted to ``rows`` (e.g. dynamic sampling keeping some groups), padding left as is."""
-        idx = torch.as_tensor(rows, dtype=torch.long)
-        return RolloutBatch(**{f.name: getattr(self, f.name)[idx] for f in dataclasses.fields(self)})
 
 
 def build_rollout_batch(

@@ -11,7 +11,7 @@ either::
 
 ``compute_score`` (first number wins) is lenient; ``compute_score_exact`` (the whole completion must be the answer) is
 what an RL run should use: with the lenient one ``"7junk"`` is correct, so stopping is never rewarded, while wrong
-*finished* answers push EOS down, and a tiny policy stops emitting EOS (docs/cpu_stack.md, measured).
+*finished* answers push EOS down, and a tiny policy stops emitting EOS (docs/cpu_stack.md).
 """
 
 from __future__ import annotations

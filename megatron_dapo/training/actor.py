@@ -1,18 +1,11 @@
 """The Megatron-Core side of a step: forward-only log-probs and the DAPO update, through ``forward_backward_func``.
 
-A batch (every rank holds all of it, as the rollout returns it) is a dict of tensors:
-  ``prompts[B,P]`` left-padded with ``prompt_mask``; ``responses[B,T]`` right-padded with ``response_mask`` (valid
-  tokens); optional ``loss_mask[B,T]`` (defaults to ``response_mask``; overlong filtering zeroes rows of it);
-  for updates also ``old_log_probs``, ``advantages`` and optionally ``ref_log_probs``, ``rollout_is_weights``.
-
-Each data-parallel rank takes a contiguous slice of rows; micro-batches are re-laid out *left-aligned* (prompt
-tokens, then response tokens, then padding) so that rotary positions start at 0 for every row — megatron-core's
-GPTModel derives rope positions from the sequence index — and only a causal mask is needed.
-
-Exactness of the loss: the hook receives one micro-batch at a time but normalises with the *global* counts of the
-mini-batch (summed over micro-batches and DP ranks before the forward-backward), and undoes megatron-core's
-``1/num_microbatches`` and DDP's ``1/dp`` scaling, so loss and gradients do not depend on TP/PP/DP sizes or the
-micro-batch split. The DAPO math itself is in ``megatron_dapo.algo`` (pure functions).
+The actor takes a ``TrainBatch`` (``megatron_dapo/batch.py``; every rank holds all of it, as scoring returns it).
+Rows are balanced over data-parallel ranks (``balance_rows``), grouped into micro-batches (``split_micro_batches``)
+and re-laid out by ``make_micro_batch``. The loss hook computes response log-probs chunk by chunk from the
+vocab-parallel logits (``algo/logprobs.py``) and hands them to ``algo/loss.py:dapo_loss`` with the mini-batch's
+global normalisers; it undoes megatron-core's ``1/num_microbatches`` and DDP's ``1/dp`` scaling, so loss and
+gradients do not depend on TP/PP/DP sizes or the micro-batch split.
 """
 
 from __future__ import annotations
@@ -21,32 +14,23 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.algo.kl import kl_penalty
 from megatron_dapo.algo.logprobs import response_log_probs
-from megatron_dapo.algo.policy_loss import (
-    agg_loss,
-    agg_normalisers,
-    compute_policy_loss_terms,
-    compute_rollout_is_weights,
-    policy_loss_metric_sums,
+from megatron_dapo.algo.loss import LOSS_METRIC_SUMS, LossNormalisers, dapo_loss, local_loss_counts, loss_metrics
+from megatron_dapo.batch import (
+    MicroBatch,
+    TrainBatch,
+    context_parallel_slice,
+    make_micro_batch,
+    pack_micro_batch,
+    padded_seq_len,
 )
 from megatron_dapo.config import ActorConfig
-
-
-@dataclass
-class MicroBatch:
-    tokens: torch.Tensor  # [b, S] left-aligned prompt+response, right-padded
-    position_ids: torch.Tensor  # [b, S]
-    response_index: torch.Tensor  # [b, T] position of the logit predicting response token t
-    response_tokens: torch.Tensor  # [b, T]
-    fields: dict  # per-token tensors [b, T] for the loss (masks, advantages, ...)
+from megatron_dapo.models.builder import unwrap
 
 
 def balance_rows(lengths: list[int], dp: int) -> list[list[int]]:
@@ -91,41 +75,10 @@ def split_micro_batches(lengths: list[int], micro_batch_size: int, max_tokens: O
     return groups
 
 
-def padded_seq_len(longest: int, seq_multiple: int) -> int:
-    return -(-longest // seq_multiple) * seq_multiple  # sequence parallelism splits the sequence over TP
-
-
-def make_micro_batch(batch: dict, rows: list[int], field_names: tuple[str, ...], seq_multiple: int = 1) -> MicroBatch:
-    """Re-lay rows left-aligned: prompt tokens (from the left-padded ``prompts``), then response tokens, then 0s."""
-    index = torch.as_tensor(rows, dtype=torch.long)
-    prompts, prompt_mask = batch["prompts"][index], batch["prompt_mask"][index].bool()
-    responses, response_mask = batch["responses"][index], batch["response_mask"][index].bool()
-    b, t = responses.shape
-    width = prompts.shape[1]
-    prompt_lens = prompt_mask.sum(-1, keepdim=True)
-    total_lens = prompt_lens + response_mask.sum(-1, keepdim=True)
-    seq_len = padded_seq_len(int(total_lens.max()), seq_multiple)
-    pos = torch.arange(seq_len).unsqueeze(0)
-    # Position j holds prompt token width - prompt_len + j (left padding) or response token j - prompt_len.
-    from_prompt = prompts.gather(1, (width - prompt_lens + pos).clamp(0, width - 1))
-    from_response = responses.gather(1, (pos - prompt_lens).clamp(0, t - 1))
-    tokens = torch.where(pos < prompt_lens, from_prompt, torch.where(pos < total_lens, from_response, 0))
-    position_ids = pos.expand(b, -1).contiguous()
-    # Logit at position j predicts token j + 1: response token t sits at prompt_len + t.
-    response_index = (prompt_lens - 1 + torch.arange(t).unsqueeze(0)).clamp(max=seq_len - 1)
-    fields = {name: batch[name][index] for name in field_names if name in batch}
-    fields["response_mask"] = response_mask
-    return MicroBatch(tokens, position_ids, response_index, responses, fields)
-
-
-LOSS_INPUT_FIELDS = ("old_log_probs", "advantages", "ref_log_probs", "rollout_is_weights")
-
-
-def _loss_inputs_finite(local: dict) -> bool:
+def _loss_inputs_finite(local: TrainBatch) -> bool:
     """Whether this rank's loss inputs are finite wherever the loss mask lets them into the loss."""
-    mask = local["loss_mask"].bool()
-    for name in LOSS_INPUT_FIELDS:
-        value = local.get(name)
+    mask = local.loss_mask.bool()
+    for value in (local.old_log_probs, local.advantages, local.ref_log_probs, local.rollout_is_weights):
         if value is not None and not bool(torch.isfinite(value[mask]).all()):
             return False
     return True
@@ -135,6 +88,21 @@ def _loss_inputs_finite(local: dict) -> bool:
 def causal_mask(seq_len: int, device) -> torch.Tensor:
     """``[1, 1, S, S]`` True above the diagonal (masked); cached: built once per length and device, read-only."""
     return torch.triu(torch.ones((1, 1, seq_len, seq_len), dtype=torch.bool, device=device), diagonal=1)
+
+
+def _packed_seq_params(mb: MicroBatch):
+    """megatron-core's description of a THD micro-batch for the attention and rotary kernels."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=mb.cu_seqlens,
+        cu_seqlens_kv=mb.cu_seqlens,
+        cu_seqlens_q_padded=mb.cu_seqlens_padded,
+        cu_seqlens_kv_padded=mb.cu_seqlens_padded,
+        max_seqlen_q=mb.max_seqlen,
+        max_seqlen_kv=mb.max_seqlen,
+    )
 
 
 class MegatronActor:
@@ -147,96 +115,128 @@ class MegatronActor:
         self.true_vocab_size = true_vocab_size
         self.cfg = actor_cfg
         self.optimizer = optimizer
-        self.temperature = 1.0
         self._guard_s = 0.0
-        config = self._model_config()
+        self.model_config = unwrap(chunks[0]).config
         if optimizer is not None:
-            config.finalize_model_grads_func = finalize_model_grads
-            config.grad_scale_func = optimizer.scale_loss
+            self.model_config.finalize_model_grads_func = finalize_model_grads
+            self.model_config.grad_scale_func = optimizer.scale_loss
             no_sync = [c.no_sync for c in chunks]
-            config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+            self.model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
 
-    def _model_config(self):
-        model = self.chunks[0]
-        while not hasattr(model, "config") and hasattr(model, "module"):
-            model = model.module
-        return model.config
+    @property
+    def device(self) -> torch.device:
+        return next(self.chunks[0].parameters()).device
 
     # ------------------------------------------------------------------------------------------- plumbing
 
-    def _run(self, micro_batches: list[MicroBatch], loss_fn: Callable, forward_only: bool) -> list[dict]:
+    def _run(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor, MicroBatch], tuple],
+        temperature: float,
+        forward_only: bool,
+    ) -> list[dict]:
+        """``forward_backward_func`` over ``micro_batches``; the loss hook turns the last stage's logits into response
+        log-probs and entropy at ``temperature`` and calls ``loss_fn(log_probs, entropy, micro_batch)``."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from megatron_dapo.platform import get_platform
 
-        device = next(self.chunks[0].parameters()).device
+        device = self.device
         tp_group = ps.get_tensor_model_parallel_group()
         vocab_start_rank = ps.get_tensor_model_parallel_rank()
         explicit_mask = get_platform().causal_mask_needed  # MindSpeed's flash attention wants None (causal itself)
 
         def forward_step(data_iterator, model):
-            mb: MicroBatch = next(data_iterator)
-            tokens = mb.tokens.to(device)
-            mask = causal_mask(tokens.shape[1], device) if explicit_mask else None
-            output = model(tokens, mb.position_ids.to(device), mask)
+            mb: MicroBatch = next(data_iterator).to(device)
+            if mb.packed:  # THD: the attention masks by cu_seqlens
+                output = model(mb.tokens, mb.position_ids, None, packed_seq_params=_packed_seq_params(mb))
+            else:
+                mask = causal_mask(mb.tokens.shape[1], device) if explicit_mask else None
+                output = model(mb.tokens, mb.position_ids, mask)
 
             def loss_func(logits):
                 # Response positions are read straight from the full-sequence logits, chunk by chunk (no gathered
                 # copy, no [T, V] fp32 tensor); the gradient is written into the logits' storage, which nothing
                 # reads after this hook's backward.
+                rows = 1 if mb.packed else mb.response_index.shape[0]  # packed: one sequence holds every row
                 log_probs, entropy = response_log_probs(
                     logits,
-                    mb.response_index.to(device),
-                    mb.response_tokens.to(device),
+                    mb.response_index.reshape(rows, -1),
+                    mb.response_tokens.reshape(rows, -1),
                     self.true_vocab_size,
-                    self.temperature,
+                    temperature,
                     vocab_start=vocab_start_rank * logits.shape[-1],
                     tp_group=tp_group,
                     entropy_requires_grad=self.cfg.entropy_coeff != 0,
                     grad_into_logits=True,
                 )
-                return loss_fn(log_probs, entropy, {k: v.to(device) for k, v in mb.fields.items()})
+                shape = mb.response_index.shape
+                return loss_fn(log_probs.view(shape), entropy.view(shape), mb)
 
             return output, loss_func
 
-        n = len(micro_batches)
         iterators = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
-        forward_backward = get_forward_backward_func()
-        return forward_backward(
+        return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators,
             model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-            num_microbatches=n,
+            num_microbatches=len(micro_batches),
             seq_length=max(int(mb.tokens.shape[1]) for mb in micro_batches),
             micro_batch_size=max(int(mb.tokens.shape[0]) for mb in micro_batches),
             forward_only=forward_only,
         )
 
-    def _plan(self, batch: dict, micro_batch_size: int) -> tuple[list[list[int]], list[list[int]], float]:
+    @property
+    def _seq_multiple(self) -> int:
+        """Sequence lengths are padded to this: sequence parallelism splits them over TP, context parallelism into
+        ``2 x CP`` chunks (each CP rank's share again split over TP with SP)."""
+        config = self.model_config
+        tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+        cp = config.context_parallel_size
+        return tp * (2 * cp if cp > 1 else 1)
+
+    def _plan(self, batch: TrainBatch, micro_batch_size: int) -> tuple[list[list[int]], list[list[int]], float]:
         """Every DP rank's rows (``balance_rows``), this rank's micro-batches as positions in its rows, and the
         padding ratio (padded ÷ real tokens) of the whole batch over all ranks — the same on every rank."""
         from megatron.core import parallel_state as ps
 
-        lengths = (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).tolist()
+        lengths = batch.sequence_lengths.tolist()
         ranks = balance_rows(lengths, ps.get_data_parallel_world_size())
         budget = self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None
-        config = self._model_config()
-        multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
         padded = 0
         mine: list[list[int]] = []
         for r, rows in enumerate(ranks):
             row_lengths = [lengths[i] for i in rows]
             groups = split_micro_batches(row_lengths, micro_batch_size, budget)
-            padded += sum(len(g) * padded_seq_len(max(row_lengths[i] for i in g), multiple) for g in groups)
+            for g in groups:
+                if self.cfg.use_remove_padding:
+                    padded += padded_seq_len(sum(row_lengths[i] for i in g), self._seq_multiple)
+                else:
+                    padded += len(g) * padded_seq_len(max(row_lengths[i] for i in g), self._seq_multiple)
             if r == ps.get_data_parallel_rank():
                 mine = groups
         return ranks, mine, padded / max(sum(lengths), 1)
 
-    def _micro_batches(self, local: dict, groups: list[list[int]], field_names: tuple[str, ...]) -> list[MicroBatch]:
-        config = self._model_config()
-        multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
-        return [make_micro_batch(local, rows, field_names, multiple) for rows in groups]
+    def _local_micro_batches(
+        self, batch: TrainBatch, micro_batch_size: int
+    ) -> tuple[list[list[int]], TrainBatch, list[list[int]], list[MicroBatch], float]:
+        """(every rank's rows, this rank's rows of ``batch``, its micro-batch positions, the micro-batches, the
+        padding ratio)."""
+        from megatron.core import parallel_state as ps
+
+        ranks, groups, padding_ratio = self._plan(batch, micro_batch_size)
+        local = batch.select(ranks[ps.get_data_parallel_rank()])
+        if self.cfg.use_remove_padding:  # packed (THD), the whole padded to the SP multiple; CP is refused by config
+            micro_batches = [pack_micro_batch(make_micro_batch(local, rows), 1, self._seq_multiple) for rows in groups]
+        else:
+            cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+            micro_batches = [
+                context_parallel_slice(make_micro_batch(local, rows, self._seq_multiple), cp_size, cp_rank)
+                for rows in groups
+            ]
+        return ranks, local, groups, micro_batches, padding_ratio
 
     @staticmethod
     def _from_last_stage(t: torch.Tensor) -> torch.Tensor:
@@ -252,37 +252,37 @@ class MegatronActor:
     # ------------------------------------------------------------------------------------------- log-probs
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: dict, temperature: float, calculate_entropy: bool = False) -> dict:
-        """Per-token log-probs (and entropy) of ``responses`` for the whole batch, on every rank ([B, T] float32),
-        plus ``padding_ratio`` (padded ÷ real tokens of the forward passes)."""
+    def compute_log_probs(self, batch: TrainBatch, temperature: float, calculate_entropy: bool = False) -> dict:
+        """Per-token log-probs (and entropy) of ``batch.responses`` on every rank (``[B, T]`` float32, 0 outside
+        the response mask), plus ``padding_ratio`` (padded ÷ real tokens of the forward passes)."""
         from megatron.core import parallel_state as ps
 
         for c in self.chunks:
             c.eval()
-        self.temperature = temperature
-        ranks, groups, padding_ratio = self._plan(batch, self.cfg.log_prob_micro_batch_size_per_gpu)
-        rows = torch.as_tensor(ranks[ps.get_data_parallel_rank()], dtype=torch.long)
-        local = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        ranks, local, groups, micro_batches, padding_ratio = self._local_micro_batches(
+            batch, self.cfg.log_prob_micro_batch_size_per_gpu
+        )
 
-        def loss_fn(log_probs, entropy, fields):
-            mask = fields["response_mask"]
-            out = {"log_probs": log_probs * mask, "entropy": entropy * mask}
-            return log_probs.sum() * 0.0, out
+        def keep(log_probs, entropy, mb: MicroBatch):
+            return log_probs.sum() * 0.0, {
+                "log_probs": log_probs * mb.response_mask,
+                "entropy": entropy * mb.response_mask,
+            }
 
-        mbs = self._micro_batches(local, groups, ())
-        results = self._run(mbs, loss_fn, forward_only=True)
-        device = next(self.chunks[0].parameters()).device
-        b_local, t = local["responses"].shape
-        out = torch.zeros((2, b_local, t), dtype=torch.float32, device=device)
+        results = self._run(micro_batches, keep, temperature, forward_only=True)
+        device = self.device
+        out = torch.zeros((2, len(local), local.responses.shape[1]), dtype=torch.float32, device=device)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             for positions, res in zip(groups, results):
                 index = torch.as_tensor(positions, dtype=torch.long, device=device)
                 out[0, index] = res["log_probs"].float()
                 out[1, index] = res["entropy"].float()
         out = self._from_last_stage(out)
+        if ps.get_context_parallel_world_size() > 1:  # each CP rank holds the tokens predicted in its chunks
+            dist.all_reduce(out, group=ps.get_context_parallel_group())
         gathered = [torch.empty_like(out) for _ in range(ps.get_data_parallel_world_size())]
         dist.all_gather(gathered, out, group=ps.get_data_parallel_group())
-        full = torch.zeros((2, batch["responses"].shape[0], t), dtype=torch.float32)
+        full = torch.zeros((2, len(batch), out.shape[-1]), dtype=torch.float32)
         for rank_rows, part in zip(ranks, gathered):  # back to the batch's row order
             full[:, torch.as_tensor(rank_rows, dtype=torch.long)] = part.cpu()
         result = {"log_probs": full[0], "padding_ratio": padding_ratio}
@@ -293,7 +293,11 @@ class MegatronActor:
     # ------------------------------------------------------------------------------------------- update
 
     def update(
-        self, mini_batch: dict, temperature: float, rollout_is_threshold: Optional[float] = None
+        self,
+        mini_batch: TrainBatch,
+        temperature: float,
+        rollout_is_threshold: Optional[float] = None,
+        max_response_length: Optional[int] = None,
     ) -> dict[str, float]:
         """One optimizer step on a mini-batch: forward-backward with the DAPO loss hook, then a guarded step.
 
@@ -301,15 +305,21 @@ class MegatronActor:
         reduction over all ranks, so no rank steps alone); otherwise parameters and optimizer state are left as
         they were and ``actor/update_ok`` is 0, with ``nonfinite`` naming what was not finite.
 
-        Without ``old_log_probs`` in the mini-batch (the on-policy case: one epoch, one mini-batch, so the policy has
-        not moved since the rollout) the loss uses the training forward's own log-probs, detached, as the old
-        policy's; then the rollout mismatch metrics and the truncated-IS weights (``rollout_is_threshold``) come from
-        this forward too.
+        Without ``old_log_probs`` (the on-policy path: one epoch, one mini-batch, so the policy has not moved since
+        the rollout) the loss uses the training forward's own log-probs, detached, as the old policy's; then the
+        rollout mismatch metrics and the truncated-IS weights (``rollout_is_threshold``) come from this forward too.
+        ``max_response_length`` is ``seq-mean-token-sum-norm``'s constant (``data.max_response_length``; default:
+        the batch's response width).
         """
-        results, inputs_ok, padding_ratio = self.compute_gradients(mini_batch, temperature, rollout_is_threshold)
+        results, inputs_ok, padding_ratio = self.compute_gradients(
+            mini_batch, temperature, rollout_is_threshold, max_response_length
+        )
         loss_ok = all(math.isfinite(float(res["pg_loss"])) for res in results)  # empty off the last stage
         applied, grad_norm, nonfinite = self._guarded_step(loss_ok, inputs_ok)
-        metrics = self._reduce_update_metrics(results, grad_norm, applied)
+        metrics = self.reduce_update_metrics(results)
+        metrics["actor/grad_norm"] = grad_norm
+        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["actor/update_ok"] = float(applied)
         metrics["perf/padding_ratio/update"] = padding_ratio
         metrics["perf/update_guard_s"] = self._guard_s
         metrics["nonfinite"] = nonfinite  # type: ignore[assignment]  # popped by the trainer
@@ -354,7 +364,11 @@ class MegatronActor:
         return bool(optimizer.step_with_ready_grads()), grad_norm, []
 
     def compute_gradients(
-        self, mini_batch: dict, temperature: float, rollout_is_threshold: Optional[float] = None
+        self,
+        mini_batch: TrainBatch,
+        temperature: float,
+        rollout_is_threshold: Optional[float] = None,
+        max_response_length: Optional[int] = None,
     ) -> tuple[list[dict], bool, float]:
         """Forward-backward of a mini-batch with the DAPO loss hook; gradients land in the DDP grad buffers.
 
@@ -364,124 +378,59 @@ class MegatronActor:
 
         if self.optimizer is None:
             raise RuntimeError("update() needs an optimizer (this MegatronActor is a frozen reference)")
-        cfg = self.cfg
         for c in self.chunks:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.temperature = temperature
-
-        ranks, groups, padding_ratio = self._plan(mini_batch, cfg.ppo_micro_batch_size_per_gpu)
-        rows = torch.as_tensor(ranks[ps.get_data_parallel_rank()], dtype=torch.long)
-        local = {k: v[rows] for k, v in mini_batch.items() if isinstance(v, torch.Tensor)}
-        local.setdefault("loss_mask", local["response_mask"])
-        on_policy = "old_log_probs" not in local
-        names = ("loss_mask", "old_log_probs", "advantages", "ref_log_probs", "rollout_is_weights", "rollout_log_probs")
-        mbs = self._micro_batches(local, groups, names)
-
-        # Global normalisers over every micro-batch of every DP rank: the loss is exact for any split.
-        counts = agg_normalisers(local["loss_mask"].float())
-        device = next(self.chunks[0].parameters()).device
-        norm = torch.stack([counts["global_token_count"], counts["global_seq_count"]]).double().to(device)
-        dist.all_reduce(norm, group=ps.get_data_parallel_group())
-        token_count, seq_count = norm[0].item(), norm[1].item()
-        max_len = mini_batch["responses"].shape[1]
-        scale = len(mbs) * ps.get_data_parallel_world_size()  # undo megatron's 1/num_microbatches and DDP's 1/dp
-        agg = partial(
-            agg_loss,
-            loss_agg_mode=cfg.loss_agg_mode,
-            global_token_count=token_count,
-            global_seq_count=seq_count,
-            max_response_length=max_len,
+        _, local, _, micro_batches, padding_ratio = self._local_micro_batches(
+            mini_batch, self.cfg.ppo_micro_batch_size_per_gpu
         )
+        # Global normalisers over every micro-batch of every DP rank: the loss is exact for any split.
+        counts = local_loss_counts(local.loss_mask).to(self.device)
+        dist.all_reduce(counts, group=ps.get_data_parallel_group())
+        width = max_response_length or int(mini_batch.responses.shape[1])
+        norm = LossNormalisers(counts[0].item(), counts[1].item(), width)
+        # Undo megatron's 1/num_microbatches and DDP's 1/dp (with CP, megatron's x cp and DDP's 1/(dp x cp) cancel).
+        scale = len(micro_batches) * ps.get_data_parallel_world_size()
 
-        def loss_fn(log_probs, entropy, f):
-            mask = f["loss_mask"].to(log_probs.dtype)
-            old = log_probs.detach() if on_policy else f["old_log_probs"]
-            is_weights = f.get("rollout_is_weights")
-            if on_policy and rollout_is_threshold:
-                is_weights = compute_rollout_is_weights(
-                    old, f["rollout_log_probs"], f["response_mask"], rollout_is_threshold
-                )
-            terms = compute_policy_loss_terms(
+        def loss_hook(log_probs, entropy, mb: MicroBatch):
+            loss, sums = dapo_loss(
                 log_probs,
-                old,
-                f["advantages"],
-                cfg.clip_ratio_low,
-                cfg.clip_ratio_high,
-                cfg.clip_ratio_c,
-                is_weights,
+                entropy,
+                loss_mask=mb.loss_mask,
+                response_mask=mb.response_mask,
+                advantages=mb.advantages,
+                cfg=self.cfg,
+                norm=norm,
+                old_log_probs=mb.old_log_probs,
+                ref_log_probs=mb.ref_log_probs,
+                rollout_log_probs=mb.rollout_log_probs,
+                rollout_is_weights=mb.rollout_is_weights,
+                rollout_is_threshold=rollout_is_threshold,
             )
-            pg_loss = agg(terms["pg_losses"], mask)
-            entropy_loss = agg(entropy, mask)
-            loss = pg_loss - cfg.entropy_coeff * entropy_loss
-            sums = policy_loss_metric_sums(terms, mask)
-            metric = {
-                "pg_loss": pg_loss.detach(),
-                "entropy": entropy_loss.detach(),
-                "pg_clipfrac": sums["pg_clipfrac"],
-                "pg_clipfrac_lower": sums["pg_clipfrac_lower"],
-                "ppo_kl": sums["ppo_kl"],
-                "num_tokens": sums["num_tokens"],
-            }
-            if cfg.use_kl_loss:
-                kl = agg(kl_penalty(log_probs, f["ref_log_probs"], cfg.kl_loss_type), mask)
-                loss = loss + cfg.kl_loss_coef * kl
-                metric["kl_loss"] = kl.detach()
-            if on_policy and "rollout_log_probs" in f:  # train-vs-rollout mismatch, from this forward
-                valid = f["response_mask"].bool()
-                diff = (old.double() - f["rollout_log_probs"].double()).abs()[valid]
-                metric["logprob_diff_sum"] = diff.sum()
-                metric["logprob_diff_max"] = diff.max() if diff.numel() else diff.new_zeros(())
-                metric["logprob_diff_count"] = torch.tensor(float(diff.numel()))
-            return loss * scale, metric
+            return loss * scale, sums
 
         started = time.perf_counter()
         inputs_ok = _loss_inputs_finite(local)
         self._guard_s = time.perf_counter() - started
-        return self._run(mbs, loss_fn, forward_only=False), inputs_ok, padding_ratio
+        return self._run(micro_batches, loss_hook, temperature, forward_only=False), inputs_ok, padding_ratio
 
-    def _reduce_update_metrics(self, results: list[dict], grad_norm, update_ok: bool) -> dict[str, float]:
+    def reduce_update_metrics(self, results: list[dict]) -> dict[str, float]:
+        """verl's ``actor/*`` metrics of one mini-batch from the loss hook's per-micro-batch sums, reduced over
+        micro-batches, from the last pipeline stage and over data-parallel ranks (device tensors: NCCL/HCCL take
+        no CPU tensor)."""
         from megatron.core import parallel_state as ps
 
-        keys = [
-            "pg_loss",
-            "entropy",
-            "kl_loss",
-            "pg_clipfrac",
-            "pg_clipfrac_lower",
-            "ppo_kl",
-            "num_tokens",
-            "logprob_diff_sum",
-            "logprob_diff_count",
-        ]
-        device = next(self.chunks[0].parameters()).device  # collectives on the device: NCCL/HCCL take no CPU tensor
-        sums = torch.zeros(len(keys) + 1, dtype=torch.float64, device=device)  # + the mismatch max (reduced below)
+        sums = torch.zeros(len(LOSS_METRIC_SUMS) + 1, dtype=torch.float64, device=self.device)  # + the mismatch max
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             for res in results:
-                for i, k in enumerate(keys):
-                    if k in res:
-                        sums[i] += float(res[k])
+                for i, key in enumerate(LOSS_METRIC_SUMS):
+                    if key in res:
+                        sums[i] += float(res[key])
                 sums[-1] = max(float(sums[-1]), float(res.get("logprob_diff_max", 0.0)))
         sums = self._from_last_stage(sums)
         diff_max = sums[-1:].clone()
-        dist.all_reduce(sums, group=ps.get_data_parallel_group())
-        dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
-        m = dict(zip(keys, sums.tolist()))
-        tokens = m.pop("num_tokens") + 1e-8
-        metrics = {
-            "actor/pg_loss": m["pg_loss"],
-            "actor/entropy": m["entropy"],
-            "actor/pg_clipfrac": m["pg_clipfrac"] / tokens,
-            "actor/pg_clipfrac_lower": m["pg_clipfrac_lower"] / tokens,
-            "actor/ppo_kl": m["ppo_kl"] / tokens,
-            "actor/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "actor/lr": self.optimizer.param_groups[0]["lr"],
-            "actor/update_ok": float(bool(update_ok)),
-        }
-        if self.cfg.use_kl_loss:
-            metrics["actor/kl_loss"] = m["kl_loss"]
-        if m["logprob_diff_count"] > 0:  # on-policy update: the rollout mismatch comes from the training forward
-            metrics["rollout/logprob_diff_mean"] = m["logprob_diff_sum"] / m["logprob_diff_count"]
-            metrics["rollout/logprob_diff_max"] = float(diff_max.item())
-        return metrics
+        group = ps.get_data_parallel_group(with_context_parallel=True)  # CP ranks hold parts of the same rows
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=group)
+        return loss_metrics(dict(zip(LOSS_METRIC_SUMS, sums.tolist())), self.cfg.use_kl_loss, float(diff_max.item()))

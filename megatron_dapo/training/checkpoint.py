@@ -14,7 +14,8 @@ A checkpoint is one directory ``<save_dir>/global_step_<n>``::
 Atomicity: everything is written into ``<save_dir>/.tmp-step_<n>``, which is renamed to ``global_step_<n>`` only
 after every rank finished; the ``latest`` marker (``global_step_<n>``) is replaced last (write + ``os.replace``).
 A crash at any point leaves the previous checkpoint and ``latest`` untouched; a stale ``.tmp-*`` directory is
-ignored and removed by the next save. Assumes a file system shared by all ranks (as Megatron-LM does).
+ignored and removed by the next save (``megatron_dapo/weights/atomic.py`` holds the rename/fsync helpers, shared with
+the converter). Assumes a file system shared by all ranks (as Megatron-LM does).
 
 Layout changes on load: model weights are resharded by ``dist_checkpointing`` for any TP/PP/DP change. The
 non-distributed optimizer's state is keyed like the parameters, so it reshards the same way. The distributed
@@ -59,22 +60,33 @@ import re
 import shutil
 import signal
 import time
-import zlib
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 
+from megatron_dapo.parallel import agree_error, all_gather_object, barrier, parallel_layout, rank, world_size
+from megatron_dapo.weights.atomic import publish_dir, write_text_atomic
+from megatron_dapo.weights.dist_format import (
+    COMMON_FILE,
+    DCP_METADATA_FILE,
+    MCORE_METADATA_FILE,
+    TRAINING_DIST_SUBDIR,
+    common_state,
+    model_sharded_state_dict,
+    model_state_key,
+)
+from megatron_dapo.weights.errors import CheckpointError, CheckpointIntegrityError
 from megatron_dapo.weights.integrity import (
     MANIFEST_NAME,
     FileRecord,
     HashingWriter,
     file_crc32,
     first_non_finite,
-    read_manifest,
-    verify_files,
+    manifest_problem,
+    torch_save_hashed,
+    write_bytes_hashed,
     write_manifest,
 )
 
@@ -84,7 +96,7 @@ FORMAT_VERSION = 1
 STEP_PREFIX = "global_step_"
 TMP_PREFIX = ".tmp-step_"
 LATEST = "latest"
-DIST_DIR = "dist_ckpt"
+DIST_DIR = TRAINING_DIST_SUBDIR
 RNG_DIR = "rng"
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
@@ -92,71 +104,10 @@ DIST_OPTIM_FORMAT = "dp_reshardable"
 DEFAULT_TIMEOUT_S = 600.0
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 # Written by megatron-core itself (rank 0), hashed right after it wrote them.
-_MCORE_BOOKKEEPING = ("common.pt", ".metadata", "metadata.json")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not fit the model/optimizer it is loaded into."""
-
-
-class CheckpointIntegrityError(CheckpointError):
-    """A checkpoint's files do not match its manifest (truncated / corrupt / missing), or it was refused on save."""
-
-
-# --------------------------------------------------------------------------------------------------- helpers
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _all_gather(obj: Any) -> list:
-    """Every rank's ``obj`` (one collective), in rank order; ``[obj]`` without torch.distributed."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _agree_error(local: Optional[str]) -> Optional[str]:
-    """The lowest failing rank's message on every rank (None when no rank failed). Collective."""
-    msgs = _all_gather(local)
-    failed = [(r, m) for r, m in enumerate(msgs) if m]
-    if not failed:
-        return None
-    rank, msg = failed[0]
-    more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
-    return f"rank {rank}: {msg}{more}" if len(msgs) > 1 else msg
+_MCORE_BOOKKEEPING = (COMMON_FILE, DCP_METADATA_FILE, MCORE_METADATA_FILE)
 
 
 # --------------------------------------------------------------------------------------------- integrity
-
-
-def _write_bytes_hashed(path: Path, data: bytes) -> FileRecord:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return FileRecord(str(path), len(data), zlib.crc32(data))
-
-
-def _torch_save_hashed(obj: Any, path: Path) -> FileRecord:
-    with open(path, "wb") as raw:
-        stream = HashingWriter(raw)
-        torch.save(obj, stream)
-        raw.flush()
-        os.fsync(raw.fileno())
-    return FileRecord(str(path), stream.size, stream.crc)
 
 
 def _named_state_tensors(tree: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -185,24 +136,6 @@ def _named_state_tensors(tree: Any, prefix: str = "") -> list[tuple[str, torch.T
     return out
 
 
-def _manifest_problem(step_dir: Path, checksum: bool) -> Optional[str]:
-    """This rank's share of verifying ``step_dir`` against its manifest: a message, or None when intact.
-
-    Every rank stats every file (cheap); the checksums (a full read) are split round-robin across the ranks.
-    """
-    try:
-        records = read_manifest(step_dir)
-    except ValueError as e:
-        return f"{e}"
-    if records is None:
-        return None
-    ordered = [records[k] for k in sorted(records)]
-    problem = verify_files(step_dir, ordered, checksum=False)
-    if problem is None and checksum:
-        problem = verify_files(step_dir, ordered[_rank() :: _world()], checksum=True)
-    return None if problem is None else str(problem)
-
-
 _verified: dict[str, tuple[int, int]] = {}  # step dir -> (mtime_ns, size) of the manifest whose checksums passed
 
 
@@ -223,36 +156,26 @@ def checkpoint_problem(step_dir: Union[str, Path], collective: Optional[bool] = 
     """
     step_dir = Path(step_dir)
     if collective is None:
-        collective = dist.is_initialized() and dist.get_world_size() > 1
+        collective = world_size() > 1
     missing = missing_parts(step_dir) if step_dir.is_dir() else ["the directory itself"]
     local: Optional[str] = None
     if missing:
         local = f"incomplete (missing: {', '.join(missing)})"
     else:
-        key, stamp = str(step_dir.resolve()), _manifest_stamp(step_dir)
-        checksum = stamp is None or _verified.get(key) != stamp
-        if collective:
-            local = _manifest_problem(step_dir, checksum)
-        else:
-            # One process verifies everything itself.
-            try:
-                records = read_manifest(step_dir)
-                found = (
-                    None if records is None else verify_files(step_dir, [records[k] for k in sorted(records)], checksum)
-                )
-                local = None if found is None else str(found)
-            except ValueError as e:
-                local = str(e)
+        stamp = _manifest_stamp(step_dir)
+        checksum = stamp is None or _verified.get(str(step_dir.resolve())) != stamp
+        # Collective: this rank's share of the checksums; alone: one process verifies everything itself.
+        share = (rank(), world_size()) if collective else (0, 1)
+        local = manifest_problem(step_dir, checksum, *share)
     if collective:
-        msgs = _all_gather(local)
-        local = next((m for m in msgs if m), None)
+        local = next((m for m in all_gather_object(local) if m), None)
     if local is None and not missing and _manifest_stamp(step_dir) is not None:
         _verified[str(step_dir.resolve())] = _manifest_stamp(step_dir)
     return local
 
 
 def _warn_if_no_manifest(step_dir: Path) -> None:
-    if step_dir.is_dir() and not (step_dir / MANIFEST_NAME).is_file() and _rank() == 0:
+    if step_dir.is_dir() and not (step_dir / MANIFEST_NAME).is_file() and rank() == 0:
         log.warning(
             "checkpoint %s has no %s (saved before manifests existed): loading it without an integrity check",
             step_dir,
@@ -298,6 +221,66 @@ def _signal_name(exitcode: int) -> str:
         return f"exit code {exitcode}"
 
 
+class _HelperPool:
+    """The forked writer helpers of one rank's save, one per file, and every bounded wait on them."""
+
+    def __init__(self, transform_list: list, write_buckets: list, label: str) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("fork")
+        self.buckets, self.label = write_buckets, label
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_write_bucket_hashed, args=(transform_list, i, bucket, self.results), daemon=True)
+            for i, bucket in enumerate(write_buckets)
+        ]
+        self.exited_at: dict[int, float] = {}
+
+    def what(self, i: int) -> str:
+        return f"checkpoint writer helper pid {self.procs[i].pid} (writing {self.buckets[i][0]}) for {self.label}"
+
+    def poll_exits(self, done: dict, now: float) -> Optional[str]:
+        """An error when a helper exited without a result (a clean exit gets a short grace period: its result may
+        still be in the pipe)."""
+        for i, p in enumerate(self.procs):
+            if i in done or p.exitcode is None:
+                continue
+            self.exited_at.setdefault(i, now)
+            if p.exitcode != 0 or now - self.exited_at[i] > 5.0:
+                return f"{self.what(i)} died ({_signal_name(p.exitcode)}) before finishing its file"
+        return None
+
+    def run(self, timeout_s: float, records: list) -> tuple[dict[int, Any], Optional[str]]:
+        """Start the helpers and collect their results (``records`` gets each file's record) until all are in, one
+        failed or died, or ``timeout_s`` passed; then stop them. Returns (results by helper, error or None)."""
+        for p in self.procs:
+            p.start()
+        done: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        error: Optional[str] = None
+        while len(done) < len(self.procs) and error is None:
+            try:
+                got = self.results.get(timeout=0.2)
+            except queue.Empty:
+                now = time.monotonic()
+                error = self.poll_exits(done, now)
+                if error is None and now > deadline:
+                    late = [i for i in range(len(self.procs)) if i not in done]
+                    error = f"{self.what(late[0])} did not finish within timeout_s={timeout_s:g}"
+                continue
+            if isinstance(got[1], str):
+                error = f"{self.what(got[0])} failed: {got[1]}"
+            else:
+                done[got[0]] = got[1]
+                records.append(FileRecord(self.buckets[got[0]][0], got[2], got[3]))
+        for p in self.procs:
+            if p.exitcode is None and error is not None:
+                p.kill()
+            p.join(timeout=5.0)
+        self.results.close()
+        return done, error
+
+
 def _write_buckets_bounded(
     transform_list: list,
     timeout_s: float,
@@ -312,51 +295,7 @@ def _write_buckets_bounded(
     does), but every wait is bounded. A helper that dies without a result or does not finish within ``timeout_s`` is
     reported in ``errors`` (the rank raises after agreeing with the others); nothing raises here, so no rank leaves
     the others waiting in a collective."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_write_bucket_hashed, args=(transform_list, i, bucket, results), daemon=True)
-        for i, bucket in enumerate(write_buckets)
-    ]
-    for p in procs:
-        p.start()
-    done: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    exited_at: dict[int, float] = {}
-    error: Optional[str] = None
-
-    def what(i: int) -> str:
-        return f"checkpoint writer helper pid {procs[i].pid} (writing {write_buckets[i][0]}) for {label}"
-
-    while len(done) < len(procs) and error is None:
-        try:
-            got = results.get(timeout=0.2)
-        except queue.Empty:
-            now = time.monotonic()
-            for i, p in enumerate(procs):
-                if i in done or p.exitcode is None:
-                    continue
-                # Exited: its result may still be in the pipe; a clean exit gets a short grace period.
-                exited_at.setdefault(i, now)
-                if p.exitcode != 0 or now - exited_at[i] > 5.0:
-                    error = f"{what(i)} died ({_signal_name(p.exitcode)}) before finishing its file"
-                    break
-            if error is None and now > deadline:
-                late = [i for i in range(len(procs)) if i not in done]
-                error = f"{what(late[0])} did not finish within timeout_s={timeout_s:g}"
-            continue
-        if isinstance(got[1], str):
-            error = f"{what(got[0])} failed: {got[1]}"
-        else:
-            done[got[0]] = got[1]
-            records.append(FileRecord(write_buckets[got[0]][0], got[2], got[3]))
-    for p in procs:
-        if p.exitcode is None and error is not None:
-            p.kill()
-        p.join(timeout=5.0)
-    results.close()
+    done, error = _HelperPool(transform_list, write_buckets, label).run(timeout_s, records)
     if error is not None:
         errors.append(error)
         results_queue.put(RuntimeError(error))
@@ -394,42 +333,6 @@ def _bounded_save_strategy(timeout_s: float, label: str):
             return request._replace(async_fn=fn)
 
     return _BoundedTorchDistSaveStrategy()
-
-
-def _fsync_dir(path: Path) -> None:
-    # Make a rename durable: the directory entry itself must reach the disk.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _layout() -> dict[str, Any]:
-    from megatron.core import parallel_state as ps
-
-    return {
-        "world_size": _world(),
-        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-        "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
-        "data_parallel_size": ps.get_data_parallel_world_size(),
-    }
 
 
 def _uses_distributed_optimizer(optimizer) -> bool:
@@ -492,8 +395,6 @@ def _sharded_state_dict(model_chunks: list, optimizer, is_loading: bool, step: O
     """Megatron-LM's layout (``megatron_dapo/weights/dist_format.py``, shared with the converter): ``model`` (or
     ``model0``, ``model1``... per virtual stage), ``optimizer``, and when saving ``checkpoint_version`` and
     ``iteration``."""
-    from megatron_dapo.weights.dist_format import common_state, model_sharded_state_dict
-
     state: dict[str, Any] = model_sharded_state_dict(model_chunks)
     if step is not None:
         state.update(common_state(step))
@@ -512,7 +413,7 @@ def missing_parts(step_dir: Union[str, Path]) -> list[str]:
     step_dir = Path(step_dir)
     missing = [
         part
-        for part in (STATE_FILE, f"{DIST_DIR}/metadata.json", f"{DIST_DIR}/.metadata", RNG_DIR)
+        for part in (STATE_FILE, f"{DIST_DIR}/{MCORE_METADATA_FILE}", f"{DIST_DIR}/{DCP_METADATA_FILE}", RNG_DIR)
         if not (step_dir / part).exists()
     ]
     if STATE_FILE not in missing:
@@ -545,46 +446,37 @@ def complete_checkpoints(save_dir: Union[str, Path]) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def resolve_resume(resume_mode: str, save_dir: Optional[Union[str, Path]]) -> Optional[Path]:
-    """Which checkpoint to resume from, verified against its manifest (``checkpoint_problem``).
-
-    ``disable`` → None; ``auto`` → the newest intact checkpoint: the step directory named by ``<save_dir>/latest``
-    first, then the other complete ``global_step_<n>`` directories from the highest step down; every damaged one
-    passed over is logged as a WARNING with the reason. None when ``save_dir`` holds no checkpoint at all;
-    ``CheckpointIntegrityError`` (naming the newest one's damage) when it holds only damaged ones. Anything else is
-    a path to a step directory, which must exist, be complete and match its manifest.
-    Collective when torch.distributed is initialized (every rank calls it; see ``checkpoint_problem``).
-    """
-    if resume_mode == "disable":
+def _newest_intact(save_dir: Path) -> Optional[Path]:
+    """``resume_mode=auto``: the ``latest`` marker's step first, then the other ``global_step_<n>`` from the highest
+    step down; each damaged one is logged and passed over."""
+    candidates: list[Path] = []
+    marker = save_dir / LATEST
+    if marker.is_file():
+        candidates.append(save_dir / marker.read_text().strip())
+    steps = []
+    for child in save_dir.iterdir():
+        m = _STEP_RE.match(child.name)
+        if m and child.is_dir():
+            steps.append((int(m.group(1)), child))
+    candidates += [p for _, p in sorted(steps, reverse=True) if p not in candidates]
+    first_damage = None
+    for target in candidates:
+        problem = checkpoint_problem(target)
+        if problem is None:
+            return target
+        why = f"{target} is damaged: {problem}"
+        if rank() == 0:
+            log.warning("checkpoint.resume_mode=auto: skipping %s; trying an older checkpoint", why)
+        first_damage = first_damage or why
+    if first_damage is None:
         return None
-    if resume_mode == "auto":
-        if save_dir is None or not Path(save_dir).is_dir():
-            return None
-        save_dir = Path(save_dir)
-        candidates: list[Path] = []
-        marker = save_dir / LATEST
-        if marker.is_file():
-            candidates.append(save_dir / marker.read_text().strip())
-        steps = []
-        for child in save_dir.iterdir():
-            m = _STEP_RE.match(child.name)
-            if m and child.is_dir():
-                steps.append((int(m.group(1)), child))
-        candidates += [p for _, p in sorted(steps, reverse=True) if p not in candidates]
-        first_damage = None
-        for target in candidates:
-            problem = checkpoint_problem(target)
-            if problem is None:
-                return target
-            why = f"{target} is damaged: {problem}"
-            if _rank() == 0:
-                log.warning("checkpoint.resume_mode=auto: skipping %s; trying an older checkpoint", why)
-            first_damage = first_damage or why
-        if first_damage is None:
-            return None
-        raise CheckpointIntegrityError(
-            f"checkpoint.resume_mode=auto: no intact checkpoint in {save_dir}; newest: {first_damage}"
-        )
+    raise CheckpointIntegrityError(
+        f"checkpoint.resume_mode=auto: no intact checkpoint in {save_dir}; newest: {first_damage}"
+    )
+
+
+def _named_step_dir(resume_mode: str) -> Path:
+    """``resume_mode`` naming a step directory: it must exist, be complete and match its manifest."""
     path = Path(resume_mode)
     if not path.is_dir():
         raise CheckpointError(
@@ -608,6 +500,25 @@ def resolve_resume(resume_mode: str, save_dir: Optional[Union[str, Path]]) -> Op
     return path
 
 
+def resolve_resume(resume_mode: str, save_dir: Optional[Union[str, Path]]) -> Optional[Path]:
+    """Which checkpoint to resume from, verified against its manifest (``checkpoint_problem``).
+
+    ``disable`` → None; ``auto`` → the newest intact checkpoint: the step directory named by ``<save_dir>/latest``
+    first, then the other complete ``global_step_<n>`` directories from the highest step down; every damaged one
+    passed over is logged as a WARNING with the reason. None when ``save_dir`` holds no checkpoint at all;
+    ``CheckpointIntegrityError`` (naming the newest one's damage) when it holds only damaged ones. Anything else is
+    a path to a step directory, which must exist, be complete and match its manifest.
+    Collective when torch.distributed is initialized (every rank calls it; see ``checkpoint_problem``).
+    """
+    if resume_mode == "disable":
+        return None
+    if resume_mode == "auto":
+        if save_dir is None or not Path(save_dir).is_dir():
+            return None
+        return _newest_intact(Path(save_dir))
+    return _named_step_dir(resume_mode)
+
+
 # --------------------------------------------------------------------------------------------------- manager
 
 
@@ -627,6 +538,8 @@ class CheckpointManager:
         self.max_ckpt_to_keep = max_ckpt_to_keep
         self.timeout_s = float(timeout_s)
 
+    # ------------------------------------------------------------------------------------------------ save
+
     def save(
         self,
         step: int,
@@ -643,36 +556,42 @@ class CheckpointManager:
         non-finite, and ``CheckpointError`` (every rank, temporary directory unpublished, ``latest`` unchanged) when
         writing fails, e.g. a writer helper dies or does not finish within ``timeout_s``.
         """
-        from megatron.core import dist_checkpointing
-
-        from megatron_dapo.models.builder import unwrap
         from megatron_dapo.platform import get_platform
 
         started = time.perf_counter()
-        rank = _rank()
         tmp = self.save_dir / f"{TMP_PREFIX}{step}"
         final = self.save_dir / step_dir_name(step)
         # The generators as they are when the caller asks for the save (nothing below should draw, but be exact).
-        rng = {"rank": rank, "layout": _layout(), "state": get_platform().rng_state()}
-        if optimizer is not None and save_optimizer:
-            _prime_torch_adams(optimizer)
+        rng = {"rank": rank(), "layout": parallel_layout(), "state": get_platform().rng_state()}
+        saved_optimizer = optimizer if save_optimizer else None
+        if saved_optimizer is not None:
+            _prime_torch_adams(saved_optimizer)
         # Fail before any rank writes anything if the rank-0-only payload cannot be serialised.
-        state_text = json.dumps(
-            {
-                "format_version": FORMAT_VERSION,
-                "step": int(step),
-                "data_state": data_state,
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "has_optimizer": bool(save_optimizer and optimizer is not None),
-                "distributed_optimizer": optimizer is not None and _uses_distributed_optimizer(optimizer),
-                "torch_adam_steps": _torch_adam_steps(optimizer) if optimizer is not None else [],
-                "num_model_chunks": len(model_chunks),
-                "layout": _layout(),
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            },
-            indent=2,
-        )
-        sharded = _sharded_state_dict(model_chunks, optimizer if save_optimizer else None, is_loading=False, step=step)
+        state_text = _trainer_state_text(step, model_chunks, optimizer, scheduler, data_state, save_optimizer)
+        sharded = _sharded_state_dict(model_chunks, saved_optimizer, is_loading=False, step=step)
+        self._refuse_non_finite(model_chunks, sharded, final)
+        self._make_tmp(tmp)
+        records = self._write_dist(sharded, tmp, final)
+        records.append(torch_save_hashed(rng, tmp / RNG_DIR / _rng_name(rank())))
+        if rank() == 0:
+            records += _write_rank0_files(tmp, state_text, config)
+        # Every rank's files are in place; rank 0 gets their records (this is the barrier).
+        everyone = all_gather_object([(os.path.relpath(r.path, tmp), r.size, r.crc32) for r in records])
+        if rank() == 0:
+            write_manifest(
+                tmp, [FileRecord(Path(rel).as_posix(), size, crc) for recs in everyone for rel, size, crc in recs]
+            )
+            self._commit(tmp, final)
+            self._rotate(keep=final)
+        barrier()
+        if rank() == 0:
+            log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - started)
+        return final
+
+    def _refuse_non_finite(self, model_chunks: list, sharded: dict, final: Path) -> None:
+        """``CheckpointIntegrityError`` on every rank when any rank's model or optimizer holds NaN/inf. Collective."""
+        from megatron_dapo.models.builder import unwrap
+
         # Model tensors by module name (layer index included), then the optimizer's state by checkpoint key.
         named = [
             (f"model{i}.{n}", t)
@@ -681,21 +600,29 @@ class CheckpointManager:
             if isinstance(t, torch.Tensor)
         ]
         named += _named_state_tensors(sharded.get("optimizer"), "optimizer")
-        bad = [(r, name) for r, name in enumerate(_all_gather(first_non_finite(named))) if name]
+        bad = [(r, name) for r, name in enumerate(all_gather_object(first_non_finite(named))) if name]
         if bad:
-            where = f" on rank {bad[0][0]}" if _world() > 1 else ""
+            where = f" on rank {bad[0][0]}" if world_size() > 1 else ""
             raise CheckpointIntegrityError(
                 f"refusing to save checkpoint {final}: tensor {bad[0][1]!r}{where} holds non-finite values (NaN/inf);"
                 f" nothing was written, {self.save_dir / LATEST} and earlier checkpoints are unchanged"
             )
-        if rank == 0:
+
+    def _make_tmp(self, tmp: Path) -> None:
+        """Rank 0 creates the temporary step directory (removing stale ones first); every rank waits for it."""
+        if rank() == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
             for stale in self.save_dir.glob(".tmp-*"):  # left by a crashed save or deletion
                 if stale.is_dir():
                     shutil.rmtree(stale)
             (tmp / DIST_DIR).mkdir(parents=True)
             (tmp / RNG_DIR).mkdir()
-        _barrier()
+        barrier()
+
+    def _write_dist(self, sharded: dict, tmp: Path, final: Path) -> list[FileRecord]:
+        """megatron-core's dist checkpoint of ``sharded`` into ``tmp``, through the bounded writer; the records of
+        this rank's files. Collective: a failure on any rank raises ``CheckpointError`` on every rank."""
+        from megatron.core import dist_checkpointing
 
         strategy = _bounded_save_strategy(self.timeout_s, f"{final.name} (being written in {tmp})")
         request = dist_checkpointing.save(
@@ -711,7 +638,7 @@ class CheckpointManager:
             local_error = strategy.errors[0] if strategy.errors else None
         except Exception as e:  # noqa: BLE001 - agreed below so that no rank waits for a failed one
             local_error = f"{type(e).__name__}: {e}"
-        error = _agree_error(local_error)
+        error = agree_error(local_error)
         if error is not None:
             raise CheckpointError(
                 f"saving checkpoint {final} failed: {error}; {tmp} was not published, {self.save_dir / LATEST} "
@@ -719,48 +646,12 @@ class CheckpointManager:
             )
         for finalize in request.finalize_fns:  # megatron-core's .metadata and metadata.json (collective)
             finalize()
-
-        records = list(strategy.records)
-        records.append(_torch_save_hashed(rng, tmp / RNG_DIR / _rng_name(rank)))
-        if rank == 0:
-            records.append(_write_bytes_hashed(tmp / STATE_FILE, state_text.encode("utf-8")))
-            if config is not None:
-                import yaml
-
-                text = yaml.safe_dump(config, sort_keys=False)
-                records.append(_write_bytes_hashed(tmp / CONFIG_FILE, text.encode("utf-8")))
-            for name in _MCORE_BOOKKEEPING:
-                path = tmp / DIST_DIR / name
-                if path.is_file():
-                    size, crc = file_crc32(path)
-                    records.append(FileRecord(str(path), size, crc))
-        # Every rank's files are in place; rank 0 gets their records (this is the barrier).
-        everyone = _all_gather([(os.path.relpath(r.path, tmp), r.size, r.crc32) for r in records])
-
-        if rank == 0:
-            write_manifest(
-                tmp, [FileRecord(Path(rel).as_posix(), size, crc) for recs in everyone for rel, size, crc in recs]
-            )
-            self._commit(tmp, final)
-            self._rotate(keep=final)
-        _barrier()
-        if rank == 0:
-            log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - started)
-        return final
+        return list(strategy.records)
 
     def _commit(self, tmp: Path, final: Path) -> None:
-        _fsync_dir(tmp)
-        old = None
-        if final.exists():  # re-saving a step (e.g. after resuming from it): swap, then delete the old copy
-            old = final.with_name(f".tmp-replaced-{final.name}")
-            if old.exists():
-                shutil.rmtree(old)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        _fsync_dir(self.save_dir)
-        _write_atomic(self.save_dir / LATEST, final.name + "\n")
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        # Re-saving a step (e.g. after resuming from it): swap, then delete the old copy.
+        publish_dir(tmp, final, backup=final.with_name(f".tmp-replaced-{final.name}"))
+        write_text_atomic(self.save_dir / LATEST, final.name + "\n")
 
     def _rotate(self, keep: Path) -> None:
         if not self.max_ckpt_to_keep or self.max_ckpt_to_keep <= 0:
@@ -771,6 +662,8 @@ class CheckpointManager:
             doomed = path.with_name(f".tmp-delete-{path.name}")
             os.rename(path, doomed)  # no half-deleted global_step_<n> is ever visible
             shutil.rmtree(doomed, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------------ load
 
     def load(
         self,
@@ -785,89 +678,23 @@ class CheckpointManager:
 
         Returns ``{"step", "data_state", "config", "path", "optimizer_restored", "rng_restored"}``.
         """
-        from megatron.core import dist_checkpointing
-
-        from megatron_dapo.models.builder import unwrap
-        from megatron_dapo.platform import get_platform
-        from megatron_dapo.weights.dist_format import model_state_key
-
         step_dir = Path(step_dir)
-        missing = missing_parts(step_dir) if step_dir.is_dir() else ["the directory itself"]
-        if missing:
-            raise CheckpointError(f"cannot load checkpoint {step_dir}: incomplete (missing: {', '.join(missing)})")
-        problem = checkpoint_problem(step_dir)
-        if problem is not None:
-            raise CheckpointIntegrityError(f"cannot load checkpoint {step_dir}: damaged: {problem}")
-        _warn_if_no_manifest(step_dir)
-        state = json.loads((step_dir / STATE_FILE).read_text())
-        if state.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{step_dir / STATE_FILE}: format_version {state.get('format_version')!r}, expected {FORMAT_VERSION}"
-            )
-        if state["num_model_chunks"] != len(model_chunks):
-            raise CheckpointError(
-                f"{step_dir} holds {state['num_model_chunks']} model chunk(s) per rank (virtual pipeline stages) but "
-                f"{len(model_chunks)} were given; loading across a virtual-pipeline change is not supported"
-            )
-        saved_layout, layout = state["layout"], _layout()
+        state = _read_trainer_state(step_dir, len(model_chunks))
         restore_optimizer = bool(load_optimizer and optimizer is not None and state["has_optimizer"])
-        if restore_optimizer and state["distributed_optimizer"] and _uses_distributed_optimizer(optimizer):
-            sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-            changed = [k for k in sizes if saved_layout[k] != layout[k]]
-            if changed:
-                raise CheckpointError(
-                    f"{step_dir}: the distributed optimizer's state ({DIST_OPTIM_FORMAT}) reshards only across data "
-                    f"parallelism, but {', '.join(f'{k} {saved_layout[k]} -> {layout[k]}' for k in changed)}; "
-                    "resume with the saved TP/PP or load weights only (load_optimizer=False)"
-                )
-        if restore_optimizer and state["distributed_optimizer"] != _uses_distributed_optimizer(optimizer):
-            raise CheckpointError(
-                f"{step_dir}: saved with use_distributed_optimizer={state['distributed_optimizer']} but this run has "
-                f"{not state['distributed_optimizer']}; the optimizer state formats differ (load_optimizer=False "
-                "loads the weights only)"
-            )
-
         if restore_optimizer:
-            _prime_torch_adams(optimizer)
-        sharded = _sharded_state_dict(model_chunks, optimizer if restore_optimizer else None, is_loading=True)
-        loaded = dist_checkpointing.load(sharded, str(step_dir / DIST_DIR))
-        for i, chunk in enumerate(model_chunks):
-            unwrap(chunk).load_state_dict(loaded[model_state_key(i, len(model_chunks))], strict=True)
-        if restore_optimizer:
-            # megatron-core copies into views of leaf parameters (fp32 + distributed optimizer): needs no_grad.
-            with torch.no_grad():
-                optimizer.load_state_dict(loaded["optimizer"])
-            _restore_torch_adam_steps(optimizer, state["torch_adam_steps"])
-        elif optimizer is not None:
-            # Main (fp32) params were copied from the model when the optimizer was built: refresh them.
-            optimizer.reload_model_params()
-            if _rank() == 0:
-                log.warning("checkpoint %s: optimizer state not restored (saved: %s)", step_dir, state["has_optimizer"])
-
+            _check_optimizer_fits(step_dir, state, optimizer)
+        _load_model_and_optimizer(step_dir, state, model_chunks, optimizer, restore_optimizer)
         if scheduler is not None and state.get("scheduler") is not None:
             # megatron-core's load_state_dict *adds* the saved step count to the current one.
             scheduler.num_steps = 0
             scheduler.load_state_dict(state["scheduler"])
-
-        rng_restored = False
-        if load_rng:
-            if saved_layout == layout:
-                payload = torch.load(step_dir / RNG_DIR / _rng_name(_rank()), weights_only=False)
-                get_platform().set_rng_state(payload["state"])
-                rng_restored = True
-            elif _rank() == 0:
-                log.warning(
-                    "checkpoint %s: RNG states not restored, parallel layout changed %s -> %s",
-                    step_dir,
-                    saved_layout,
-                    layout,
-                )
+        rng_restored = load_rng and _restore_rng(step_dir, state["layout"])
         config = None
         if (step_dir / CONFIG_FILE).is_file():
             import yaml
 
             config = yaml.safe_load((step_dir / CONFIG_FILE).read_text())
-        _barrier()
+        barrier()
         return {
             "step": int(state["step"]),
             "data_state": state["data_state"],
@@ -876,3 +703,125 @@ class CheckpointManager:
             "optimizer_restored": restore_optimizer,
             "rng_restored": rng_restored,
         }
+
+
+# ------------------------------------------------------------------------------------------ save/load parts
+
+
+def _trainer_state_text(
+    step: int, model_chunks: list, optimizer, scheduler, data_state: Optional[dict], save_optimizer: bool
+) -> str:
+    """``trainer_state.json``."""
+    return json.dumps(
+        {
+            "format_version": FORMAT_VERSION,
+            "step": int(step),
+            "data_state": data_state,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "has_optimizer": bool(save_optimizer and optimizer is not None),
+            "distributed_optimizer": optimizer is not None and _uses_distributed_optimizer(optimizer),
+            "torch_adam_steps": _torch_adam_steps(optimizer) if optimizer is not None else [],
+            "num_model_chunks": len(model_chunks),
+            "layout": parallel_layout(),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+        indent=2,
+    )
+
+
+def _write_rank0_files(tmp: Path, state_text: str, config: Optional[dict]) -> list[FileRecord]:
+    """Rank 0's part: ``trainer_state.json``, ``config.yaml``, and the records of megatron-core's bookkeeping files
+    (written by megatron-core itself, hashed right after)."""
+    records = [write_bytes_hashed(tmp / STATE_FILE, state_text.encode("utf-8"))]
+    if config is not None:
+        import yaml
+
+        text = yaml.safe_dump(config, sort_keys=False)
+        records.append(write_bytes_hashed(tmp / CONFIG_FILE, text.encode("utf-8")))
+    for name in _MCORE_BOOKKEEPING:
+        path = tmp / DIST_DIR / name
+        if path.is_file():
+            records.append(FileRecord(str(path), *file_crc32(path)))
+    return records
+
+
+def _read_trainer_state(step_dir: Path, num_chunks: int) -> dict[str, Any]:
+    """``trainer_state.json`` of a complete, intact ``step_dir`` saved with ``num_chunks`` chunks per rank."""
+    missing = missing_parts(step_dir) if step_dir.is_dir() else ["the directory itself"]
+    if missing:
+        raise CheckpointError(f"cannot load checkpoint {step_dir}: incomplete (missing: {', '.join(missing)})")
+    problem = checkpoint_problem(step_dir)
+    if problem is not None:
+        raise CheckpointIntegrityError(f"cannot load checkpoint {step_dir}: damaged: {problem}")
+    _warn_if_no_manifest(step_dir)
+    state = json.loads((step_dir / STATE_FILE).read_text())
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{step_dir / STATE_FILE}: format_version {state.get('format_version')!r}, expected {FORMAT_VERSION}"
+        )
+    if state["num_model_chunks"] != num_chunks:
+        raise CheckpointError(
+            f"{step_dir} holds {state['num_model_chunks']} model chunk(s) per rank (virtual pipeline stages) but "
+            f"{num_chunks} were given; loading across a virtual-pipeline change is not supported"
+        )
+    return state
+
+
+def _check_optimizer_fits(step_dir: Path, state: dict, optimizer) -> None:
+    """The saved optimizer state can be restored into ``optimizer`` under this run's layout."""
+    saved_layout, layout = state["layout"], parallel_layout()
+    if state["distributed_optimizer"] and _uses_distributed_optimizer(optimizer):
+        sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+        changed = [k for k in sizes if saved_layout[k] != layout[k]]
+        if changed:
+            raise CheckpointError(
+                f"{step_dir}: the distributed optimizer's state ({DIST_OPTIM_FORMAT}) reshards only across data "
+                f"parallelism, but {', '.join(f'{k} {saved_layout[k]} -> {layout[k]}' for k in changed)}; "
+                "resume with the saved TP/PP or load weights only (load_optimizer=False)"
+            )
+    if state["distributed_optimizer"] != _uses_distributed_optimizer(optimizer):
+        raise CheckpointError(
+            f"{step_dir}: saved with use_distributed_optimizer={state['distributed_optimizer']} but this run has "
+            f"{not state['distributed_optimizer']}; the optimizer state formats differ (load_optimizer=False "
+            "loads the weights only)"
+        )
+
+
+def _load_model_and_optimizer(step_dir: Path, state: dict, model_chunks: list, optimizer, restore: bool) -> None:
+    """The dist checkpoint into the model chunks, and into ``optimizer`` when ``restore``. Collective."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_dapo.models.builder import unwrap
+
+    if restore:
+        _prime_torch_adams(optimizer)
+    sharded = _sharded_state_dict(model_chunks, optimizer if restore else None, is_loading=True)
+    loaded = dist_checkpointing.load(sharded, str(step_dir / DIST_DIR))
+    for i, chunk in enumerate(model_chunks):
+        unwrap(chunk).load_state_dict(loaded[model_state_key(i, len(model_chunks))], strict=True)
+    if restore:
+        # megatron-core copies into views of leaf parameters (fp32 + distributed optimizer): needs no_grad.
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_torch_adam_steps(optimizer, state["torch_adam_steps"])
+    elif optimizer is not None:
+        # Main (fp32) params were copied from the model when the optimizer was built: refresh them.
+        optimizer.reload_model_params()
+        if rank() == 0:
+            log.warning("checkpoint %s: optimizer state not restored (saved: %s)", step_dir, state["has_optimizer"])
+
+
+def _restore_rng(step_dir: Path, saved_layout: dict) -> bool:
+    """This rank's generators, when the parallel layout is the one they were saved under."""
+    from megatron_dapo.platform import get_platform
+
+    layout = parallel_layout()
+    if saved_layout == layout:
+        payload = torch.load(step_dir / RNG_DIR / _rng_name(rank()), weights_only=False)
+        get_platform().set_rng_state(payload["state"])
+        return True
+    if rank() == 0:
+        log.warning(
+            "checkpoint %s: RNG states not restored, parallel layout changed %s -> %s", step_dir, saved_layout, layout
+        )
+    return False

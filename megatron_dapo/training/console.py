@@ -6,7 +6,7 @@
   restores library INFO output on the console.
 * ``ProgressBar``: step, score, validation accuracy, response length, s/step and ETA, on rank 0 when stderr is a
   terminal (in a pipe or a CI log the compact table carries the progress instead).
-* ``format_table``: the key metrics of a step as one fixed-width row under a header, printed every
+* ``format_header`` / ``format_row``: the key metrics of a step as one fixed-width row under a header, printed every
   ``trainer.console_every`` steps and on every validation step by the ``console`` metrics backend.
 """
 

@@ -18,7 +18,9 @@ from typing import Optional, Union
 
 import yaml
 
-from megatron_dapo.training.checkpoint import CONFIG_FILE, LATEST, STEP_PREFIX, CheckpointError, resolve_resume
+from megatron_dapo.training.checkpoint import CONFIG_FILE, LATEST, STEP_PREFIX, resolve_resume
+from megatron_dapo.weights.dist_format import find_checkpoint
+from megatron_dapo.weights.errors import CheckpointError
 
 PathLike = Union[str, Path]
 
@@ -40,8 +42,6 @@ def _training_step_dir(checkpoint: Path, step: Optional[int]) -> Optional[Path]:
 def _hf_config_of_run(step_dir: Path, config_path: Optional[PathLike]) -> Optional[Path]:
     """Where the run saved in ``step_dir`` took its HF config from (see the module docstring)."""
     from megatron_dapo.config import ExperimentConfig, from_dict, load_config
-    from megatron_dapo.weights.dist_format import CheckpointError as FormatError
-    from megatron_dapo.weights.dist_format import find_checkpoint
 
     if config_path is not None:
         cfg = load_config(config_path)
@@ -54,7 +54,7 @@ def _hf_config_of_run(step_dir: Path, config_path: Optional[PathLike]) -> Option
     if cfg.checkpoint.load_dir:
         try:
             return find_checkpoint(cfg.checkpoint.load_dir).hf_config_dir
-        except FormatError:
+        except CheckpointError:
             return None
     return None
 
@@ -69,7 +69,6 @@ def export_step(
     """Export ``checkpoint`` (see the module docstring; ``step``: which training step, default the newest) to an
     HF directory ``save_dir``; returns ``save_dir``."""
     from megatron_dapo.weights.convert import convert_mcore_to_hf
-    from megatron_dapo.weights.dist_format import find_checkpoint
 
     checkpoint = Path(checkpoint)
     source = checkpoint

@@ -1,10 +1,5 @@
-"""Per-step metrics under verl's names (``verl/trainer/ppo/metric_utils.py``), computed from a step's tensors.
-
-Pure functions: no process groups, no logging. The batch is a dict of tensors with (B = sequences):
-  ``responses`` [B, R] (its width R is the response budget unless ``max_response_length`` is given),
-  ``response_mask`` [B, R] (1 = generated token), ``prompt_mask`` [B, P] (1 = prompt token; or verl's
-  ``attention_mask`` [B, P + R]), ``token_level_scores`` / ``token_level_rewards`` [B, R], ``advantages`` and
-  ``returns`` [B, R].
+"""Per-step metrics under verl's names (``verl/trainer/ppo/metric_utils.py``), computed from a step's
+``TrainBatch`` (``megatron_dapo/batch.py``). Pure functions: no process groups, no logging.
 """
 
 from __future__ import annotations
@@ -15,38 +10,22 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_dapo.batch import TrainBatch
+
 # Sections whose time is normalised per token, and by which tokens (verl's table; ``old_log_prob`` added because
 # it is a full forward over prompt + response, like ``ref``).
 _PER_TOKEN_SECTIONS = {
     "gen": "response",
     "old_log_prob": "all",
     "ref": "all",
-    "values": "all",
     "adv": "all",
-    "update_critic": "all",
     "update_actor": "all",
 }
 
 
-def _lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(prompt lengths, response lengths, prompt width, response width) as float tensors / ints."""
-    for key in ("responses", "response_mask"):
-        if key not in batch:
-            raise KeyError(f"metrics: the batch has no {key!r} (keys: {sorted(batch)})")
-    response_width = int(batch["responses"].shape[-1])
-    response_mask = batch["response_mask"]
-    if "prompt_mask" in batch:
-        prompt_mask = batch["prompt_mask"]
-    elif "attention_mask" in batch:
-        prompt_mask = batch["attention_mask"][:, :-response_width]
-    else:
-        raise KeyError(f"metrics: the batch needs 'prompt_mask' or 'attention_mask' (keys: {sorted(batch)})")
-    return (
-        prompt_mask.sum(-1).float(),
-        response_mask.sum(-1).float(),
-        int(prompt_mask.shape[-1]),
-        response_width,
-    )
+def _lengths(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt lengths, response lengths) as float tensors."""
+    return batch.prompt_mask.sum(-1).float(), batch.response_mask.sum(-1).float()
 
 
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
@@ -55,12 +34,11 @@ def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
 
 
 def compute_data_metrics(
-    batch: Mapping[str, Any],
-    use_critic: bool = False,
+    batch: TrainBatch,
     max_prompt_length: Optional[int] = None,
     max_response_length: Optional[int] = None,
 ) -> dict[str, float]:
-    """verl's ``compute_data_metrics``: score/reward/advantage/return and length statistics of one training batch.
+    """verl's ``compute_data_metrics`` (without a critic): score/reward/advantage/return and length statistics.
 
     * ``critic/score/*`` and ``critic/rewards/*``: per-sequence sums of the token-level scores / rewards
       (rewards = scores after a KL penalty), over non-aborted sequences (response length > 0).
@@ -68,33 +46,27 @@ def compute_data_metrics(
     * ``response_length/*``, ``prompt_length/*``: token counts; ``clip_ratio`` = share of sequences whose length
       equals the budget (``max_*_length``, by default the padded width as in verl).
     * ``response_length_non_aborted/*`` and ``response/aborted_ratio`` as in verl.
-    With ``use_critic`` also ``critic/values/*`` and ``critic/vf_explained_var`` from ``values``.
     """
-    prompt_length, response_length, prompt_width, response_width = _lengths(batch)
-    max_prompt_length = prompt_width if max_prompt_length is None else max_prompt_length
-    max_response_length = response_width if max_response_length is None else max_response_length
-    scores = batch["token_level_scores"].sum(-1)
-    rewards = batch.get("token_level_rewards", batch["token_level_scores"]).sum(-1)
-    response_mask = batch["response_mask"].bool()
+    prompt_length, response_length = _lengths(batch)
+    if max_prompt_length is None:
+        max_prompt_length = int(batch.prompts.shape[1])
+    if max_response_length is None:
+        max_response_length = int(batch.responses.shape[1])
+    scores = batch.token_level_scores.sum(-1)
+    rewards = (batch.token_level_rewards if batch.token_level_rewards is not None else batch.token_level_scores).sum(-1)
+    response_mask = batch.response_mask.bool()
 
     aborted = response_length == 0
     if bool(aborted.all()):
         raise ValueError("compute_data_metrics: every response in the batch is empty (all samples aborted)")
     kept = ~aborted
-    valid_adv = torch.masked_select(batch["advantages"], response_mask)
-    valid_returns = torch.masked_select(batch["returns"], response_mask)
     kept_length = response_length[kept]
 
     metrics: dict[str, float] = {}
     metrics.update(_stats("critic/score", scores[kept]))
     metrics.update(_stats("critic/rewards", rewards[kept]))
-    metrics.update(_stats("critic/advantages", valid_adv))
-    metrics.update(_stats("critic/returns", valid_returns))
-    if use_critic:
-        valid_values = torch.masked_select(batch["values"], response_mask)
-        metrics.update(_stats("critic/values", valid_values))
-        diff_var = torch.var(valid_returns.double() - valid_values.double())
-        metrics["critic/vf_explained_var"] = (1.0 - diff_var / (torch.var(valid_returns.double()) + 1e-5)).item()
+    metrics.update(_stats("critic/advantages", torch.masked_select(batch.advantages, response_mask)))
+    metrics.update(_stats("critic/returns", torch.masked_select(batch.returns, response_mask)))
     metrics.update(_stats("response_length", response_length))
     metrics["response_length/clip_ratio"] = (response_length == max_response_length).double().mean().item()
     metrics.update(_stats("response_length_non_aborted", kept_length))
@@ -105,12 +77,12 @@ def compute_data_metrics(
     return metrics
 
 
-def _token_counts(batch: Mapping[str, Any]) -> tuple[int, int]:
-    prompt_length, response_length, _, _ = _lengths(batch)
+def _token_counts(batch: TrainBatch) -> tuple[int, int]:
+    prompt_length, response_length = _lengths(batch)
     return int(prompt_length.sum().item()), int(response_length.sum().item())
 
 
-def compute_timing_metrics(timings: Mapping[str, float], batch: Mapping[str, Any]) -> dict[str, float]:
+def compute_timing_metrics(timings: Mapping[str, float], batch: TrainBatch) -> dict[str, float]:
     """``timing_s/<name>`` for every timed section and ``timing_per_token_ms/<name>`` for the sections of
     ``_PER_TOKEN_SECTIONS`` that ran: ``gen`` per response token, the others per prompt + response token."""
     num_prompt, num_response = _token_counts(batch)
@@ -122,7 +94,7 @@ def compute_timing_metrics(timings: Mapping[str, float], batch: Mapping[str, Any
     return out
 
 
-def compute_throughput_metrics(batch: Mapping[str, Any], timings: Mapping[str, float], n_gpus: int) -> dict[str, float]:
+def compute_throughput_metrics(batch: TrainBatch, timings: Mapping[str, float], n_gpus: int) -> dict[str, float]:
     """``perf/total_num_tokens`` (prompt + response tokens of the batch), ``perf/time_per_step`` (``timings['step']``)
     and ``perf/throughput`` = tokens / (time × devices), as in verl."""
     if "step" not in timings:

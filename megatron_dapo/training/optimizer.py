@@ -12,30 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_dapo.config import ConfigError, OptimConfig
-
-DECAY_STYLES = ("constant", "cosine", "linear")
+from megatron_dapo.config import ConfigError, OptimConfig, lr_schedule_problems, warmup_steps
 
 
 def resolve_warmup_steps(optim: OptimConfig, total_steps: int) -> int:
     """Checked warm-up length: ``lr_warmup_steps`` when positive, else ``int(lr_warmup_steps_ratio × total_steps)``
-    (verl's rule); the other schedule fields are validated on the way."""
-    if total_steps < 1:
-        raise ConfigError(f"the number of training steps must be >= 1 to build the lr schedule, got {total_steps}")
-    if optim.lr_decay_style not in DECAY_STYLES:
-        raise ConfigError(f"actor.optim.lr_decay_style={optim.lr_decay_style!r}: expected one of {DECAY_STYLES}")
-    if optim.lr <= 0 or optim.min_lr < 0 or optim.min_lr > optim.lr:
-        raise ConfigError(f"actor.optim: need lr > 0 and 0 <= min_lr <= lr, got lr={optim.lr}, min_lr={optim.min_lr}")
-    if not 0.0 <= optim.lr_warmup_steps_ratio <= 1.0:
-        raise ConfigError(f"actor.optim.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio}: expected a value in [0,1]")
-    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * total_steps)
-    if warmup >= total_steps:
-        # megatron-core's scheduler requires warm-up < decay steps; say which knob to turn instead of asserting.
-        raise ConfigError(
-            f"actor.optim warm-up of {warmup} steps (lr_warmup_steps={optim.lr_warmup_steps}, lr_warmup_steps_ratio="
-            f"{optim.lr_warmup_steps_ratio}) must be shorter than the {total_steps} training steps"
-        )
-    return warmup
+    (verl's rule); the other schedule fields are validated on the way (``config.lr_schedule_problems``, the check
+    ``validate_run`` makes up front when it knows the number of steps)."""
+    problems = lr_schedule_problems(optim, total_steps)
+    if problems:
+        raise ConfigError.of(problems)
+    return warmup_steps(optim, total_steps)
 
 
 def build_optimizer(actor_chunks: list, optim: OptimConfig, total_steps: int) -> tuple[Any, Any]:

@@ -19,9 +19,17 @@ from megatron_dapo.algo.advantages import compute_advantages
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingAccumulator
 from megatron_dapo.algo.kl import apply_kl_penalty_to_rewards, get_kl_controller
 from megatron_dapo.algo.policy_loss import compute_rollout_is_weights
-from megatron_dapo.config import ExperimentConfig, to_dict, validate_config, validate_parallel_layout
+from megatron_dapo.batch import TrainBatch
+from megatron_dapo.config import ExperimentConfig, to_dict, validate_config
+from megatron_dapo.config_checks import validate_run
 from megatron_dapo.data import PromptSampler, build_dataset
-from megatron_dapo.models.builder import build_gpt_chunks, freeze, wrap_for_training
+from megatron_dapo.models.builder import (
+    build_gpt_chunks,
+    freeze,
+    resolve_remove_padding,
+    resolve_transformer_impl,
+    wrap_for_training,
+)
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.parallel import any_rank, control_group, init_distributed, init_model_parallel
 from megatron_dapo.reward.manager import RewardManager, RewardResult, merge_results
@@ -50,7 +58,7 @@ from megatron_dapo.training.offload import MemoryHandoff
 from megatron_dapo.training.optimizer import build_optimizer
 from megatron_dapo.training.timing import timed
 from megatron_dapo.weights.dist_format import hf_config_dir_of
-from megatron_dapo.weights.mcore_checkpoint import load_mcore_checkpoint
+from megatron_dapo.weights.loading import load_mcore_checkpoint
 
 log = logging.getLogger("megatron_dapo.trainer")
 
@@ -63,14 +71,6 @@ class DAPOTrainer:
         self.info, self.platform = init_distributed(cfg.parallel, timeout_s=timeout_s)
         hf_dir = cfg.model.hf_config_dir or str(hf_config_dir_of(cfg.checkpoint.load_dir))
         self.arch = model_arch_from_hf(hf_dir)
-        self.dp_size = validate_parallel_layout(
-            cfg.parallel,
-            self.info.world_size,
-            self.arch.num_layers,
-            self.arch.num_attention_heads,
-            self.arch.num_query_groups,
-        )
-        init_model_parallel(cfg.parallel, seed=cfg.trainer.seed, timeout_s=timeout_s)
 
         from transformers import AutoTokenizer
 
@@ -87,21 +87,15 @@ class DAPOTrainer:
         self.sampler = PromptSampler(len(self.train_data), self.gen_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.total_steps = self._total_steps()
 
-        # Models: actor (trainable) and, when a KL term needs it, the frozen reference.
-        actor_chunks = build_gpt_chunks(self.arch, cfg)
-        load_mcore_checkpoint(actor_chunks, self.arch, cfg.checkpoint.load_dir)
-        actor_chunks = wrap_for_training(actor_chunks, cfg)
-        optimizer, self.scheduler = build_optimizer(actor_chunks, cfg.actor.optim, self.total_steps)
-        self.actor = MegatronActor(actor_chunks, self.arch.vocab_size, cfg.actor, optimizer)
-        self.ref: Optional[MegatronActor] = None
-        if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            ref_chunks = freeze(build_gpt_chunks(self.arch, cfg))
-            load_mcore_checkpoint(ref_chunks, self.arch, cfg.checkpoint.ref_load_dir or cfg.checkpoint.load_dir)
-            self.ref = MegatronActor(ref_chunks, self.arch.vocab_size, cfg.actor)
-        # Phase-boundary memory moves (what is offloaded while vLLM generates; nothing on CPU).
-        self.handoff = MemoryHandoff.from_config(
-            cfg, self.platform, self.actor.chunks, self.actor.optimizer, self.ref.chunks if self.ref else None
-        )
+        # Every check that needs the model, the world size or the step count, before any model or engine exists.
+        self.layout = validate_run(cfg, self.arch, self.info.world_size, total_steps=self.total_steps)
+        if self.info.is_main:
+            for note in self.layout.notes:
+                log.info("%s", note)
+        self.dp_size = self.layout.dp_size
+        init_model_parallel(cfg.parallel, seed=cfg.trainer.seed, timeout_s=timeout_s)
+
+        self._build_models()
         self._engine_ready_step: Optional[int] = None  # the step whose weights the awake engine holds
         self.kl_ctrl = get_kl_controller(
             cfg.algorithm.kl_ctrl.type,
@@ -111,32 +105,15 @@ class DAPOTrainer:
         )
 
         # Rollout engine (weights come from the first sync) and the reward manager.
-        self.engine = RolloutEngine(cfg, hf_dir, self.platform, pad_token_id=self.pad_id, eos_token_ids=self.eos_ids)
+        self.engine = RolloutEngine(
+            cfg, hf_dir, self.platform, pad_token_id=self.pad_id, eos_token_ids=self.eos_ids, layout=self.layout
+        )
         self.weight_sync = WeightSync(self.engine, self.arch, cfg)
         self.train_sampling = SamplingSpec.for_training(cfg, self.eos_ids)
         self.val_sampling = SamplingSpec.for_validation(cfg, self.eos_ids)
         self.reward = RewardManager(self.tokenizer, cfg.reward, cfg.data.max_response_length, self.eos_ids)
 
-        # Checkpoints, logs.
-        out = Path(cfg.trainer.output_dir)
-        self.ckpt = CheckpointManager(
-            cfg.checkpoint.save_dir or str(out / "checkpoints"), cfg.checkpoint.max_ckpt_to_keep, timeout_s=timeout_s
-        )
-        main = self.info.is_main
-        self.progress = ProgressBar(self.total_steps, 0, enabled=main and cfg.trainer.progress_bar)
-        self.logger = MetricsLogger(
-            cfg.trainer.logger,
-            str(out),
-            cfg.trainer.project_name,
-            cfg.trainer.experiment_name,
-            to_dict(cfg),
-            enabled=main,
-            console_every=cfg.trainer.console_every,
-            total_steps=self.total_steps,
-            verbose=cfg.trainer.verbose,
-            progress=self.progress,
-        )
-        self.dumper = RolloutDumper(cfg.trainer.rollout_data_dir) if cfg.trainer.rollout_data_dir and main else None
+        self._build_outputs()
         # Run state. ``global_step`` is the last *completed* step: its update is applied (what a checkpoint of it
         # holds). ``_boundary`` is the data position and RNG at that point, for a checkpoint after a failure.
         self.global_step = 0
@@ -157,6 +134,52 @@ class DAPOTrainer:
             and a.ppo_mini_batch_size == cfg.data.train_batch_size
             and not cfg.algorithm.use_kl_in_reward
         )
+
+    def _build_models(self) -> None:
+        """The actor (trainable, with its optimizer) and, when a KL term needs it, the frozen reference; the memory
+        hand-off between them and the engine."""
+        cfg = self.cfg
+        impl = resolve_transformer_impl(cfg.model, cfg.parallel)
+        cfg.actor.use_remove_padding = resolve_remove_padding(cfg.actor, impl, cfg.parallel.context_parallel_size)
+        actor_chunks = build_gpt_chunks(self.arch, cfg)
+        load_mcore_checkpoint(actor_chunks, self.arch, cfg.checkpoint.load_dir)
+        actor_chunks = wrap_for_training(actor_chunks, cfg)
+        optimizer, self.scheduler = build_optimizer(actor_chunks, cfg.actor.optim, self.total_steps)
+        self.actor = MegatronActor(actor_chunks, self.arch.vocab_size, cfg.actor, optimizer)
+        self.ref: Optional[MegatronActor] = None
+        if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            ref_chunks = freeze(build_gpt_chunks(self.arch, cfg))
+            load_mcore_checkpoint(ref_chunks, self.arch, cfg.checkpoint.ref_load_dir or cfg.checkpoint.load_dir)
+            self.ref = MegatronActor(ref_chunks, self.arch.vocab_size, cfg.actor)
+        # Phase-boundary memory moves (what is offloaded while vLLM generates; nothing on CPU).
+        self.handoff = MemoryHandoff.from_config(
+            cfg, self.platform, self.actor.chunks, self.actor.optimizer, self.ref.chunks if self.ref else None
+        )
+
+    def _build_outputs(self) -> None:
+        """Checkpoints, metrics loggers, the progress bar and the rollout dump (rank 0 logs)."""
+        cfg = self.cfg
+        out = Path(cfg.trainer.output_dir)
+        self.ckpt = CheckpointManager(
+            cfg.checkpoint.save_dir or str(out / "checkpoints"),
+            cfg.checkpoint.max_ckpt_to_keep,
+            timeout_s=cfg.trainer.collective_timeout_s,
+        )
+        main = self.info.is_main
+        self.progress = ProgressBar(self.total_steps, 0, enabled=main and cfg.trainer.progress_bar)
+        self.logger = MetricsLogger(
+            cfg.trainer.logger,
+            str(out),
+            cfg.trainer.project_name,
+            cfg.trainer.experiment_name,
+            to_dict(cfg),
+            enabled=main,
+            console_every=cfg.trainer.console_every,
+            total_steps=self.total_steps,
+            verbose=cfg.trainer.verbose,
+            progress=self.progress,
+        )
+        self.dumper = RolloutDumper(cfg.trainer.rollout_data_dir) if cfg.trainer.rollout_data_dir and main else None
 
     # ================================================================================================ the loop
 
@@ -217,27 +240,9 @@ class DAPOTrainer:
                 return None
             batch, gen_metrics = collected
             metrics.update(gen_metrics)
-            trains = bool(batch["loss_mask"].any())
-            if trains:
-                # 4. Old-policy (and reference) log-probs from the Megatron models. The old-policy forward is skipped
-                # when it cannot differ from the update's own forward (see actor.old_log_prob_forward).
-                if not self.on_policy_update:
-                    with timed("old_log_prob", timings):
-                        old = self.actor.compute_log_probs(batch, cfg.rollout.temperature)
-                    batch["old_log_probs"] = old["log_probs"]
-                    metrics["perf/padding_ratio/old_log_prob"] = old["padding_ratio"]
-                    metrics.update(
-                        logprob_diff_metrics(old["log_probs"], batch["rollout_log_probs"], batch["response_mask"])
-                    )
-                    metrics.update(_nonfinite_counts(batch, "old_log_probs", "actor/num_nonfinite_old_log_probs"))
-                if self.ref is not None:
-                    with timed("ref", timings):
-                        self.handoff.before_reference()
-                        ref = self.ref.compute_log_probs(batch, cfg.rollout.temperature)
-                        self.handoff.after_reference()
-                    batch["ref_log_probs"] = ref["log_probs"]
-                    metrics["perf/padding_ratio/ref"] = ref["padding_ratio"]
-                    metrics.update(_nonfinite_counts(batch, "ref_log_probs", "actor/num_nonfinite_ref_log_probs"))
+            if bool(batch.loss_mask.any()):
+                # 4. Old-policy (and reference) log-probs from the Megatron models.
+                metrics.update(self.compute_log_probs(batch, timings))
                 # 5. Rewards → advantages.
                 with timed("adv", timings):
                     metrics.update(self.compute_advantages(batch))
@@ -250,8 +255,8 @@ class DAPOTrainer:
             else:
                 # Exhausted with nothing kept: no update (the weights and the engine stay as they are).
                 self.num_empty_steps += 1
-                batch["advantages"] = torch.zeros_like(batch["token_level_scores"])
-                batch["returns"] = torch.zeros_like(batch["token_level_scores"])
+                batch.advantages = torch.zeros_like(batch.token_level_scores)
+                batch.returns = torch.zeros_like(batch.token_level_scores)
                 self.global_step = step
                 self._boundary = self._snapshot()
             metrics["train/skipped_updates"] = float(self.num_empty_steps)
@@ -264,25 +269,27 @@ class DAPOTrainer:
             if (cfg.checkpoint.save_freq > 0 and step % cfg.checkpoint.save_freq == 0) or last:
                 with timed("save_checkpoint", timings):
                     self.save_checkpoint()
-        metrics.update(
-            compute_data_metrics(
-                batch,
-                max_prompt_length=cfg.data.max_prompt_length,
-                max_response_length=cfg.data.max_response_length,
-            )
-        )
-        metrics.update(compute_timing_metrics(timings, batch))
-        metrics.update(compute_throughput_metrics(batch, timings, self.info.world_size))
-        metrics.update(self.handoff.metrics())
-        metrics["perf/max_memory_allocated_gb"] = self.platform.max_memory_allocated_gb()
-        metrics["perf/cpu_memory_used_gb"] = _rss_gb()
-        metrics["training/global_step"] = step
-        metrics["training/epoch"] = self.sampler.epoch
+        metrics.update(self._step_metrics(step, batch, timings))
         self.logger.log(metrics, step=step)
         self.progress.update(metrics)
         if val_metrics:
             self._last_val_step = step
         return val_metrics
+
+    def _step_metrics(self, step: int, batch: TrainBatch, timings: dict[str, float]) -> dict[str, float]:
+        """Data, timing, throughput and memory metrics of a finished step (verl's names)."""
+        cfg = self.cfg
+        metrics = compute_data_metrics(
+            batch, max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length
+        )
+        metrics.update(compute_timing_metrics(timings, batch))
+        metrics.update(compute_throughput_metrics(batch, timings, self.info.world_size))
+        metrics.update(self.handoff.metrics())
+        metrics["perf/max_memory_allocated_gb"] = self.platform.max_memory_allocated_gb()
+        metrics["perf/cpu_memory_used_gb"] = self.platform.host_memory_used_gb()
+        metrics["training/global_step"] = step
+        metrics["training/epoch"] = self.sampler.epoch
+        return metrics
 
     def _stop_early(self, why: str) -> dict[str, float]:
         """End the run cleanly at the last completed step: final validation (unless that step has one), a
@@ -306,7 +313,7 @@ class DAPOTrainer:
 
     # ================================================================================================ phases
 
-    def collect_batch(self, step: int, timings: dict) -> Optional[tuple[dict, dict]]:
+    def collect_batch(self, step: int, timings: dict) -> Optional[tuple[TrainBatch, dict]]:
         """Generate and score generation batches, keeping informative groups, until the training batch is full.
 
         When dynamic sampling is exhausted (``max_num_gen_batches`` generation batches, or one pass over the
@@ -330,44 +337,54 @@ class DAPOTrainer:
             with timed("reward", timings):
                 gen_batch, rmetrics = self.score(rollout, items)
             reward_metrics.append(rmetrics)
-            reward_metrics.append(_nonfinite_counts(gen_batch, "rollout_log_probs", "rollout/num_nonfinite_log_probs"))
+            reward_metrics.append(
+                _nonfinite_count(gen_batch.rollout_log_probs, gen_batch, "rollout/num_nonfinite_log_probs")
+            )
             ids = [f"{step}-{acc.num_gen_batches}-{int(i)}" for i in rollout.prompt_index]
-            acc.add(gen_batch, ids, gen_batch[_filter_key(fg.metric)] if fg.enable else None)
+            acc.add(gen_batch, ids, _filter_metric(gen_batch, fg.metric) if fg.enable else None)
         self.handoff.after_rollout(self.engine)  # the engine sleeps until the next rollout or validation
         self._engine_ready_step = None
         metrics = dict(acc.metrics())  # before take(), which resets the counters
         metrics.update(reduce_metrics(reward_metrics))
         if acc.is_full():
             batch, group_ids = acc.take(return_group_ids=True)
-            batch["filler"] = torch.zeros(len(group_ids), dtype=torch.bool)
+            batch.filler = torch.zeros(len(group_ids), dtype=torch.bool)
             metrics["train/partial_batch"] = 0.0
         elif fg.on_exhausted == "error":
             acc.check_budget(budget)
         elif fg.on_exhausted == "stop":
             return None
         else:
-            batch, group_ids, filler = acc.take_partial()
-            batch["loss_mask"][filler] = 0
-            batch["filler"] = filler
-            self.num_partial_batches += 1
-            metrics["train/partial_batch"] = 1.0
-            if self.info.is_main:
-                log.warning(
-                    "step %d: dynamic sampling exhausted after %d generation batches with %d of %d prompts kept; "
-                    "training on those (algorithm.filter_groups.on_exhausted=train)%s",
-                    step,
-                    int(metrics["train/num_gen_batches"]),
-                    int(metrics["train/num_prompts_kept"]),
-                    cfg.data.train_batch_size,
-                    "" if bool(batch["loss_mask"].any()) else ": none, so the update is skipped",
-                )
-        batch["group_ids"] = group_ids
+            batch, group_ids = self._partial_batch(step, acc, metrics)
+        batch.group_ids = group_ids
         if self.dumper is not None:
-            self.dumper.dump(step, batch["prompt_text"], batch["response_text"], batch["scores"].tolist())
+            self.dumper.dump(step, batch.prompt_text, batch.response_text, batch.seq_rewards.tolist())
         return batch, metrics
 
-    def score(self, rollout: RolloutBatch, items: list[dict]) -> tuple[dict, dict]:
-        """Rewards on the last response token, overlong shaping/filtering, and per-sample info as batch fields."""
+    def _partial_batch(
+        self, step: int, acc: DynamicSamplingAccumulator, metrics: dict[str, float]
+    ) -> tuple[TrainBatch, list]:
+        """``on_exhausted=train``: the kept groups, filled up with dropped ones that stay out of the loss."""
+        batch, group_ids, filler = acc.take_partial()
+        batch.loss_mask[filler] = 0
+        batch.filler = filler
+        self.num_partial_batches += 1
+        metrics["train/partial_batch"] = 1.0
+        if self.info.is_main:
+            log.warning(
+                "step %d: dynamic sampling exhausted after %d generation batches with %d of %d prompts kept; "
+                "training on those (algorithm.filter_groups.on_exhausted=train)%s",
+                step,
+                int(metrics["train/num_gen_batches"]),
+                int(metrics["train/num_prompts_kept"]),
+                self.cfg.data.train_batch_size,
+                "" if bool(batch.loss_mask.any()) else ": none, so the update is skipped",
+            )
+        return batch, group_ids
+
+    def score(self, rollout: RolloutBatch, items: list[dict]) -> tuple[TrainBatch, dict]:
+        """The rollout as a ``TrainBatch``: rewards on the last response token, overlong shaping/filtering, and
+        per-sample info."""
         rows = rollout.prompt_index.tolist()
         result = self._score_once(
             rollout.responses,
@@ -379,25 +396,23 @@ class DAPOTrainer:
         loss_mask = rollout.response_mask.clone()
         if self.cfg.reward.overlong_filter:
             loss_mask[result.overlong] = 0
-        # Fixed widths so that generation batches concatenate; micro-batches are trimmed again in the actor.
-        prompt_width, response_width = self.cfg.data.max_prompt_length, self.cfg.data.max_response_length
-        batch = {
-            "prompts": _pad(rollout.prompts, prompt_width, self.pad_id, left=True),
-            "prompt_mask": _pad(rollout.prompt_mask, prompt_width, 0, left=True),
-            "responses": _pad(rollout.responses, response_width, self.pad_id),
-            "response_mask": _pad(rollout.response_mask, response_width, 0),
-            "loss_mask": _pad(loss_mask, response_width, 0),
-            "rollout_log_probs": _pad(rollout.rollout_log_probs, response_width, 0.0),
-            "truncated": rollout.truncated,
-            "token_level_scores": _pad(result.token_level_scores, response_width, 0.0),
-            "scores": result.scores,
-            "acc": torch.tensor([float(bool(a)) for a in result.extra.get("acc", [None] * len(rows))]),
-            "score": torch.tensor([float(s) if s is not None else 0.0 for s in result.extra["score"]]),
-            "data_source": [items[i]["data_source"] for i in rows],
-        }
+        batch = TrainBatch(
+            prompts=rollout.prompts,
+            prompt_mask=rollout.prompt_mask,
+            responses=rollout.responses,
+            response_mask=rollout.response_mask,
+            loss_mask=loss_mask,
+            rollout_log_probs=rollout.rollout_log_probs,
+            truncated=rollout.truncated,
+            token_level_scores=result.token_level_scores,
+            seq_rewards=result.scores,
+            verifier_scores=torch.tensor([float(s) if s is not None else 0.0 for s in result.extra["score"]]),
+            acc=torch.tensor([float(bool(a)) for a in result.extra.get("acc", [None] * len(rows))]),
+            data_source=[items[i]["data_source"] for i in rows],
+        )
         if self.dumper is not None:
-            batch["prompt_text"] = [items[i]["raw_prompt"] for i in rows]
-            batch["response_text"] = self.tokenizer.batch_decode(
+            batch.prompt_text = [items[i]["raw_prompt"] for i in rows]
+            batch.response_text = self.tokenizer.batch_decode(
                 [r[: int(n)] for r, n in zip(rollout.responses.tolist(), rollout.response_lengths.tolist())],
                 skip_special_tokens=True,
             )
@@ -436,72 +451,85 @@ class DAPOTrainer:
                 raise RuntimeError(f"reward scoring failed on rank {source_rank}: {result}")
         return merge_results([(rows, result) for rows, result in parts if rows], responses.shape[0])
 
-    def compute_advantages(self, batch: dict) -> dict[str, float]:
+    def compute_log_probs(self, batch: TrainBatch, timings: dict[str, float]) -> dict[str, float]:
+        """``old_log_probs`` and ``ref_log_probs`` from the Megatron models. The old-policy forward is skipped when it
+        cannot differ from the update's own forward (``actor.old_log_prob_forward``)."""
+        temperature = self.cfg.rollout.temperature
+        metrics: dict[str, float] = {}
+        if not self.on_policy_update:
+            with timed("old_log_prob", timings):
+                old = self.actor.compute_log_probs(batch, temperature)
+            batch.old_log_probs = old["log_probs"]
+            metrics["perf/padding_ratio/old_log_prob"] = old["padding_ratio"]
+            metrics.update(logprob_diff_metrics(old["log_probs"], batch.rollout_log_probs, batch.response_mask))
+            metrics.update(_nonfinite_count(batch.old_log_probs, batch, "actor/num_nonfinite_old_log_probs"))
+        if self.ref is not None:
+            with timed("ref", timings):
+                self.handoff.before_reference()
+                ref = self.ref.compute_log_probs(batch, temperature)
+                self.handoff.after_reference()
+            batch.ref_log_probs = ref["log_probs"]
+            metrics["perf/padding_ratio/ref"] = ref["padding_ratio"]
+            metrics.update(_nonfinite_count(batch.ref_log_probs, batch, "actor/num_nonfinite_ref_log_probs"))
+        return metrics
+
+    def compute_advantages(self, batch: TrainBatch) -> dict[str, float]:
+        """``token_level_rewards`` (scores, minus the KL penalty with ``use_kl_in_reward``), ``advantages`` and
+        ``returns``, and the truncated-IS weights when the old-policy log-probs exist (else the update computes
+        them from its own forward)."""
         cfg = self.cfg
         metrics: dict[str, float] = {}
-        rewards = batch["token_level_scores"]
+        rewards = batch.token_level_scores
         if cfg.algorithm.use_kl_in_reward:
             rewards, kl_metrics = apply_kl_penalty_to_rewards(
                 rewards,
-                batch["old_log_probs"],
-                batch["ref_log_probs"],
-                batch["response_mask"],
+                batch.old_log_probs,
+                batch.ref_log_probs,
+                batch.response_mask,
                 self.kl_ctrl.value,
                 cfg.algorithm.kl_penalty,
             )
             # verl passes the number of responses (batch rows) as n_steps.
             self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=int(rewards.shape[0]))
             metrics.update(kl_metrics)
-        batch["token_level_rewards"] = rewards
-        trained_rows = ~batch["filler"]
+        batch.token_level_rewards = rewards
+        trained_rows = ~batch.filler
         advantages, returns = compute_advantages(
             cfg.algorithm.adv_estimator,
             scores=rewards.sum(-1),
-            group_ids=batch["group_ids"],
+            group_ids=batch.group_ids,
             # Filler groups of an exhausted step are not trained: keep them out of batch-level statistics.
-            response_mask=batch["response_mask"] * trained_rows.unsqueeze(-1),
+            response_mask=batch.response_mask * trained_rows.unsqueeze(-1),
             token_level_rewards=rewards,
             norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
             gamma=cfg.algorithm.gamma,
         )
-        batch["advantages"], batch["returns"] = advantages.float(), returns.float()
-        if cfg.algorithm.rollout_is_threshold and "old_log_probs" in batch:  # else the update computes them
-            batch["rollout_is_weights"] = compute_rollout_is_weights(
-                batch["old_log_probs"],
-                batch["rollout_log_probs"],
-                batch["response_mask"],
+        batch.advantages, batch.returns = advantages.float(), returns.float()
+        if cfg.algorithm.rollout_is_threshold and batch.old_log_probs is not None:
+            batch.rollout_is_weights = compute_rollout_is_weights(
+                batch.old_log_probs,
+                batch.rollout_log_probs,
+                batch.response_mask,
                 cfg.algorithm.rollout_is_threshold,
             )
         return metrics
 
-    def update_actor(self, batch: dict, step: int) -> dict[str, float]:
+    def update_actor(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """``ppo_epochs`` × mini-batches of guarded optimizer steps. A skipped update (non-finite loss, gradient
         norm or loss inputs) changes nothing; too many in a row stop the run with ``NonFiniteUpdateError``."""
         cfg = self.cfg
-        rows = batch["responses"].shape[0]
         mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
-        keys = (
-            "prompts",
-            "prompt_mask",
-            "responses",
-            "response_mask",
-            "loss_mask",
-            "old_log_probs",
-            "advantages",
-            "ref_log_probs",
-            "rollout_is_weights",
-            "rollout_log_probs",
-        )
-        tensors = {k: batch[k] for k in keys if k in batch}
         per_step = []
         applied = 0
         self._update_in_progress = True
         for _ in range(cfg.actor.ppo_epochs):
-            for start in range(0, rows, mini):
-                part = {k: v[start : start + mini] for k, v in tensors.items()}
-                if not bool(part["loss_mask"].any()):
+            for start in range(0, len(batch), mini):
+                part = batch.select(slice(start, start + mini))
+                if not bool(part.loss_mask.any()):
                     continue  # only filler rows: nothing to train, so no optimizer step (Adam would still move)
-                metrics = self.actor.update(part, cfg.rollout.temperature, cfg.algorithm.rollout_is_threshold)
+                metrics = self.actor.update(
+                    part, cfg.rollout.temperature, cfg.algorithm.rollout_is_threshold, cfg.data.max_response_length
+                )
                 nonfinite = metrics.pop("nonfinite")
                 if nonfinite:
                     self._on_skipped_update(step, nonfinite)
@@ -560,7 +588,7 @@ class DAPOTrainer:
         items = [self.val_data[i] for i in range(len(self.val_data))]
         rollout = self.engine.generate([it["input_ids"] for it in items], self.val_sampling, seed_offset=0)
         batch, _ = self.score(rollout, items)
-        return compute_val_metrics(batch["data_source"], batch["acc"].tolist(), self.val_sampling.n)
+        return compute_val_metrics(batch.data_source, batch.acc.tolist(), self.val_sampling.n)
 
     # ================================================================================================ state
 
@@ -646,33 +674,20 @@ class DAPOTrainer:
 # ==================================================================================================== helpers
 
 
-def _pad(t: torch.Tensor, width: int, value, left: bool = False) -> torch.Tensor:
-    """Pad the last dimension of a ``[B, W]`` tensor to ``width`` (on the left for prompts)."""
-    extra = width - t.shape[-1]
-    if extra < 0:
-        raise ValueError(f"batch width {t.shape[-1]} exceeds the configured maximum {width}")
-    return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
+def _nonfinite_count(values: torch.Tensor, batch: TrainBatch, metric: str) -> dict[str, float]:
+    """How many of ``values``' response tokens are not finite (they also make the step's update skip)."""
+    return {metric: float((~torch.isfinite(values[batch.response_mask.bool()])).sum())}
 
 
-def _nonfinite_counts(batch: dict, key: str, metric: str) -> dict[str, float]:
-    """How many of ``batch[key]``'s response tokens are not finite (they also make the step's update skip)."""
-    values = batch[key][batch["response_mask"].bool()]
-    return {metric: float((~torch.isfinite(values)).sum())}
-
-
-def _filter_key(metric: str) -> str:
-    return {"acc": "acc", "score": "score", "seq_reward": "scores", "seq_final_reward": "scores"}[metric]
+def _filter_metric(batch: TrainBatch, metric: str) -> torch.Tensor:
+    """``algorithm.filter_groups.metric`` per row. Groups are filtered before any KL penalty, so ``seq_reward`` and
+    ``seq_final_reward`` are the same sequence reward here."""
+    return {"acc": batch.acc, "score": batch.verifier_scores}.get(metric, batch.seq_rewards)
 
 
 def _eos_ids(tokenizer) -> list[int]:
     eos = tokenizer.eos_token_id
     return [eos] if isinstance(eos, int) else list(eos or [])
-
-
-def _rss_gb() -> float:
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**30
 
 
 def run_training(cfg: ExperimentConfig) -> dict[str, float]:

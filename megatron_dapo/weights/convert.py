@@ -15,45 +15,44 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
+from megatron_dapo import dtypes
 from megatron_dapo.models.families import (
     ModelArch,
     ParamMapping,
     UnsupportedModelError,
+    ignorable_hf_names,
     model_arch_from_hf,
     param_mappings,
     to_te_name,
 )
+from megatron_dapo.weights.atomic import fresh_dir, publish_dir
 from megatron_dapo.weights.dist_format import (
     HF_CONFIG_SUBDIR,
     RELEASE_DIR,
     TRACKER_FILE,
-    CheckpointError,
-    DistCheckpointReader,
-    TensorPlan,
+    CheckpointSource,
     find_checkpoint,
+    list_entries,
     stacked_layer_key,
-    write_model_checkpoint,
 )
+from megatron_dapo.weights.dist_reader import DistCheckpointReader
+from megatron_dapo.weights.dist_writer import TensorPlan, write_model_checkpoint
+from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.integrity import FileRecord, file_crc32, read_manifest, verify_files, write_manifest
 from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore, mcore_to_hf, padded_vocab_size
-from megatron_dapo.weights.mcore_checkpoint import (
-    HF_DTYPE_NAMES,
-    NAME_DTYPES,
-    copy_hf_side_files,
-    finalize_save_dir,
-    prepare_save_dir,
-)
 from megatron_dapo.weights.safetensors_io import (
     INDEX_NAME,
     SINGLE_NAME,
@@ -68,6 +67,9 @@ PathLike = Union[str, Path]
 
 # HF buffers that older checkpoints carry and that are not parameters.
 _IGNORABLE_HF = re.compile(r".*\.rotary_emb\.inv_freq$")
+# Files of an HF model directory that are weights (not copied into hf_config/).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,58 @@ def _fmt_list(names: Sequence[str], limit: int = 30) -> str:
     return ", ".join(names[:limit]) + more
 
 
+# ------------------------------------------------------------------------------------------ output directory
+
+
+def _temp_output_dir(save_dir: PathLike, overwrite: bool, inputs: Sequence[Optional[PathLike]] = ()) -> Path:
+    """Check ``save_dir`` and create the temporary sibling we write into (published by ``_staged_output``).
+
+    Nothing already in ``save_dir`` is touched until the new checkpoint is complete.
+    """
+    save_dir = Path(save_dir).absolute()
+    for src in inputs:
+        if src is not None and Path(src).exists() and save_dir.exists() and Path(src).resolve() == save_dir.resolve():
+            raise CheckpointError(f"save directory {save_dir} is the input directory; choose another save directory")
+    if save_dir.exists():
+        if not save_dir.is_dir():
+            raise CheckpointError(f"save directory {save_dir} exists and is not a directory")
+        if any(save_dir.iterdir()) and not overwrite:
+            raise CheckpointError(
+                f"save directory {save_dir} already exists and is not empty (contains: {list_entries(save_dir, 10)});"
+                " pass --overwrite (overwrite=True) to replace it"
+            )
+    return fresh_dir(save_dir.parent / f"{save_dir.name}.tmp-{os.getpid()}")
+
+
+@contextmanager
+def _staged_output(save_dir: PathLike, overwrite: bool, inputs: Sequence[Optional[PathLike]]) -> Iterator[Path]:
+    """The temporary directory to write into; renamed to ``save_dir`` when the block finishes, removed (only our
+    own partial output) when it raises."""
+    tmp = _temp_output_dir(save_dir, overwrite, inputs)
+    try:
+        yield tmp
+        publish_dir(tmp, Path(save_dir).absolute())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_hf_side_files(src_dir: PathLike, dst_dir: PathLike) -> list[str]:
+    """Copy config.json, generation config and tokenizer files (everything but weights) from an HF directory."""
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for p in sorted(src_dir.iterdir()):
+        if not p.is_file() or p.name.endswith(WEIGHT_SUFFIXES) or p.name in WEIGHT_INDEXES:
+            continue
+        shutil.copyfile(p, dst_dir / p.name)
+        copied.append(p.name)
+    return copied
+
+
+# ------------------------------------------------------------------------------------------------ HF → Megatron
+
+
 def check_hf_tensors(reader: SafetensorsDir, arch: ModelArch, mappings: Sequence[ParamMapping]) -> None:
     """Every expected HF tensor present with its expected shape, nothing unexpected; errors list all problems."""
     expected: dict[str, tuple[int, ...]] = {}
@@ -91,10 +145,7 @@ def check_hf_tensors(reader: SafetensorsDir, arch: ModelArch, mappings: Sequence
         for name, shape in zip(m.hf, hf_shapes(m, arch)):
             expected[name] = tuple(shape)
     found = set(reader.keys())
-    # A tied model may still carry lm_head.weight (transformers ties it to the embedding on load, so do we).
-    ignorable = {n for n in found if _IGNORABLE_HF.match(n)}
-    if arch.tie_word_embeddings:
-        ignorable |= {"lm_head.weight"} & found
+    ignorable = {n for n in found if _IGNORABLE_HF.match(n)} | (ignorable_hf_names(arch) & found)
     missing = sorted(set(expected) - found)
     unexpected = sorted(found - set(expected) - ignorable)
     problems = []
@@ -123,6 +174,40 @@ def mcore_full_shape(mapping: ParamMapping, arch: ModelArch, padded_vocab: int) 
     return tuple(hf_to_mcore(mapping, metas, arch, padded_vocab).shape)
 
 
+def _plan_hf_to_mcore(
+    reader: SafetensorsDir, arch: ModelArch, padded_vocab: int, out_dtype: Optional[torch.dtype]
+) -> list[TensorPlan]:
+    """One ``TensorPlan`` per Megatron tensor, from the HF headers alone; each reads and transforms its HF tensors
+    only when the writer asks for it."""
+
+    def produce(m: ParamMapping):
+        def read() -> torch.Tensor:
+            full = hf_to_mcore(m, [reader.get(n) for n in m.hf], arch, padded_vocab)
+            return full if out_dtype is None else full.to(out_dtype)
+
+        return read
+
+    plans = []
+    for m in param_mappings(arch):
+        key, layer = stacked_layer_key(to_te_name(m.mcore))
+        dtype = out_dtype or reader.info(m.hf[0]).dtype
+        plans.append(
+            TensorPlan(key, dtype, mcore_full_shape(m, arch, padded_vocab), produce(m), layer, arch.num_layers)
+        )
+    return plans
+
+
+def _write_release_checkpoint(out: Path, hf_dir: Path, plans: Sequence[TensorPlan]) -> None:
+    """``out``: tracker file → ``release/`` (the tensors), ``hf_config/`` (config + tokenizer), ``manifest.json``."""
+    records = write_model_checkpoint(out / RELEASE_DIR, plans, iteration=0)
+    (out / TRACKER_FILE).write_text(RELEASE_DIR)
+    records.append(FileRecord(str(out / TRACKER_FILE), *file_crc32(out / TRACKER_FILE)))
+    copy_hf_side_files(hf_dir, out / HF_CONFIG_SUBDIR)
+    for p in sorted((out / HF_CONFIG_SUBDIR).iterdir()):
+        records.append(FileRecord(str(p), *file_crc32(p)))
+    write_manifest(out, [FileRecord(Path(r.path).relative_to(out).as_posix(), r.size, r.crc32) for r in records])
+
+
 def convert_hf_to_mcore(
     hf_dir: PathLike,
     save_dir: PathLike,
@@ -139,44 +224,16 @@ def convert_hf_to_mcore(
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
     arch = model_arch_from_hf(hf_dir)  # UnsupportedModelError lists the supported families
-    if dtype is not None and dtype not in NAME_DTYPES:
-        raise CheckpointError(f"dtype={dtype!r}: expected one of {sorted(NAME_DTYPES)}")
-    mappings = param_mappings(arch)
+    if dtype is not None and dtype not in dtypes.CONFIG_NAMES:
+        raise CheckpointError(f"dtype={dtype!r}: expected one of {sorted(dtypes.CONFIG_NAMES)}")
     padded = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, 1)
-    out_dtype = NAME_DTYPES[dtype] if dtype else None
     with SafetensorsDir(hf_dir) as reader:
-        check_hf_tensors(reader, arch, mappings)
-
-        def produce(m: ParamMapping):
-            def read() -> torch.Tensor:
-                full = hf_to_mcore(m, [reader.get(n) for n in m.hf], arch, padded)
-                return full if out_dtype is None else full.to(out_dtype)
-
-            return read
-
-        plans = []
-        for m in mappings:
-            key, layer = stacked_layer_key(to_te_name(m.mcore))
-            dtype_ = out_dtype or reader.info(m.hf[0]).dtype
-            shape = mcore_full_shape(m, arch, padded)
-            plans.append(TensorPlan(key, dtype_, shape, produce(m), layer, arch.num_layers))
-        tmp = prepare_save_dir(save_dir, overwrite, inputs=[hf_dir])
-        try:
-            records = write_model_checkpoint(tmp / RELEASE_DIR, plans, iteration=0)
-            (tmp / TRACKER_FILE).write_text(RELEASE_DIR)
-            records.append(FileRecord(str(tmp / TRACKER_FILE), *file_crc32(tmp / TRACKER_FILE)))
-            copy_hf_side_files(hf_dir, tmp / HF_CONFIG_SUBDIR)
-            for p in sorted((tmp / HF_CONFIG_SUBDIR).iterdir()):
-                records.append(FileRecord(str(p), *file_crc32(p)))
-            write_manifest(
-                tmp, [FileRecord(Path(r.path).relative_to(tmp).as_posix(), r.size, r.crc32) for r in records]
-            )
-            final = finalize_save_dir(tmp, save_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # only our own partial output
-            raise
+        check_hf_tensors(reader, arch, param_mappings(arch))
+        plans = _plan_hf_to_mcore(reader, arch, padded, dtypes.from_config_name(dtype) if dtype else None)
+        with _staged_output(save_dir, overwrite, inputs=[hf_dir]) as tmp:
+            _write_release_checkpoint(tmp, hf_dir, plans)
     nbytes = sum(tensor_nbytes(p.dtype, p.shape) for p in plans)
-    return ConversionResult(final, len(plans), nbytes, time.perf_counter() - start)
+    return ConversionResult(Path(save_dir).absolute(), len(plans), nbytes, time.perf_counter() - start)
 
 
 # ------------------------------------------------------------------------------------------ Megatron → HF
@@ -208,13 +265,17 @@ def plan_hf_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[li
     return shards
 
 
-def _config_for_dtype(cfg: dict, dtypes: set[torch.dtype]) -> dict:
+def _config_for_dtype(cfg: dict, stored: set[torch.dtype]) -> dict:
     """config.json with its dtype field following the stored weights (after e.g. ``--dtype bf16``)."""
     cfg = dict(cfg)
-    if len(dtypes) == 1 and (dt := next(iter(dtypes))) in HF_DTYPE_NAMES:
+    if len(stored) == 1:
+        try:
+            name = dtypes.hf_name(next(iter(stored)))
+        except ValueError:
+            return cfg
         for key in ("torch_dtype", "dtype"):
             if key in cfg:
-                cfg[key] = HF_DTYPE_NAMES[dt]
+                cfg[key] = name
     return cfg
 
 
@@ -268,6 +329,72 @@ def verify_checkpoint_files(root: PathLike) -> None:
             raise CheckpointError(f"checkpoint {root} is damaged: {problem}")
 
 
+def _open_mcore_source(load_dir: PathLike, hf_config_dir: Optional[PathLike]) -> tuple[CheckpointSource, Path]:
+    """The Megatron checkpoint at ``load_dir`` and the HF config directory that describes its model."""
+    source = find_checkpoint(load_dir)
+    if source.kind != "megatron":
+        raise CheckpointError(f"{load_dir} is already an HF model directory; mcore-to-hf needs a Megatron checkpoint")
+    side = Path(hf_config_dir) if hf_config_dir is not None else source.hf_config_dir
+    if side is None:
+        raise CheckpointError(
+            f"{source.description} has no {HF_CONFIG_SUBDIR}/config.json: pass --hf-config-dir (hf_config_dir=) with"
+            " the HF config.json (and tokenizer files) of the model it holds"
+        )
+    return source, side
+
+
+@dataclass(frozen=True)
+class _HfFilePlan:
+    """Which HF tensors go to which safetensors file."""
+
+    specs: list[TensorSpec]  # every HF tensor, in HF order, with the stored dtype
+    files: list[str]
+    shards: list[list[TensorSpec]]  # per file
+    where: dict[str, str]  # tensor name → file
+
+
+def _plan_hf_files(reader: DistCheckpointReader, arch: ModelArch, max_bytes: int) -> _HfFilePlan:
+    specs: list[TensorSpec] = []
+    for m in param_mappings(arch):
+        stored_dtype = reader.tensors[stored_key(m, reader)[0]][0]
+        for name, shape in zip(m.hf, hf_shapes(m, arch)):
+            specs.append(TensorSpec(name, stored_dtype, tuple(shape)))
+    shards = plan_hf_shards(specs, max_bytes)
+    if len(shards) == 1:
+        files = [SINGLE_NAME]
+    else:
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    where = {s.name: files[i] for i, shard in enumerate(shards) for s in shard}
+    return _HfFilePlan(specs, files, shards, where)
+
+
+def _write_hf_tensors(out: Path, reader: DistCheckpointReader, arch: ModelArch, plan: _HfFilePlan) -> None:
+    """The safetensors files (+ index when sharded), one Megatron tensor read and split at a time."""
+    writers: dict[str, StreamingSafetensorsWriter] = {}
+    try:
+        for fn, shard in zip(plan.files, plan.shards):
+            writers[fn] = StreamingSafetensorsWriter(out / fn, shard, {"format": "pt"})
+        scratch = BufferPool()  # q/k/v and vocabulary slices are strided views: copied through one reused buffer
+        for m in param_mappings(arch):
+            (full,) = reader.read([stored_key(m, reader)])
+            for name, t in zip(m.hf, mcore_to_hf(m, full, arch)):
+                writers[plan.where[name]].write(name, t, scratch=scratch)
+            del full
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    if len(plan.files) > 1:
+        index = {
+            "metadata": {"total_size": sum(s.nbytes for s in plan.specs)},
+            "weight_map": dict(sorted(plan.where.items())),
+        }
+        with open(out / INDEX_NAME, "w") as f:
+            json.dump(index, f, indent=2)
+
+
 def convert_mcore_to_hf(
     load_dir: PathLike,
     save_dir: PathLike,
@@ -280,63 +407,19 @@ def convert_mcore_to_hf(
     tensor. ``hf_config_dir`` defaults to the checkpoint's ``hf_config/``."""
     start = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
-    source = find_checkpoint(load_dir)
-    if source.kind != "megatron":
-        raise CheckpointError(f"{load_dir} is already an HF model directory; mcore-to-hf needs a Megatron checkpoint")
-    side = Path(hf_config_dir) if hf_config_dir is not None else source.hf_config_dir
-    if side is None:
-        raise CheckpointError(
-            f"{source.description} has no {HF_CONFIG_SUBDIR}/config.json: pass --hf-config-dir (hf_config_dir=) with"
-            " the HF config.json (and tokenizer files) of the model it holds"
-        )
+    source, side = _open_mcore_source(load_dir, hf_config_dir)
     arch = model_arch_from_hf(side)
     verify_checkpoint_files(source.root)
     reader = DistCheckpointReader(source.path)
-    mappings = param_mappings(arch)
-    check_stored_tensors(reader, arch, mappings)
-
-    specs: list[TensorSpec] = []
-    for m in mappings:
-        stored_dtype = reader.tensors[stored_key(m, reader)[0]][0]
-        for name, shape in zip(m.hf, hf_shapes(m, arch)):
-            specs.append(TensorSpec(name, stored_dtype, tuple(shape)))
-    shards = plan_hf_shards(specs, max_bytes)
-    if len(shards) == 1:
-        files = [SINGLE_NAME]
-    else:
-        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    where = {s.name: files[i] for i, shard in enumerate(shards) for s in shard}
-
-    tmp = prepare_save_dir(save_dir, overwrite, inputs=[load_dir, hf_config_dir])
-    writers: dict[str, StreamingSafetensorsWriter] = {}
-    try:
-        for fn, shard in zip(files, shards):
-            writers[fn] = StreamingSafetensorsWriter(tmp / fn, shard, {"format": "pt"})
-        scratch = BufferPool()  # q/k/v and vocabulary slices are strided views: copied through one reused buffer
-        for m in mappings:
-            (full,) = reader.read([stored_key(m, reader)])
-            for name, t in zip(m.hf, mcore_to_hf(m, full, arch)):
-                writers[where[name]].write(name, t, scratch=scratch)
-            del full
-        for w in writers.values():
-            w.close()
-        if len(files) > 1:
-            index = {
-                "metadata": {"total_size": sum(s.nbytes for s in specs)},
-                "weight_map": dict(sorted(where.items())),
-            }
-            with open(tmp / INDEX_NAME, "w") as f:
-                json.dump(index, f, indent=2)
+    check_stored_tensors(reader, arch, param_mappings(arch))
+    plan = _plan_hf_files(reader, arch, max_bytes)
+    with _staged_output(save_dir, overwrite, inputs=[load_dir, hf_config_dir]) as tmp:
+        _write_hf_tensors(tmp, reader, arch, plan)
         copy_hf_side_files(side, tmp)
         with open(tmp / "config.json", "w") as f:
-            json.dump(_config_for_dtype(arch.hf_config, {s.dtype for s in specs}), f, indent=2)
-        final = finalize_save_dir(tmp, save_dir)
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return ConversionResult(final, len(specs), sum(s.nbytes for s in specs), time.perf_counter() - start)
+            json.dump(_config_for_dtype(arch.hf_config, {s.dtype for s in plan.specs}), f, indent=2)
+    nbytes = sum(s.nbytes for s in plan.specs)
+    return ConversionResult(Path(save_dir).absolute(), len(plan.specs), nbytes, time.perf_counter() - start)
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -348,7 +431,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h = sub.add_parser("hf-to-mcore", help="HF safetensors → Megatron distributed checkpoint (no layout)")
     h.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors)")
     h.add_argument("--save-dir", required=True)
-    h.add_argument("--dtype", choices=sorted(NAME_DTYPES), default=None, help="cast weights (default: keep HF dtype)")
+    h.add_argument(
+        "--dtype", choices=sorted(dtypes.CONFIG_NAMES), default=None, help="cast weights (default: keep HF dtype)"
+    )
     h.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     h.add_argument("--overwrite", action="store_true", help="replace an existing save directory")
     m = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint (any source, any layout) → HF safetensors")

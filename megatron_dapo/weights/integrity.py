@@ -213,6 +213,44 @@ def verify_files(directory: PathLike, records: Iterable[FileRecord], checksum: b
     return None
 
 
+def manifest_problem(root: PathLike, checksum: bool = True, rank: int = 0, world: int = 1) -> Optional[str]:
+    """One rank's share of verifying ``root`` against its ``manifest.json``: a message, or None when intact (or
+    when there is no manifest). Every rank checks every file's size (a stat); the checksums (a full read) are split
+    round-robin over ``world`` ranks. Not collective: callers agree on the answer."""
+    try:
+        records = read_manifest(root)
+    except ValueError as e:
+        return str(e)
+    if records is None:
+        return None
+    ordered = [records[k] for k in sorted(records)]
+    problem = verify_files(root, ordered, checksum=False)
+    if problem is None and checksum:
+        problem = verify_files(root, ordered[rank::world], checksum=True)
+    return None if problem is None else str(problem)
+
+
+# ----------------------------------------------------------------------------------------- hashed writes
+
+
+def write_bytes_hashed(path: PathLike, data: bytes) -> FileRecord:
+    """Write ``data`` to ``path`` (fsynced); its record."""
+    from megatron_dapo.weights.atomic import write_bytes_durable
+
+    write_bytes_durable(path, data)
+    return FileRecord(str(path), len(data), zlib.crc32(data))
+
+
+def torch_save_hashed(obj: Any, path: PathLike) -> FileRecord:
+    """``torch.save(obj)`` to ``path`` (fsynced), hashed as it is written; its record."""
+    with open(path, "wb") as raw:
+        stream = HashingWriter(raw)
+        torch.save(obj, stream)
+        raw.flush()
+        os.fsync(raw.fileno())
+    return FileRecord(str(path), stream.size, stream.crc)
+
+
 # ----------------------------------------------------------------------------------------- finite checks
 
 

@@ -13,7 +13,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.models.families import ModelArch, ParamMapping, from_te_name, param_mappings
+from megatron_dapo.models.builder import unwrap
+from megatron_dapo.models.families import ModelArch, ParamMapping, from_te_name, param_mappings, tied_output_source
+from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.layout import local_to_global_name, pp_layer_range, tp_merge, tp_shard
 
 
@@ -29,12 +31,6 @@ def chunk_layer_offset(arch: ModelArch, pp_size: int, pp_rank: int, vpp_size: Op
     return pp_layer_range(arch.num_layers, pp_size, pp_rank, vpp_size, vpp_rank).start
 
 
-def _gpt(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def local_param_table(chunks: list, arch: ModelArch) -> list[LocalParam]:
     """Every parameter of this rank's chunks with its global mapping (tied output weights included)."""
     from megatron.core import parallel_state as ps
@@ -45,12 +41,9 @@ def local_param_table(chunks: list, arch: ModelArch) -> list[LocalParam]:
     table = []
     for ci, chunk in enumerate(chunks):
         offset = chunk_layer_offset(arch, pp_size, pp_rank, vpp, ci)
-        for local_name, param in _gpt(chunk).named_parameters():
+        for local_name, param in unwrap(chunk).named_parameters():
             global_name = local_to_global_name(from_te_name(local_name), offset)
-            mapping = by_name.get(global_name)
-            if mapping is None and global_name == "output_layer.weight" and arch.tie_word_embeddings:
-                # Tied embeddings on a last stage that is not also the first: a copy of the embedding.
-                mapping = by_name["embedding.word_embeddings.weight"]
+            mapping = by_name.get(global_name) or by_name.get(tied_output_source(arch, global_name) or "")
             if mapping is None:
                 raise KeyError(
                     f"parameter {local_name!r} (global {global_name!r}) has no HF mapping for {arch.family.name}"
@@ -60,8 +53,11 @@ def local_param_table(chunks: list, arch: ModelArch) -> list[LocalParam]:
 
 
 @torch.no_grad()
-def load_full_tensors(chunks: list, arch: ModelArch, get_full: Callable[[ParamMapping], torch.Tensor]) -> None:
-    """Fill this rank's parameters: ``get_full(mapping)`` returns the full Megatron tensor; we keep our TP slice."""
+def load_full_tensors(
+    chunks: list, arch: ModelArch, get_full: Callable[[ParamMapping], torch.Tensor], where: str = "load"
+) -> None:
+    """Fill this rank's parameters: ``get_full(mapping)`` returns the full Megatron tensor; we keep our TP slice.
+    ``where`` (the source) starts the error when a shape does not fit."""
     from megatron.core import parallel_state as ps
 
     tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -69,9 +65,9 @@ def load_full_tensors(chunks: list, arch: ModelArch, get_full: Callable[[ParamMa
         full = get_full(lp.mapping)
         shard = tp_shard(full, lp.mapping.kind, lp.mapping.tp_dim, tp_size, tp_rank)
         if tuple(shard.shape) != tuple(lp.param.shape):
-            raise ValueError(
-                f"{lp.mapping.mcore}: expected shard shape {tuple(lp.param.shape)}, got {tuple(shard.shape)}"
-                f" from full shape {tuple(full.shape)}"
+            raise CheckpointError(
+                f"{where}: {lp.mapping.hf} give shard shape {tuple(shard.shape)} (full {tuple(full.shape)}) for "
+                f"{lp.mapping.mcore}, expected {tuple(lp.param.shape)}"
             )
         lp.param.copy_(shard)
 
@@ -90,11 +86,18 @@ def gather_full_tensor(lp: LocalParam) -> torch.Tensor:
     return tp_merge(shards, lp.mapping.kind, lp.mapping.tp_dim)
 
 
+def unique_local_params(chunks: list, arch: ModelArch) -> list[LocalParam]:
+    """``local_param_table`` with each global tensor once: the tied output-layer copy (``tied_output_source``) maps
+    to the embedding and is dropped."""
+    seen, out = set(), []
+    for lp in local_param_table(chunks, arch):
+        if lp.mapping.mcore not in seen:
+            seen.add(lp.mapping.mcore)
+            out.append(lp)
+    return out
+
+
 def iter_full_tensors(chunks: list, arch: ModelArch) -> Iterator[tuple[ParamMapping, torch.Tensor]]:
     """This pipeline stage's full tensors (TP-gathered), skipping the tied output copy. Collective over TP."""
-    seen = set()
-    for lp in local_param_table(chunks, arch):
-        if lp.mapping.mcore in seen:
-            continue
-        seen.add(lp.mapping.mcore)
+    for lp in unique_local_params(chunks, arch):
         yield lp.mapping, gather_full_tensor(lp)

@@ -7,9 +7,8 @@ multiple of 8, then the tensors' bytes back to back (offsets relative to the end
 Why our own reader instead of ``safe_open``: ``safe_open`` memory-maps the whole file, and every page it touches
 stays in the process's resident set until the file is closed, so walking a whole checkpoint grows RSS to the
 checkpoint's size. Here ``get`` reads one tensor with ``pread`` (optionally into a reused buffer), so the resident set
-holds only the tensors in use. (Mapping each tensor separately instead measured twice the CPU time of ``pread``:
-page faults and unmapping cost more than the copy.) The files we write are checked against the
-``safetensors`` library itself in the tests.
+holds only the tensors in use (mapping each tensor separately instead pays page faults and unmapping, which cost
+more than the copy). The files we write are checked against the ``safetensors`` library itself in the tests.
 """
 
 from __future__ import annotations

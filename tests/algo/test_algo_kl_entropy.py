@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from megatron_dapo.algo.entropy import compute_entropy_loss, entropy_from_logits, masked_entropy_mean
 from megatron_dapo.algo.kl import (
     AdaptiveKLController,
     FixedKLController,
@@ -15,6 +14,9 @@ from megatron_dapo.algo.kl import (
     get_kl_controller,
     kl_penalty,
 )
+from megatron_dapo.algo.logprobs import response_log_probs
+from megatron_dapo.algo.masked import masked_mean
+from megatron_dapo.algo.policy_loss import agg_loss
 
 
 def t64(x) -> torch.Tensor:
@@ -107,30 +109,40 @@ def _ref_entropy(row: list[float]) -> float:
     return -sum(p * math.log(p) for p in probs if p > 0)
 
 
+def entropy(logits: torch.Tensor, true_vocab_size: int | None = None, chunk_tokens: int = 64) -> torch.Tensor:
+    """The training entropy (``response_log_probs``) of every row of ``logits[B, T, V]``."""
+    batch, length, vocab = logits.shape
+    index = torch.arange(length).expand(batch, length)
+    _, out = response_log_probs(
+        logits, index, torch.zeros_like(index), true_vocab_size or vocab, chunk_tokens=chunk_tokens
+    )
+    return out
+
+
 def test_entropy_matches_reference_and_is_stable() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 4, 11, generator=g, dtype=torch.float64) * 3
     logits[0, 0] += 1e4  # huge offset: softmax-invariant
     logits[1, 2, 3] = 80.0  # near one-hot
-    out = entropy_from_logits(logits)
+    out = entropy(logits)
     assert out.shape == (3, 4)
     expected = t64([[_ref_entropy(r) for r in b] for b in logits.tolist()])
     torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(entropy_from_logits(logits, chunk_size=5), out)
-    uniform = entropy_from_logits(torch.zeros(2, 7, dtype=torch.float64))
-    torch.testing.assert_close(uniform, t64([math.log(7)] * 2))
+    torch.testing.assert_close(entropy(logits, chunk_tokens=5), out)
+    uniform = entropy(torch.zeros(1, 2, 7, dtype=torch.float64))
+    torch.testing.assert_close(uniform, t64([[math.log(7)] * 2]))
 
 
-def test_entropy_with_minus_inf_logits() -> None:
-    logits = t64([[0.0, 0.0, float("-inf"), float("-inf")]])
-    assert entropy_from_logits(logits).item() == pytest.approx(math.log(2))
+def test_entropy_ignores_padded_vocabulary() -> None:
+    logits = t64([[[0.0, 0.0, 50.0, 50.0]]])
+    assert entropy(logits, true_vocab_size=2).item() == pytest.approx(math.log(2))
 
 
 def test_masked_entropy_and_entropy_loss() -> None:
     logits = torch.zeros(2, 3, 4, dtype=torch.float64)
     logits[1, :, 0] = 100.0  # entropy ~0 for row 1
     mask = t64([[1, 1, 0], [1, 0, 0]])
-    value = masked_entropy_mean(logits, mask).item()
+    value = masked_mean(entropy(logits), mask).item()
     assert value == pytest.approx(2 * math.log(4) / 3, rel=1e-6)
-    loss = compute_entropy_loss(logits, mask, "seq-mean-token-mean").item()
+    loss = agg_loss(entropy(logits), mask, "seq-mean-token-mean").item()
     assert loss == pytest.approx(math.log(4) / 2, rel=1e-6)

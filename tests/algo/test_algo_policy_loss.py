@@ -9,19 +9,37 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_dapo.algo.loss import LossNormalisers, dapo_loss, local_loss_counts, loss_metrics
 from megatron_dapo.algo.policy_loss import (
     LOSS_AGG_MODES,
     agg_loss,
-    agg_normalisers,
-    compute_policy_loss,
     compute_policy_loss_terms,
     compute_rollout_is_weights,
     policy_loss_metric_sums,
 )
+from megatron_dapo.config import ActorConfig
 
 LOW, HIGH, C = 0.2, 0.28, 3.0
 
 # ----------------------------------------------------------------------------- plain references
+
+
+def whole_batch_loss(lp, old, adv, mask, mode, is_weights=None):
+    """The one loss function (``dapo_loss``) on a whole batch, with verl's policy-loss metric names."""
+    cfg = ActorConfig(clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C, loss_agg_mode=mode)
+    loss, sums = dapo_loss(
+        lp,
+        None,
+        loss_mask=mask,
+        response_mask=mask,
+        advantages=adv,
+        old_log_probs=old,
+        rollout_is_weights=is_weights,
+        cfg=cfg,
+        norm=LossNormalisers.of(mask),
+    )
+    metrics = {k.split("/")[1]: v for k, v in loss_metrics(sums, use_kl_loss=False).items() if k != "actor/entropy"}
+    return loss, metrics
 
 
 def ref_token_loss(lp: float, old: float, adv: float, low=LOW, high=HIGH, c=C) -> tuple[float, float, float, float]:
@@ -94,7 +112,7 @@ def test_compute_policy_loss_metrics_hand_computed() -> None:
     old = torch.zeros(2, 3, dtype=torch.float64)
     adv = t64([[1.0, -1.0, 7.0], [0.5, 0.5, 0.5]])
     mask = t64([[1, 1, 0], [1, 0, 0]])
-    loss, metrics = compute_policy_loss(lp, old, adv, mask, LOW, HIGH, C, "token-mean")
+    loss, metrics = whole_batch_loss(lp, old, adv, mask, "token-mean")
     # token losses: -1.28, 3.0, (masked), -0.5
     assert loss.item() == pytest.approx((-1.28 + 3.0 - 0.5) / 3)
     assert set(metrics) == {"pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"}
@@ -164,7 +182,7 @@ def test_policy_loss_matches_reference(batch, mode) -> None:
     ]
     losses = [[x[0] for x in r] for r in rows]
     m = mask.tolist()
-    loss, metrics = compute_policy_loss(lp, old, adv, mask, LOW, HIGH, C, mode)
+    loss, metrics = whole_batch_loss(lp, old, adv, mask, mode)
     n_tok = sum(sum(r) for r in m)
     if n_tok == 0:
         assert loss.item() == 0.0
@@ -198,9 +216,8 @@ def test_split_sum_equals_whole_batch(case, mode) -> None:
     whole = agg_loss(whole_terms["pg_losses"], mask, mode, max_response_length=t)
 
     parts = list(zip(bounds[:-1], bounds[1:], trims, strict=True))
-    counts = [agg_normalisers(mask[a:b]) for a, b, _ in parts]  # what each rank/micro-batch contributes
-    global_tokens = sum(c["global_token_count"] for c in counts)
-    global_seqs = sum(c["global_seq_count"] for c in counts)
+    counts = sum(local_loss_counts(mask[a:b]) for a, b, _ in parts)  # what each rank/micro-batch contributes
+    global_tokens, global_seqs = counts[0], counts[1]
     total = torch.zeros((), dtype=torch.float64)
     metric_sums: dict[str, torch.Tensor] = {}
     for a, b, trim in parts:
@@ -221,7 +238,7 @@ def test_split_sum_equals_whole_batch(case, mode) -> None:
         for k, v in policy_loss_metric_sums(terms, mask[sl]).items():
             metric_sums[k] = metric_sums.get(k, 0) + v
     torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-12)
-    _, metrics = compute_policy_loss(lp, old, adv, mask, LOW, HIGH, C, mode)
+    _, metrics = whole_batch_loss(lp, old, adv, mask, mode)
     for name in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
         split_metric = metric_sums[name] / (metric_sums["num_tokens"] + 1e-8)
         torch.testing.assert_close(split_metric, metrics[name], rtol=1e-12, atol=1e-12)
@@ -237,14 +254,14 @@ def test_split_gradients_equal_whole_batch() -> None:
     for mode in LOSS_AGG_MODES:
         whole = agg_loss(compute_policy_loss_terms(lp, old, adv, LOW, HIGH, C)["pg_losses"], mask, mode)
         (grad_whole,) = torch.autograd.grad(whole, lp)
-        n = agg_normalisers(mask)
+        n = LossNormalisers.of(mask)
         split = sum(
             agg_loss(
                 compute_policy_loss_terms(lp[a:b], old[a:b], adv[a:b], LOW, HIGH, C)["pg_losses"],
                 mask[a:b],
                 mode,
-                global_token_count=n["global_token_count"],
-                global_seq_count=n["global_seq_count"],
+                global_token_count=n.token_count,
+                global_seq_count=n.seq_count,
                 max_response_length=5,
             )
             for a, b in ((0, 1), (1, 4), (4, 6))
@@ -275,23 +292,57 @@ def test_is_weights_multiply_the_token_loss() -> None:
     mask = torch.ones(3, 4, dtype=torch.float64)
     w = torch.rand(3, 4, generator=g, dtype=torch.float64)
     plain = compute_policy_loss_terms(lp, old, adv, LOW, HIGH, C)["pg_losses"]
-    loss, _ = compute_policy_loss(lp, old, adv, mask, LOW, HIGH, C, "token-mean", is_weights=w)
+    loss, _ = whole_batch_loss(lp, old, adv, mask, "token-mean", is_weights=w)
     assert loss.item() == pytest.approx((plain * w).mean().item(), rel=1e-12)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_row_blocking_matches_one_pass(mode: str) -> None:
+def test_dapo_loss_split_into_micro_batches_equals_whole(mode: str) -> None:
+    """The loss hook's use: micro-batches with the whole batch's normalisers add up to the whole-batch loss, entropy
+    and KL terms included, and so do the gradients and the metric sums."""
     g = torch.Generator().manual_seed(2)
     lp = (-torch.rand(9, 4, generator=g, dtype=torch.float64)).requires_grad_(True)
+    ent = torch.rand(9, 4, generator=g, dtype=torch.float64).requires_grad_(True)
     old = lp.detach() + 0.5 * torch.randn(9, 4, generator=g, dtype=torch.float64)
+    ref = lp.detach() + 0.2 * torch.randn(9, 4, generator=g, dtype=torch.float64)
     adv = torch.randn(9, 4, generator=g, dtype=torch.float64)
     mask = (torch.rand(9, 4, generator=g) > 0.4).double()
     w = torch.rand(9, 4, generator=g, dtype=torch.float64)
-    one, m_one = compute_policy_loss(lp, old, adv, mask, LOW, HIGH, C, mode, is_weights=w, chunk_elements=None)
-    blocked, m_blk = compute_policy_loss(lp, old, adv, mask, LOW, HIGH, C, mode, is_weights=w, chunk_elements=7)
-    torch.testing.assert_close(blocked, one, rtol=1e-12, atol=1e-14)
-    for key in m_one:
-        torch.testing.assert_close(m_blk[key], m_one[key], rtol=1e-12, atol=1e-14)
-    (g_one,) = torch.autograd.grad(one, lp)
-    (g_blk,) = torch.autograd.grad(blocked, lp)
-    torch.testing.assert_close(g_blk, g_one, rtol=1e-12, atol=1e-14)
+    cfg = ActorConfig(
+        clip_ratio_low=LOW,
+        clip_ratio_high=HIGH,
+        clip_ratio_c=C,
+        loss_agg_mode=mode,
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+    )
+    norm = LossNormalisers.of(mask, max_response_length=6)
+
+    def loss_of(rows: slice):
+        return dapo_loss(
+            lp[rows],
+            ent[rows],
+            loss_mask=mask[rows],
+            response_mask=mask[rows],
+            advantages=adv[rows],
+            cfg=cfg,
+            norm=norm,
+            old_log_probs=old[rows],
+            ref_log_probs=ref[rows],
+            rollout_is_weights=w[rows],
+        )
+
+    whole, sums_whole = loss_of(slice(0, 9))
+    parts = [loss_of(slice(a, b)) for a, b in ((0, 2), (2, 7), (7, 9))]
+    split = sum(loss for loss, _ in parts)
+    torch.testing.assert_close(split, whole, rtol=1e-12, atol=1e-14)
+    for key in ("pg_loss", "entropy", "kl_loss", "pg_clipfrac", "ppo_kl", "num_tokens"):
+        torch.testing.assert_close(sum(s[key] for _, s in parts), sums_whole[key], rtol=1e-12, atol=1e-14)
+    g_whole = torch.autograd.grad(whole, (lp, ent))
+    g_split = torch.autograd.grad(split, (lp, ent))
+    for a, b in zip(g_split, g_whole):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    # by hand: the entropy and KL terms are agg(entropy) and agg(KL) with the same normalisers
+    manual = agg_loss(ent, mask, mode, norm.token_count, norm.seq_count, 6)
+    torch.testing.assert_close(sums_whole["entropy"], manual.detach(), rtol=1e-12, atol=1e-14)

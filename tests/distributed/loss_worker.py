@@ -7,10 +7,12 @@ reference computed independently.
 
 import argparse
 import os
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import load_config
 from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
@@ -66,16 +68,16 @@ def main() -> None:
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), chunks)
     actor = MegatronActor(chunks, arch.vocab_size, cfg.actor, optimizer=optimizer)
 
-    batch = make_batch()
+    batch = TrainBatch(**make_batch())
     lp = actor.compute_log_probs(batch, TEMPERATURE, calculate_entropy=True)
     out = {"log_probs": lp["log_probs"], "entropy": lp["entropy"]}
     # The on-policy update (no old-policy forward) against the recomputed path: the old log-probs are the policy's
     # own (lp), the rollout's are perturbed so that the mismatch metric and the IS weights have something to show.
-    noise = 0.05 * torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(7))
-    rollout_lp = (lp["log_probs"] + noise) * batch["response_mask"]
+    noise = 0.05 * torch.randn(batch.responses.shape, generator=torch.Generator().manual_seed(7))
+    rollout_lp = (lp["log_probs"] + noise) * batch.response_mask
     paths = {
-        "recomputed": dict(batch, old_log_probs=lp["log_probs"], rollout_log_probs=rollout_lp),
-        "on_policy": {**{k: v for k, v in batch.items() if k != "old_log_probs"}, "rollout_log_probs": rollout_lp},
+        "recomputed": replace(batch, old_log_probs=lp["log_probs"], rollout_log_probs=rollout_lp),
+        "on_policy": replace(batch, old_log_probs=None, rollout_log_probs=rollout_lp),
     }
     runs = [(mode, batch) for mode in args.modes.split(",")] + [(f"path:{k}", v) for k, v in paths.items()]
     out["rollout_log_probs"] = rollout_lp
@@ -85,14 +87,14 @@ def main() -> None:
         if mode == "path:recomputed":  # the trainer computes the IS weights before the update on this path
             from megatron_dapo.algo.policy_loss import compute_rollout_is_weights
 
-            mini_batch = dict(
+            mini_batch = replace(
                 mini_batch,
                 rollout_is_weights=compute_rollout_is_weights(
-                    lp["log_probs"], rollout_lp, batch["response_mask"], threshold
+                    lp["log_probs"], rollout_lp, batch.response_mask, threshold
                 ),
             )
         results, _, padding = actor.compute_gradients(mini_batch, TEMPERATURE, threshold)
-        metrics = actor._reduce_update_metrics(results, grad_norm=None, update_ok=True)
+        metrics = actor.reduce_update_metrics(results)
         metrics["perf/padding_ratio/update"] = padding
         # Full gradients: TP-merge per tensor, then collect every PP stage's tensors on rank 0.
         local = {}

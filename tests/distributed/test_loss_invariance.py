@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from megatron_dapo.algo.kl import kl_penalty
-from megatron_dapo.algo.policy_loss import agg_loss, compute_policy_loss
+from megatron_dapo.algo.loss import LossNormalisers, dapo_loss
+from megatron_dapo.algo.policy_loss import agg_loss, compute_policy_loss_terms
+from megatron_dapo.config import ActorConfig
 from megatron_dapo.models.families import model_arch_from_hf, param_mappings
 from megatron_dapo.testing.tiny_models import make_tiny_hf_model
 from megatron_dapo.weights.layout import hf_to_mcore
@@ -65,23 +67,38 @@ def reference(mode: str) -> dict:
             log_probs[i, t] = logp_all[i, pos, r[t]]
             entropy[i, t] = -(logp_all[i, pos].exp() * logp_all[i, pos]).sum()
     mask = b["loss_mask"].double()
-    pg, _ = compute_policy_loss(
+    cfg = ActorConfig(
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=10.0,
+        loss_agg_mode=mode,
+        entropy_coeff=ENTROPY_COEFF,
+        use_kl_loss=True,
+        kl_loss_coef=KL_COEF,
+        kl_loss_type="low_var_kl",
+    )
+    # The whole batch through the one loss function (the hook runs it per micro-batch with global normalisers).
+    loss, sums = dapo_loss(
         log_probs,
-        b["old_log_probs"].double(),
-        b["advantages"].double(),
-        mask,
-        0.2,
-        0.28,
-        10.0,
-        mode,
-        max_response_length=T,
+        entropy,
+        loss_mask=mask,
+        response_mask=b["response_mask"].double(),
+        advantages=b["advantages"].double(),
+        cfg=cfg,
+        norm=LossNormalisers.of(mask, max_response_length=T),
+        old_log_probs=b["old_log_probs"].double(),
+        ref_log_probs=b["ref_log_probs"].double(),
     )
-    agg = functools.partial(agg_loss, loss_agg_mode=mode, max_response_length=T)
-    loss = (
-        pg
-        - ENTROPY_COEFF * agg(entropy, mask)
-        + KL_COEF * agg(kl_penalty(log_probs, b["ref_log_probs"].double(), "low_var_kl"), mask)
+    # Independently of dapo_loss: the same objective written out from agg_loss and the PPO terms.
+    agg = functools.partial(agg_loss, loss_mask=mask, loss_agg_mode=mode, max_response_length=T)
+    terms = compute_policy_loss_terms(log_probs, b["old_log_probs"].double(), b["advantages"].double(), 0.2, 0.28, 10.0)
+    by_hand = (
+        agg(terms["pg_losses"])
+        - ENTROPY_COEFF * agg(entropy)
+        + KL_COEF * agg(kl_penalty(log_probs, b["ref_log_probs"].double(), "low_var_kl"))
     )
+    torch.testing.assert_close(loss, by_hand, rtol=1e-12, atol=1e-14)
+    pg = sums["pg_loss"]
     loss.backward()
     params = dict(hf.named_parameters())
     grads = {}

@@ -50,9 +50,8 @@ def log(phase: str, **numbers) -> None:
     print(f"[gpu_check] {phase:<12} " + " ".join(f"{k}={v}" for k, v in numbers.items()), flush=True)
 
 
-def make_batch(arch, batch: int, prompt: int, response: int, seed: int) -> dict:
-    import dataclasses
-
+def make_batch(arch, batch: int, prompt: int, response: int, seed: int):
+    from megatron_dapo.batch import TrainBatch
     from megatron_dapo.rollout.types import build_rollout_batch
 
     g = torch.Generator().manual_seed(seed)
@@ -69,9 +68,14 @@ def make_batch(arch, batch: int, prompt: int, response: int, seed: int) -> dict:
         prompt_index=list(range(batch)),
         pad_token_id=0,
     )
-    out = {f.name: getattr(rb, f.name) for f in dataclasses.fields(rb)}
-    out["advantages"] = torch.randn(rb.responses.shape, generator=g) * rb.response_mask
-    return out
+    return TrainBatch(
+        prompts=rb.prompts,
+        prompt_mask=rb.prompt_mask,
+        responses=rb.responses,
+        response_mask=rb.response_mask,
+        rollout_log_probs=rb.rollout_log_probs,
+        advantages=torch.randn(rb.responses.shape, generator=g) * rb.response_mask,
+    )
 
 
 def build(cfg, arch, platform):
@@ -147,7 +151,7 @@ def main() -> int:
 
     arch = model_arch_from_hf(tiny_hf_config("qwen2", **SHAPE).to_dict())
     batch = make_batch(arch, BATCH, PROMPT, RESPONSE, seed=0)
-    tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+    tokens = int(batch.sequence_lengths.sum())
 
     # 2. recompute: same gradients, less memory
     grads = {}
@@ -247,7 +251,7 @@ def main() -> int:
     long_batch = make_batch(arch, 1, PROMPT, LONG_RESPONSE, seed=1)
     out, secs, peak = phase_peak(platform, lambda: actor.compute_log_probs(long_batch, temperature=1.0))
     lp = out["log_probs"] if isinstance(out, dict) else out
-    check("logprobs_8k_finite", bool(torch.isfinite(lp[long_batch["response_mask"].bool()]).all()), "non-finite")
+    check("logprobs_8k_finite", bool(torch.isfinite(lp[long_batch.response_mask.bool()]).all()), "non-finite")
     res["logprobs_8k"] = {"peak_gb": peak, "tokens_per_s": round((PROMPT + LONG_RESPONSE) / secs, 1)}
     log("logprobs_8k", peak_gb=peak, tokens_per_s=res["logprobs_8k"]["tokens_per_s"])
 

@@ -10,7 +10,7 @@ import torch
 
 from megatron_dapo.reward import choice
 from megatron_dapo.reward.custom import InvalidRewardError, combine, load_reward_function
-from megatron_dapo.reward.overlong import overlong_filter_mask, overlong_penalty
+from megatron_dapo.reward.overlong import overlong_penalty
 
 # ----------------------------------------------------------------------------- choice
 
@@ -111,9 +111,3 @@ def test_overlong_penalty_values() -> None:
         overlong_penalty([1], 20, 0, 1.0)
     with pytest.raises(ValueError, match="exceeds data.max_response_length"):
         overlong_penalty([1], 4, 8, 1.0)
-
-
-def test_overlong_filter_mask() -> None:
-    mask = torch.ones(3, 2, dtype=torch.long)
-    out = overlong_filter_mask(mask, [False, True, False])
-    assert out.tolist() == [[1, 1], [0, 0], [1, 1]] and out.dtype == torch.long

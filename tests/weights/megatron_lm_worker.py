@@ -47,7 +47,7 @@ def write(hf_dir: str, run_dir: Path) -> None:
     from megatron_dapo.models.builder import build_gpt_chunks
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.parallel import init_distributed, init_model_parallel
-    from megatron_dapo.weights.mcore_checkpoint import load_hf_into_chunks
+    from megatron_dapo.weights.loading import load_hf_into_chunks
 
     cfg = _cfg(hf_dir, tp=2, pp=1)
     init_distributed(cfg.parallel)
@@ -80,13 +80,14 @@ def train(hf_dir: str, run_dir: Path, out: Path) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from megatron_dapo.batch import TrainBatch
     from megatron_dapo.config import to_dict
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.parallel import init_model_parallel
     from megatron_dapo.training.actor import MegatronActor
     from megatron_dapo.training.checkpoint import CheckpointManager
-    from megatron_dapo.weights.mcore_checkpoint import load_mcore_checkpoint
+    from megatron_dapo.weights.loading import load_mcore_checkpoint
     from megatron_dapo.weights.model_io import local_param_table
     from tests.distributed.loss_batch import TEMPERATURE, make_batch
 
@@ -103,7 +104,7 @@ def train(hf_dir: str, run_dir: Path, out: Path) -> None:
     chunks = wrap_for_training(chunks, cfg)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.0), chunks)
     actor = MegatronActor(chunks, arch.vocab_size, cfg.actor, optimizer=optimizer)
-    metrics = actor.update(make_batch(), TEMPERATURE)
+    metrics = actor.update(TrainBatch(**make_batch()), TEMPERATURE)
     step_dir = CheckpointManager(cfg.checkpoint.save_dir).save(1, chunks, optimizer, config=to_dict(cfg))
     trained = {
         lp.mapping.mcore: lp.param.detach().clone() for lp in local_param_table([c.module for c in chunks], arch)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_dapo.weights.convert import convert_hf_to_mcore, convert_mcore_to_hf
-from megatron_dapo.weights.dist_format import CheckpointError
+from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.integrity import NonFiniteTensorError
 from megatron_dapo.weights.safetensors_io import (
     SafetensorsDir,

@@ -37,7 +37,7 @@ def main() -> int:
 
     from megatron_dapo.models.builder import build_gpt_chunks
     from megatron_dapo.parallel import destroy_model_parallel
-    from megatron_dapo.weights.mcore_checkpoint import load_mcore_checkpoint
+    from megatron_dapo.weights.loading import load_mcore_checkpoint
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", required=True)

@@ -55,18 +55,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_verify(args: argparse.Namespace) -> VerifyResult:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
+def _build_and_load(args: argparse.Namespace):
+    """Process groups, the model at ``args``' layout, ``--mcore-dir`` loaded into it: (cfg, info, platform, arch,
+    chunks, load report)."""
     from megatron_dapo.config import load_config, validate_parallel_layout
     from megatron_dapo.models.builder import build_gpt_chunks
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.parallel import init_distributed, init_model_parallel
-    from megatron_dapo.weights.layout import padded_vocab_size
-    from megatron_dapo.weights.mcore_checkpoint import load_mcore_checkpoint
+    from megatron_dapo.weights.loading import load_mcore_checkpoint
 
     overrides = [
         f"parallel.tensor_model_parallel_size={args.tp}",
@@ -88,15 +84,19 @@ def run_verify(args: argparse.Namespace) -> VerifyResult:
     report = load_mcore_checkpoint(chunks, arch, args.mcore_dir)
     for c in chunks:
         c.eval()
+    return cfg, info, platform, arch, chunks, report
 
-    device = platform.device()
-    b, s = args.batch_size, args.seq_len
-    gen = torch.Generator().manual_seed(args.seed)  # same batch on every rank
-    ids = torch.randint(0, arch.vocab_size, (b, s), generator=gen)
+
+def _megatron_logits(chunks: list, ids: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """Forward-only pass of ``ids`` (one sequence per micro-batch); the vocabulary-gathered logits this rank saw
+    (the last pipeline stage's)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    b, s = ids.shape
     pos = torch.arange(s).unsqueeze(0)
     causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]  # True = masked
     micro = [{"ids": ids[i : i + 1].to(device), "pos": pos.to(device), "mask": causal.to(device)} for i in range(b)]
-
     logits: list[torch.Tensor] = []
 
     def forward_step(data_iterator, model):
@@ -120,6 +120,20 @@ def run_verify(args: argparse.Namespace) -> VerifyResult:
             micro_batch_size=1,
             forward_only=True,
         )
+    return logits
+
+
+def run_verify(args: argparse.Namespace) -> VerifyResult:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_dapo.weights.layout import padded_vocab_size
+
+    cfg, info, platform, arch, chunks, report = _build_and_load(args)
+    b, s = args.batch_size, args.seq_len
+    gen = torch.Generator().manual_seed(args.seed)  # same batch on every rank
+    ids = torch.randint(0, arch.vocab_size, (b, s), generator=gen)
+    logits = _megatron_logits(chunks, ids, platform.device())
 
     # One rank holds the reference: the last stage's TP rank 0 of data-parallel replica 0.
     is_ref = (

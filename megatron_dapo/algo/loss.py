@@ -1,0 +1,141 @@
+"""The DAPO loss of one micro-batch: the single function the actor's loss hook, the tests' whole-batch reference and
+``benchmarks/algo.py`` all call.
+
+Exact under any split of an optimizer step's mini-batch into micro-batches and data-parallel ranks: every micro-batch
+is aggregated with the *global* normalisers of the mini-batch (``LossNormalisers``: the caller sums
+``local_loss_counts`` over micro-batches and ranks), so the per-micro-batch losses add up to the whole-batch loss
+for every ``loss_agg_mode``. Metrics come back as sums (``LOSS_METRIC_SUMS``) that the caller adds over
+micro-batches and ranks before ``loss_metrics`` turns them into verl's ``actor/*`` values. Pure: no process groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_dapo.algo.kl import kl_penalty
+from megatron_dapo.algo.policy_loss import agg_loss, compute_rollout_is_weights, policy_loss_metric_sums
+from megatron_dapo.algo.registry import POLICY_LOSSES
+from megatron_dapo.config import ActorConfig
+
+__all__ = ["LOSS_METRIC_SUMS", "LossNormalisers", "dapo_loss", "local_loss_counts", "loss_metrics"]
+
+#: The metric sums ``dapo_loss`` returns, in a fixed order (the caller reduces them as one tensor).
+LOSS_METRIC_SUMS: tuple[str, ...] = (
+    "pg_loss",
+    "entropy",
+    "kl_loss",
+    "pg_clipfrac",
+    "pg_clipfrac_lower",
+    "ppo_kl",
+    "num_tokens",
+    "logprob_diff_sum",
+    "logprob_diff_count",
+)
+
+
+@dataclass(frozen=True)
+class LossNormalisers:
+    """An optimizer step's normalisers: loss tokens and sequences with at least one loss token, over every
+    micro-batch and data-parallel rank, and the response budget (``seq-mean-token-sum-norm``'s constant)."""
+
+    token_count: float
+    seq_count: float
+    max_response_length: int
+
+    @classmethod
+    def of(cls, loss_mask: torch.Tensor, max_response_length: Optional[int] = None) -> LossNormalisers:
+        """The normalisers of a whole batch held in one place (no split)."""
+        tokens, seqs = local_loss_counts(loss_mask).tolist()
+        width = loss_mask.shape[-1] if max_response_length is None else max_response_length
+        return cls(tokens, seqs, int(width))
+
+
+def local_loss_counts(loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[2]`` float64: this part's loss tokens and sequences with at least one — summed over parts, the
+    ``LossNormalisers`` counts."""
+    mask = loss_mask.to(torch.float64)
+    return torch.stack([mask.sum(), (mask.sum(-1) > 0).to(torch.float64).sum()])
+
+
+def dapo_loss(
+    log_probs: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    *,
+    loss_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    cfg: ActorConfig,
+    norm: LossNormalisers,
+    old_log_probs: Optional[torch.Tensor] = None,
+    ref_log_probs: Optional[torch.Tensor] = None,
+    rollout_log_probs: Optional[torch.Tensor] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    rollout_is_threshold: Optional[float] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one micro-batch and its metric sums. All per-token tensors are ``[b, T]``.
+
+    ``loss = agg(policy loss) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || ref))`` with ``agg`` =
+    ``agg_loss(·, loss_mask, cfg.loss_agg_mode, norm)`` and the policy loss ``cfg.policy_loss`` from the registry.
+
+    ``old_log_probs=None`` is the on-policy path (one epoch, one mini-batch: the policy has not moved since the
+    rollout): the old policy is this forward's own log-probs, detached; the truncated-IS weights
+    (``rollout_is_threshold``) and the train-vs-rollout mismatch sums (``logprob_diff_*``) then come from them.
+    ``entropy`` may be None when ``entropy_coeff == 0`` (the entropy metric is then 0).
+    """
+    on_policy = old_log_probs is None
+    old = log_probs.detach() if on_policy else old_log_probs
+    if on_policy and rollout_is_threshold and rollout_log_probs is not None:
+        rollout_is_weights = compute_rollout_is_weights(old, rollout_log_probs, response_mask, rollout_is_threshold)
+    mask = loss_mask.to(log_probs.dtype)
+
+    def agg(values: torch.Tensor) -> torch.Tensor:
+        return agg_loss(
+            values,
+            mask,
+            cfg.loss_agg_mode,
+            global_token_count=norm.token_count,
+            global_seq_count=norm.seq_count,
+            max_response_length=norm.max_response_length,
+        )
+
+    terms = POLICY_LOSSES.get(cfg.policy_loss)(log_probs, old, advantages, cfg, rollout_is_weights)
+    pg_loss = agg(terms["pg_losses"])
+    loss = pg_loss
+    sums = {"pg_loss": pg_loss.detach(), **policy_loss_metric_sums(terms, mask)}
+    if entropy is not None:
+        entropy_loss = agg(entropy)
+        if cfg.entropy_coeff != 0:
+            loss = loss - cfg.entropy_coeff * entropy_loss
+        sums["entropy"] = entropy_loss.detach()
+    if cfg.use_kl_loss:
+        kl = agg(kl_penalty(log_probs, ref_log_probs, cfg.kl_loss_type))
+        loss = loss + cfg.kl_loss_coef * kl
+        sums["kl_loss"] = kl.detach()
+    if on_policy and rollout_log_probs is not None:  # train-vs-rollout mismatch, from this forward
+        diff = (old.double() - rollout_log_probs.double()).abs()[response_mask.bool()]
+        sums["logprob_diff_sum"] = diff.sum()
+        sums["logprob_diff_max"] = diff.max() if diff.numel() else diff.new_zeros(())
+        sums["logprob_diff_count"] = torch.tensor(float(diff.numel()), dtype=torch.float64)
+    return loss, sums
+
+
+def loss_metrics(sums: dict[str, float], use_kl_loss: bool, logprob_diff_max: float = 0.0) -> dict[str, float]:
+    """verl's ``actor/*`` metrics (and ``rollout/logprob_diff_*`` on the on-policy path) from the metric sums of
+    every micro-batch and rank: losses are sums already (global normalisers); the fractions are masked token means."""
+    tokens = sums.get("num_tokens", 0.0) + 1e-8
+    out = {
+        "actor/pg_loss": sums.get("pg_loss", 0.0),
+        "actor/entropy": sums.get("entropy", 0.0),
+        "actor/pg_clipfrac": sums.get("pg_clipfrac", 0.0) / tokens,
+        "actor/pg_clipfrac_lower": sums.get("pg_clipfrac_lower", 0.0) / tokens,
+        "actor/ppo_kl": sums.get("ppo_kl", 0.0) / tokens,
+    }
+    if use_kl_loss:
+        out["actor/kl_loss"] = sums.get("kl_loss", 0.0)
+    if sums.get("logprob_diff_count", 0.0) > 0:
+        out["rollout/logprob_diff_mean"] = sums["logprob_diff_sum"] / sums["logprob_diff_count"]
+        out["rollout/logprob_diff_max"] = float(logprob_diff_max)
+    return out

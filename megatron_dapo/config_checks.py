@@ -1,0 +1,353 @@
+"""Run validation: every check that needs the model, the world size, the number of training steps or user files,
+made once, up front — before any model is built or any engine started.
+
+``megatron_dapo/config.py`` checks what the config alone decides (``check_values``: ranges, cross-field settings,
+algorithm names). ``validate_run`` adds what depends on the model architecture (``ModelArch`` from the HF
+``config.json``), the launch (world size) and the data (training steps), plus the reward functions named in the
+config, collects every problem and raises one ``ConfigError`` listing them. It returns the resolved ``RunLayout``
+(data-parallel sizes, sequence budget, warm-up steps, ...) that the trainer and the rollout engine use, so nothing
+downstream validates again.
+
+The parts are public so that ``megatron-dapo check`` (``megatron_dapo/check.py``) reports the same problems with the
+same words: ``parallel_layout_problems``, ``rollout_layout_problems``, ``batch_layout_problems``,
+``reward_function_problems``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from megatron_dapo.config import (
+    ConfigError,
+    ExperimentConfig,
+    ParallelConfig,
+    RewardConfig,
+    config_problems,
+    lr_schedule_problems,
+    range_problems,
+    required_input_problems,
+    warmup_steps,
+)
+from megatron_dapo.models.families import ModelArch
+
+__all__ = [
+    "DEFAULT_MIN_BATCHED_TOKENS",
+    "RunLayout",
+    "batch_layout_problems",
+    "extra_function_spec",
+    "parallel_layout_problems",
+    "resolve_max_num_batched_tokens",
+    "reward_function_problems",
+    "rollout_layout_problems",
+    "run_problems",
+    "validate_run",
+]
+
+DEFAULT_MIN_BATCHED_TOKENS = 8192
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_MIB = 2**20
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """What a validated run resolves to; built by ``validate_run`` only."""
+
+    world_size: int
+    dp_size: int  # actor data-parallel size: world / (TP x PP)
+    rollout_tp_size: int
+    rollout_dp_size: int  # vLLM replicas: world / rollout TP
+    max_model_len: int  # data.max_prompt_length + data.max_response_length
+    max_num_batched_tokens: int  # rollout.max_num_batched_tokens, resolved
+    padded_vocab_size: int  # the actor's embedding / output rows (make_vocab_size_divisible_by x TP)
+    total_steps: Optional[int]  # None: not known yet (set by the data, not by trainer.total_training_steps)
+    warmup_steps: Optional[int]  # lr warm-up over total_steps; None when total_steps is
+    notes: tuple[str, ...] = ()  # things worth knowing that are not problems (logged by the caller)
+
+
+# ----------------------------------------------------------------------------------------------- actor layout
+
+
+def parallel_layout_problems(
+    parallel: ParallelConfig,
+    world_size: int,
+    num_layers: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+    ffn_hidden_size: Optional[int] = None,
+    world_desc: str = "",
+) -> list[str]:
+    """The actor's TP/PP/VPP sizes against the world and the model (heads, KV heads and FFN ÷ TP, layers ÷ PP×VPP).
+
+    ``world_desc`` follows "world size N" in the messages (``check`` says how the world size was made up)."""
+    p = parallel
+    tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        return [f"parallel.tensor_model_parallel_size={tp} and pipeline_model_parallel_size={pp} must be >= 1"]
+    problems = []
+    if world_size % (tp * pp):
+        problems.append(
+            f"parallel.tensor_model_parallel_size x pipeline_model_parallel_size = {tp} x {pp} = {tp * pp} does not "
+            f"divide the world size {world_size}{world_desc}; change TP/PP or the number of processes"
+        )
+    for value, name in (
+        (num_attention_heads, "num_attention_heads"),
+        (num_query_groups, "num_key_value_heads"),
+        (ffn_hidden_size, "intermediate_size"),
+    ):
+        if value is not None and value % tp:
+            what = f"{name}={value}" + (" (query groups)" if name == "num_key_value_heads" else "")
+            problems.append(
+                f"parallel.tensor_model_parallel_size={tp} does not divide the model's {what}; use a divisor of {value}"
+            )
+    stages = pp * (vpp or 1)
+    if num_layers % stages:
+        problems.append(
+            f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {pp} x {vpp or 1} = "
+            f"{stages} does not divide the model's num_hidden_layers={num_layers}; use sizes whose product divides "
+            f"{num_layers}"
+        )
+    if vpp is not None and pp < 2:
+        problems.append(
+            f"parallel.virtual_pipeline_model_parallel_size={vpp} needs parallel.pipeline_model_parallel_size >= 2; "
+            "set it to null or raise PP"
+        )
+    if p.sequence_parallel and tp == 1:
+        problems.append("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1; set it to false")
+    return problems
+
+
+def batch_layout_problems(cfg: ExperimentConfig, dp_size: int) -> list[str]:
+    """Mini-batches against the data-parallel size: each DP rank takes an equal share of every mini-batch, and the
+    interleaved (VPP) schedule needs a multiple of PP micro-batches (not checkable with dynamic batch sizes)."""
+    a, n = cfg.actor, cfg.rollout.n
+    mini_rows = a.ppo_mini_batch_size * n
+    if mini_rows % dp_size:
+        return [
+            f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size} x {n} = {mini_rows} sequences per "
+            f"mini-batch is not divisible by the data-parallel size {dp_size} (world / (TP x PP)): each DP rank "
+            "takes an equal share; change actor.ppo_mini_batch_size, rollout.n or the layout"
+        ]
+    pp, vpp = cfg.parallel.pipeline_model_parallel_size, cfg.parallel.virtual_pipeline_model_parallel_size
+    if vpp is None or a.use_dynamic_bsz:
+        return []
+    problems = []
+    for key, mbs, rows in (
+        ("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu, mini_rows // dp_size),
+        (
+            "actor.log_prob_micro_batch_size_per_gpu",
+            a.log_prob_micro_batch_size_per_gpu,
+            cfg.data.train_batch_size * n // dp_size,
+        ),
+    ):
+        m = -(-rows // mbs)
+        if m % pp:
+            problems.append(
+                f"{key}={mbs}: {rows} sequences per rank give {m} micro-batches, not a multiple of "
+                f"parallel.pipeline_model_parallel_size={pp} as the interleaved (VPP) schedule needs; choose a "
+                "micro-batch size that gives a multiple"
+            )
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------- rollout layout
+
+
+def rollout_layout_problems(
+    cfg: ExperimentConfig,
+    world_size: int,
+    max_position_embeddings: int,
+    arch: Optional[ModelArch] = None,
+    world_desc: str = "",
+) -> list[str]:
+    """Rollout TP against the world (and, given the arch, the heads / KV heads / FFN vLLM splits), and the
+    sequence budget against ``max_position_embeddings`` and ``rollout.max_num_batched_tokens``."""
+    tp = cfg.rollout.tensor_model_parallel_size
+    problems = []
+    if tp < 1 or world_size % tp:
+        problems.append(
+            f"rollout.tensor_model_parallel_size={tp} must be >= 1 and divide the world size {world_size}{world_desc}"
+            f" (each group of {tp} consecutive ranks forms one vLLM replica); use a divisor of {world_size}"
+        )
+    if arch is not None and tp >= 1:
+        heads, groups, ffn = arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size
+        if heads % tp:
+            problems.append(
+                f"rollout.tensor_model_parallel_size={tp} does not divide num_attention_heads={heads} (vLLM splits "
+                f"the heads); use a divisor of {heads}"
+            )
+        if (groups % tp) if tp <= groups else (tp % groups):
+            problems.append(
+                f"rollout.tensor_model_parallel_size={tp} and num_key_value_heads={groups}: vLLM needs one to divide "
+                "the other (it splits the KV heads, or replicates them when TP is larger)"
+            )
+        if ffn % tp:
+            problems.append(
+                f"rollout.tensor_model_parallel_size={tp} does not divide intermediate_size={ffn}; use a divisor"
+            )
+    prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
+    if prompt < 1 or response < 1:
+        return problems + [f"data.max_prompt_length={prompt} and data.max_response_length={response} must both be >= 1"]
+    budget = prompt + response
+    if budget > max_position_embeddings:
+        problems.append(
+            f"data.max_prompt_length + data.max_response_length = {prompt} + {response} = {budget} exceeds"
+            f" the model's max_position_embeddings={max_position_embeddings}; shorten one of them"
+        )
+    batched = cfg.rollout.max_num_batched_tokens
+    if batched is not None and batched < budget:
+        problems.append(
+            f"rollout.max_num_batched_tokens={batched} must be >= data.max_prompt_length + data.max_response_length"
+            f" = {budget} (chunked prefill is disabled, so a whole prompt must fit in one engine step); set it to at"
+            f" least {budget} (or null)"
+        )
+    return problems
+
+
+def resolve_max_num_batched_tokens(cfg: ExperimentConfig, max_model_len: int) -> int:
+    """``rollout.max_num_batched_tokens``, or (null) ``max(max_model_len, min(8192, max_num_seqs × max_model_len))``."""
+    return cfg.rollout.max_num_batched_tokens or max(
+        max_model_len, min(DEFAULT_MIN_BATCHED_TOKENS, cfg.rollout.max_num_seqs * max_model_len)
+    )
+
+
+# ----------------------------------------------------------------------------------------------- reward functions
+
+
+def extra_function_spec(item: Any, where: str) -> tuple[Optional[tuple[str, str, Any]], list[str]]:
+    """One ``reward.extra_functions`` entry → (path, name, weight), or the problems with its shape (the reward
+    manager's ``_custom_specs`` can use it for a ``RewardConfig`` built in code)."""
+    if not isinstance(item, dict):
+        return None, [f"{where}: expected a mapping with keys path, name, weight; got {item!r}"]
+    unknown = set(item) - {"path", "name", "weight"}
+    if unknown:
+        return None, [f"{where}: unknown keys {sorted(unknown)}; valid keys are path, name, weight"]
+    if not item.get("path"):
+        return None, [f"{where}: 'path' (a Python file defining the reward function) is required"]
+    return (str(item["path"]), str(item.get("name", "compute_score")), item.get("weight", 1.0)), []
+
+
+def reward_function_problems(rw: RewardConfig) -> list[str]:
+    """The reward functions the config names: each ``reward.extra_functions`` entry well-formed with a finite
+    weight, and every file importable and defining its function (imported here, once per process, as the reward
+    manager will)."""
+    from megatron_dapo.reward.custom import load_reward_function
+
+    specs: list[tuple[str, str, str]] = []  # (config key, path, name)
+    problems: list[str] = []
+    cf = rw.custom_function
+    if cf.path:
+        specs.append(("reward.custom_function", cf.path, cf.name))
+    for i, item in enumerate(rw.extra_functions):
+        where = f"reward.extra_functions[{i}]"
+        spec, found = extra_function_spec(item, where)
+        problems += found
+        if spec is None:
+            continue
+        path, name, weight = spec
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            problems.append(f"{where}.weight={weight!r}: expected a finite number")
+        specs.append((where, path, name))
+    for key, path, name in specs:
+        try:
+            load_reward_function(path, name)
+        except (FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
+            problems.append(f"{key}.path={path!r}, {key}.name={name!r}: {exc}")
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------- weight sync
+
+
+def _weight_sync_notes(cfg: ExperimentConfig, arch: ModelArch, padded_vocab: int) -> list[str]:
+    """The sync puts a module larger than ``rollout.weight_sync_bucket_mb`` in a bucket of its own
+    (``rollout/sync.py``): not an error, but the sync's peak is then that module, not the bucket size."""
+    dtype_bytes = _DTYPE_BYTES[cfg.model.params_dtype]
+    h = arch.hidden_size
+    modules = {
+        "the embedding (padded vocabulary x hidden)": padded_vocab * h,
+        "linear_fc1 (gate + up)": 2 * arch.ffn_hidden_size * h,
+        "linear_qkv": (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim * h,
+    }
+    name, numel = max(modules.items(), key=lambda kv: kv[1])
+    size_mb = numel * dtype_bytes / _MIB
+    bucket_mb = cfg.rollout.weight_sync_bucket_mb
+    if size_mb <= bucket_mb:
+        return []
+    return [
+        f"rollout.weight_sync_bucket_mb={bucket_mb} is smaller than the largest module, {name}: {size_mb:.0f} MiB in "
+        f"{cfg.model.params_dtype}; it is synced in a bucket of its own, so a weight sync holds up to "
+        f"{size_mb:.0f} MiB of full tensors at once"
+    ]
+
+
+# ----------------------------------------------------------------------------------------------- the whole run
+
+
+def run_problems(
+    cfg: ExperimentConfig, arch: ModelArch, world_size: int, total_steps: Optional[int] = None
+) -> list[str]:
+    """Every problem ``validate_run`` reports, as a list (see there)."""
+    problems = required_input_problems(cfg) + config_problems(cfg)
+    if range_problems(cfg):  # the layout arithmetic below assumes every value is in range
+        return problems + reward_function_problems(cfg.reward)
+    p = cfg.parallel
+    layout_found = parallel_layout_problems(
+        p, world_size, arch.num_layers, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size
+    )
+    problems += layout_found
+    if not layout_found:
+        problems += batch_layout_problems(
+            cfg, world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+        )
+    problems += rollout_layout_problems(cfg, world_size, arch.max_position_embeddings, arch)
+    if total_steps is not None and cfg.trainer.total_training_steps is None:  # else config_problems checked it
+        problems += lr_schedule_problems(cfg.actor.optim, total_steps)
+    return problems + reward_function_problems(cfg.reward)
+
+
+def validate_run(
+    cfg: ExperimentConfig, arch: ModelArch, world_size: int, total_steps: Optional[int] = None
+) -> RunLayout:
+    """Every check of a training run, before any model or engine exists; returns the resolved layout.
+
+    ``total_steps`` is the number of training steps when the caller knows it (the trainer: from
+    ``trainer.total_training_steps``, else epochs × batches of the training data); None = only
+    ``trainer.total_training_steps``, and without it the warm-up is checked when the optimizer is built.
+
+    Raises ``ConfigError`` listing every problem: required inputs, ranges and cross-field settings
+    (``config.check_values``), algorithm names, the actor and rollout layouts against the world size and the
+    model, mini-batches against the data-parallel size, the sequence budget, the lr warm-up against the training
+    steps, and the reward functions.
+    """
+    from megatron_dapo.weights.layout import padded_vocab_size
+
+    problems = run_problems(cfg, arch, world_size, total_steps)
+    if problems:
+        raise ConfigError.of(problems)
+    if total_steps is None:
+        total_steps = cfg.trainer.total_training_steps
+    p, r = cfg.parallel, cfg.rollout
+    tp = p.tensor_model_parallel_size
+    padded_vocab = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    notes = _weight_sync_notes(cfg, arch, padded_vocab)
+    if p.virtual_pipeline_model_parallel_size is not None and cfg.actor.use_dynamic_bsz:
+        notes.append(
+            "parallel.virtual_pipeline_model_parallel_size with actor.use_dynamic_bsz=true: megatron-core's "
+            "interleaved schedule needs the number of micro-batches to be a multiple of PP="
+            f"{p.pipeline_model_parallel_size}, which dynamic batching does not guarantee"
+        )
+    return RunLayout(
+        world_size=world_size,
+        dp_size=world_size // (tp * p.pipeline_model_parallel_size),
+        rollout_tp_size=r.tensor_model_parallel_size,
+        rollout_dp_size=world_size // r.tensor_model_parallel_size,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=resolve_max_num_batched_tokens(cfg, max_model_len),
+        padded_vocab_size=padded_vocab,
+        total_steps=total_steps,
+        warmup_steps=warmup_steps(cfg.actor.optim, total_steps) if total_steps is not None else None,
+        notes=tuple(notes),
+    )
