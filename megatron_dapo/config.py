@@ -60,6 +60,11 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
     context_parallel_size: int = 1  # needs an attention that supports it (TransformerEngine, MindSpeed)
+    # Mixture-of-Experts models only (a dense model needs 1). EP groups are carved from DP x CP: world must be a
+    # multiple of ETP x EP x PP (megatron-core's initialize_model_parallel); the experts are split evenly over EP.
+    expert_model_parallel_size: int = 1
+    # Tensor parallelism inside each expert; None = tensor_model_parallel_size (megatron-core's default).
+    expert_tensor_parallel_size: Optional[int] = None
     use_distributed_optimizer: bool = False
     platform: Literal["auto", "cpu", "cuda", "npu"] = "auto"
 
@@ -469,6 +474,8 @@ def _model_parallel_ranges(out: _Problems, m: ModelConfig, p: ParallelConfig) ->
     out.positive_int("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size)
     out.positive_int("parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size, True)
     out.positive_int("parallel.context_parallel_size", p.context_parallel_size)
+    out.positive_int("parallel.expert_model_parallel_size", p.expert_model_parallel_size)
+    out.positive_int("parallel.expert_tensor_parallel_size", p.expert_tensor_parallel_size, True)
 
 
 def _checkpoint_data_ranges(out: _Problems, c: CheckpointConfig, d: DataConfig) -> None:

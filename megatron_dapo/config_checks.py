@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_MIN_BATCHED_TOKENS",
     "RunLayout",
     "batch_layout_problems",
+    "expert_layout_problems",
     "extra_function_spec",
     "parallel_layout_problems",
     "resolve_max_num_batched_tokens",
@@ -77,8 +78,11 @@ def parallel_layout_problems(
     num_query_groups: int,
     ffn_hidden_size: Optional[int] = None,
     world_desc: str = "",
+    num_experts: int = 0,
+    moe_ffn_hidden_size: Optional[int] = None,
 ) -> list[str]:
-    """The actor's TP/PP/VPP sizes against the world and the model (heads, KV heads and FFN ÷ TP, layers ÷ PP×VPP).
+    """The actor's TP/PP/VPP sizes against the world and the model (heads, KV heads and FFN ÷ TP, layers ÷ PP×VPP),
+    and for a Mixture-of-Experts model (``num_experts`` > 0) the expert sizes (``expert_layout_problems``).
 
     ``world_desc`` follows "world size N" in the messages (``check`` says how the world size was made up)."""
     p = parallel
@@ -115,6 +119,58 @@ def parallel_layout_problems(
         )
     if p.sequence_parallel and tp == 1:
         problems.append("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1; set it to false")
+    return problems + expert_layout_problems(p, world_size, num_experts, moe_ffn_hidden_size, world_desc)
+
+
+def expert_layout_problems(
+    parallel: ParallelConfig,
+    world_size: int,
+    num_experts: int = 0,
+    moe_ffn_hidden_size: Optional[int] = None,
+    world_desc: str = "",
+) -> list[str]:
+    """Expert parallelism (EP) and expert tensor parallelism (ETP, default TP) against the world and the model.
+
+    megatron-core's ``initialize_model_parallel`` carves the expert groups out of the same ranks: the world must be a
+    multiple of ETP x EP x PP (EP groups come from DP x CP, and from TP too when ETP < TP); experts are split evenly
+    over EP and each expert's FFN over ETP. A dense model has no experts to spread: EP and ETP must stay unset."""
+    p = parallel
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    if not isinstance(ep, int) or ep < 1 or (etp is not None and (not isinstance(etp, int) or etp < 1)):
+        return []  # range_problems reports these
+    if not num_experts:
+        problems = []
+        if ep != 1:
+            problems.append(
+                f"parallel.expert_model_parallel_size={ep} needs a Mixture-of-Experts model; this model is dense: set "
+                "it to 1"
+            )
+        if etp is not None and etp != p.tensor_model_parallel_size:
+            problems.append(
+                f"parallel.expert_tensor_parallel_size={etp} needs a Mixture-of-Experts model; this model is dense: "
+                "set it to null"
+            )
+        return problems
+    problems = []
+    etp_eff = p.tensor_model_parallel_size if etp is None else etp
+    pp = p.pipeline_model_parallel_size
+    if num_experts % ep:
+        problems.append(
+            f"parallel.expert_model_parallel_size={ep} does not divide the model's num_experts={num_experts}; use a "
+            f"divisor of {num_experts}"
+        )
+    if world_size % (etp_eff * ep * pp):
+        problems.append(
+            f"parallel.expert_tensor_parallel_size x expert_model_parallel_size x pipeline_model_parallel_size = "
+            f"{etp_eff} x {ep} x {pp} = {etp_eff * ep * pp} does not divide the world size {world_size}{world_desc} "
+            "(expert_tensor_parallel_size defaults to tensor_model_parallel_size); change EP/ETP or the number of "
+            "processes"
+        )
+    if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % etp_eff:
+        problems.append(
+            f"parallel.expert_tensor_parallel_size={etp_eff} does not divide the model's "
+            f"moe_intermediate_size={moe_ffn_hidden_size}; use a divisor of {moe_ffn_hidden_size}"
+        )
     return problems
 
 
@@ -294,7 +350,14 @@ def run_problems(
         return problems + reward_function_problems(cfg.reward)
     p = cfg.parallel
     layout_found = parallel_layout_problems(
-        p, world_size, arch.num_layers, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size
+        p,
+        world_size,
+        arch.num_layers,
+        arch.num_attention_heads,
+        arch.num_query_groups,
+        arch.ffn_hidden_size,
+        num_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
     )
     problems += layout_found
     if not layout_found:

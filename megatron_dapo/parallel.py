@@ -80,7 +80,7 @@ def any_rank(flag: bool) -> bool:
 
 
 def init_model_parallel(parallel: ParallelConfig, seed: int = 1, timeout_s: float = 600.0) -> None:
-    """Create megatron-core's TP/PP/DP groups (gloo groups too, for CPU-side collectives) and seed RNG streams."""
+    """Create megatron-core's TP/PP/DP (and expert EP/ETP) groups (gloo groups too, for CPU-side collectives) and seed RNG streams."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
@@ -90,6 +90,8 @@ def init_model_parallel(parallel: ParallelConfig, seed: int = 1, timeout_s: floa
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     from megatron_dapo.platform import get_platform
@@ -162,4 +164,6 @@ def parallel_layout() -> dict[str, Any]:
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
         "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
         "data_parallel_size": ps.get_data_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
     }

@@ -108,9 +108,40 @@ def transformer_config(
         overlap_p2p_comm=parallel.virtual_pipeline_model_parallel_size is not None,
         batch_p2p_comm=parallel.virtual_pipeline_model_parallel_size is None,
         init_method_std=0.02,
+        **moe_config_kwargs(arch, parallel),
         **recompute_kwargs(actor),
         **get_platform().transformer_config_overrides(),
     )
+
+
+def moe_config_kwargs(arch: ModelArch, parallel: ParallelConfig) -> dict:
+    """MoE ``TransformerConfig`` fields for ``arch`` (none for a dense model).
+
+    Router: HF ``norm_topk_prob=True`` (softmax over all experts → top-k → renormalise) equals megatron-core's
+    ``moe_router_pre_softmax=False`` (top-k on the logits, softmax over the k); ``False`` is ``pre_softmax=True``.
+    Router logits in fp32. Tokens move with the alltoall dispatcher (``variable_seq_lengths`` rules out allgather),
+    experts are SequentialMLP (no grouped GEMM / fused permute: they need extra packages). The load-balancing aux
+    loss is off here (``moe_router_load_balancing_type="none"``); the training side decides whether to add it.
+    """
+    if not arch.is_moe:
+        return {}
+    return {
+        "num_moe_experts": arch.num_experts,
+        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
+        "moe_router_topk": arch.moe_router_topk,
+        "moe_layer_freq": arch.moe_layer_freq,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not arch.norm_topk_prob,
+        "moe_router_topk_scaling_factor": None,
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+        "moe_router_fusion": False,
+        "expert_model_parallel_size": parallel.expert_model_parallel_size,
+        "expert_tensor_parallel_size": parallel.expert_tensor_parallel_size,
+    }
 
 
 def resolve_transformer_impl(model: ModelConfig, parallel: ParallelConfig) -> str:
@@ -146,6 +177,8 @@ def layer_spec(arch: ModelArch, config, vp_stage: Optional[int] = None, impl: Op
 
     if impl is None:
         impl = get_platform().resolve_transformer_impl("auto")
+    if arch.is_moe:
+        return moe_layer_specs(config, vp_stage, impl)
     if impl == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
@@ -157,6 +190,32 @@ def layer_spec(arch: ModelArch, config, vp_stage: Optional[int] = None, impl: Op
         sub.self_attention.submodules.k_layernorm = QKRMSNorm
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=RMSNorm)
+
+
+def moe_layer_specs(config, vp_stage: Optional[int], impl: str):
+    """Per-layer specs of an MoE model (dense or MoE MLP by ``config.moe_layer_freq``), this chunk's slice.
+
+    megatron-core's ``get_gpt_decoder_layer_specs``; on the local spec the norms are the project's HF-exact
+    ``RMSNorm``/``QKRMSNorm``. The TE spec returns a block spec (megatron-core slices it for PP/VPP itself)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if impl == "transformer_engine":
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage
+        )
+    specs = get_gpt_decoder_layer_specs(config, use_transformer_engine=False, normalization="RMSNorm")
+    for spec in {id(s): s for s in specs}.values():
+        sub = spec.submodules
+        sub.input_layernorm = RMSNorm
+        sub.pre_mlp_layernorm = RMSNorm
+        if config.qk_layernorm:
+            sub.self_attention.submodules.q_layernorm = QKRMSNorm
+            sub.self_attention.submodules.k_layernorm = QKRMSNorm
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=RMSNorm)
 
 
 def llama3_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:

@@ -22,12 +22,14 @@ class FamilySpec:
     hf_architecture: str
     qkv_bias: bool  # Qwen2: q/k/v projections carry a bias
     qk_layernorm: bool  # Qwen3: RMSNorm on each head's q and k
+    moe: bool = False  # Mixture-of-Experts MLPs (router + routed experts) on the layers the config selects
 
 
 FAMILIES: dict[str, FamilySpec] = {
     "qwen2": FamilySpec("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_layernorm=False),
     "qwen3": FamilySpec("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_layernorm=True),
     "llama": FamilySpec("llama", "LlamaForCausalLM", qkv_bias=False, qk_layernorm=False),
+    "qwen3_moe": FamilySpec("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_layernorm=True, moe=True),
 }
 
 
@@ -52,10 +54,33 @@ class ModelArch:
     # llama3 rope scaling: {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}
     llama3_rope_scaling: Optional[dict] = None
     hf_config: Optional[dict] = None
+    # ---- Mixture of Experts (num_experts == 0: a dense model; the fields below are then unused)
+    num_experts: int = 0  # routed experts per MoE layer (HF num_experts)
+    moe_router_topk: int = 0  # experts per token (HF num_experts_per_tok)
+    moe_ffn_hidden_size: Optional[int] = None  # one expert's intermediate size (HF moe_intermediate_size)
+    # True: softmax over all experts -> top-k -> renormalise over the k (megatron: moe_router_pre_softmax=False);
+    # False: softmax -> top-k, no renormalisation (moe_router_pre_softmax=True).
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()  # global indices of the MoE layers; the others have the dense MLP
+    # HF's router_aux_loss_coef, for reference only: HF's load-balancing loss is top-k x megatron-core's per layer
+    # and is computed over all layers' tokens at once, so it does not carry over 1:1 (see docs/checkpoints.md).
+    router_aux_loss_coef: float = 0.0
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    @property
+    def moe_layer_freq(self) -> list[int]:
+        """megatron-core's ``moe_layer_freq`` as a per-layer 0/1 list (1 = MoE layer)."""
+        return [int(i in self.moe_layers) for i in range(self.num_layers)]
 
 
 def load_hf_config(source: Union[str, Path, dict]) -> dict:
@@ -119,6 +144,7 @@ def model_arch_from_hf(source: Union[str, Path, dict]) -> ModelArch:
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     qkv_bias = family.qkv_bias or bool(cfg.get("attention_bias", False))
+    moe = _moe_fields(cfg, family) if family.moe else {}
     return ModelArch(
         family=family,
         vocab_size=int(cfg["vocab_size"]),
@@ -136,7 +162,36 @@ def model_arch_from_hf(source: Union[str, Path, dict]) -> ModelArch:
         qk_layernorm=family.qk_layernorm,
         llama3_rope_scaling=llama3,
         hf_config=cfg,
+        **moe,
     )
+
+
+def _moe_fields(cfg: dict, family: FamilySpec) -> dict:
+    """``ModelArch`` MoE fields from a Qwen3-MoE config. The MoE layers follow HF's rule (``Qwen3MoeDecoderLayer``;
+    vLLM uses the same): layer i is MoE unless it is in ``mlp_only_layers``, and only if
+    ``(i + 1) % decoder_sparse_step == 0``."""
+    layers = int(cfg["num_hidden_layers"])
+    # config.json says num_experts; transformers 5's to_dict() says num_local_experts.
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    topk = int(cfg.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= topk <= experts:
+        raise UnsupportedModelError(
+            f"{family.name}: num_experts={experts}, num_experts_per_tok={topk}: need num_experts >= 1 and "
+            "1 <= num_experts_per_tok <= num_experts"
+        )
+    if cfg.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError(f"{family.name}: shared experts are not supported")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return {
+        "num_experts": experts,
+        "moe_router_topk": topk,
+        "moe_ffn_hidden_size": int(cfg["moe_intermediate_size"]),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "moe_layers": moe_layers,
+        "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef") or 0.0),
+    }
 
 
 # ------------------------------------------------------------------------------------------- name map
@@ -157,6 +212,14 @@ class ParamMapping:
     kind: ParamKind
     tp_dim: Optional[int]
     layer: Optional[int] = None
+    # Routed-expert weights: the global expert id. ``mcore`` then names the expert as an EP=1 model does
+    # (``...mlp.experts.local_experts.{expert}...``); EP rank r holds experts [r*E/EP, (r+1)*E/EP) under local
+    # indices 0..E/EP-1 (``expert_local_index``), and ``tp_dim`` is split over the *expert* TP group (ETP).
+    expert: Optional[int] = None
+
+    @property
+    def is_expert(self) -> bool:
+        return self.expert is not None
 
 
 def layer_param_mappings(arch: ModelArch, layer: int) -> list[ParamMapping]:
@@ -193,12 +256,61 @@ def layer_param_mappings(arch: ModelArch, layer: int) -> list[ParamMapping]:
     out += [
         ParamMapping(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy", 1, layer),
         ParamMapping(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy", None, layer),
+    ]
+    if arch.is_moe_layer(layer):
+        return out + moe_mlp_param_mappings(arch, layer)
+    out += [
         ParamMapping(
             m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "gate_up", 0, layer
         ),
         ParamMapping(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", 1, layer),
     ]
     return out
+
+
+EXPERT_PREFIX = "mlp.experts.local_experts."
+
+
+def moe_mlp_param_mappings(arch: ModelArch, layer: int) -> list[ParamMapping]:
+    """Router + every routed expert of one MoE layer (megatron-core's SequentialMLP, local or TE spec).
+
+    The router ``[E, H]`` is replicated over TP; expert e's ``linear_fc1`` is ``cat(gate_e, up_e)`` (split over ETP
+    like the dense ``linear_fc1``) and ``linear_fc2`` is ``down_e`` (split along dim 1)."""
+    m = f"decoder.layers.{layer}."
+    h = f"model.layers.{layer}.mlp."
+    out = [ParamMapping(m + "mlp.router.weight", (h + "gate.weight",), "copy", None, layer)]
+    for e in range(arch.num_experts):
+        x = f"{m}{EXPERT_PREFIX}{e}."
+        hx = f"{h}experts.{e}."
+        out.append(
+            ParamMapping(
+                x + "linear_fc1.weight", (hx + "gate_proj.weight", hx + "up_proj.weight"), "gate_up", 0, layer, e
+            )
+        )
+        out.append(ParamMapping(x + "linear_fc2.weight", (hx + "down_proj.weight",), "copy", 1, layer, e))
+    return out
+
+
+def experts_per_rank(arch: ModelArch, ep_size: int) -> int:
+    if arch.num_experts % ep_size:
+        raise ValueError(f"num_experts={arch.num_experts} is not divisible by expert_model_parallel_size={ep_size}")
+    return arch.num_experts // ep_size
+
+
+def expert_ep_rank(arch: ModelArch, expert: int, ep_size: int) -> int:
+    """The EP rank that holds global expert ``expert`` (megatron-core: contiguous blocks of E/EP experts)."""
+    return expert // experts_per_rank(arch, ep_size)
+
+
+def expert_name_shift(name: str, delta: int) -> str:
+    """``...mlp.experts.local_experts.{j}.rest`` → ``...local_experts.{j + delta}.rest`` (other names unchanged):
+    local ⇄ global expert index, ``delta = ±ep_rank × E/EP``."""
+    i = name.find(EXPERT_PREFIX)
+    if i < 0 or delta == 0:
+        return name
+    start = i + len(EXPERT_PREFIX)
+    idx, rest = name[start:].split(".", 1)
+    return f"{name[:start]}{int(idx) + delta}.{rest}"
 
 
 # Tied embeddings (``tie_word_embeddings``): the output layer *is* the input embedding. The map has no output layer
@@ -243,12 +355,24 @@ TE_NAME_ALIASES = {
 }
 
 
-def to_te_name(name: str) -> str:
-    """Local-spec parameter name → the TransformerEngine spec's name for the same tensor."""
+def to_te_name(name: str, arch: Optional[ModelArch] = None) -> str:
+    """Local-spec parameter name → the TransformerEngine spec's name for the same tensor.
+
+    In an MoE layer the pre-MLP norm stays a module of its own (no ``linear_fc1`` to fuse into), also in the TE spec:
+    pass ``arch`` so that such names keep ``pre_mlp_layernorm.weight``."""
     for local, te in TE_NAME_ALIASES.items():
         if name.endswith(local):
+            if arch is not None and arch.is_moe and local.startswith("pre_mlp") and _moe_layer_of(name, arch):
+                return name
             return name[: -len(local)] + te
     return name
+
+
+def _moe_layer_of(name: str, arch: ModelArch) -> bool:
+    prefix = "decoder.layers."
+    if not name.startswith(prefix):
+        return False
+    return arch.is_moe_layer(int(name[len(prefix) :].split(".", 1)[0]))
 
 
 def from_te_name(name: str) -> str:

@@ -6,7 +6,10 @@ megatron-core 0.16 assumes CUDA in a handful of places (see docs/cpu_stack.md):
   * ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks in grad clipping and the optimizers' __init__;
   * ``torch.cuda.synchronize()`` in p2p communication;
   * the tensor-parallel RNG tracker, which swaps the CUDA generator state, and activation recomputation
-    (``tensor_parallel.checkpoint``), which saves and restores the CUDA generator state around the re-run forward.
+    (``tensor_parallel.checkpoint``), which saves and restores the CUDA generator state around the re-run forward;
+  * Mixture of Experts: the alltoall token dispatcher creates a ``torch.cuda.Stream`` for its device-to-host copies
+    and hands its split sizes to ``all_to_all_single`` as (CPU) tensors, and the router's gating GEMM reads a
+    TransformerEngine symbol that is never bound without TE (``_apply_moe_shims``).
 Rather than patching each call site, one ``TorchFunctionMode`` redirects CUDA device arguments to the CPU and
 reports CPU tensor types under their CUDA names, and the RNG tracker is replaced by one that swaps the CPU
 generator state. Nothing here changes numerics.
@@ -111,9 +114,57 @@ def apply_cpu_shims() -> None:
         tp_random.get_cuda_rng_tracker().set_states(tracker_states)
 
     tp_random._set_all_rng_states = _set_all_rng_states
+    _apply_moe_shims()
     _mode = CudaToCpuMode()
     _mode.__enter__()  # process-wide for the main thread, where megatron-core runs
     _applied = True
+
+
+class _NullEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+class _NullStream:
+    """Stands in for a CUDA stream: work on the CPU is ordered already."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, event=None) -> _NullEvent:
+        return _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_NULL_STREAM = _NullStream()
+
+
+def _apply_moe_shims() -> None:
+    """megatron-core 0.16 MoE on the CPU (no effect on dense models):
+      1. ``MoEAlltoAllTokenDispatcher`` creates ``torch.cuda.Stream()`` for its device-to-host copy of the split
+         sizes and enters ``torch.cuda.stream(...)``: a null stream and no-op stream contexts;
+      2. ``maybe_move_tensor_to_cpu(as_numpy=True)`` converts only CUDA tensors, so on the CPU the split sizes stay
+         tensors and gloo's ``all_to_all_single`` rejects them: CPU tensors become numpy arrays too;
+      3. without TransformerEngine ``moe_utils.te_general_gemm`` is never bound but the router's gating GEMM reads
+         it (NameError): ``None`` selects its ``torch.mm`` path.
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NULL_STREAM
+    original_move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    torch.cuda.current_stream = lambda *a, **k: _NULL_STREAM
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
 
 def seed_cpu(seed: int) -> None:

@@ -10,6 +10,16 @@ import torch
 FAMILY_KWARGS = {
     "qwen2": {},
     "qwen3": {"head_dim": 32},
+    # Layer 0 dense (intermediate_size), layers 1-3 MoE: 8 experts, top-2, renormalised, expert FFN 32.
+    "qwen3_moe": {
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+    },
     "llama": {
         "rope_scaling": {
             "rope_type": "llama3",
@@ -35,10 +45,10 @@ def tiny_hf_config(
     max_position_embeddings: int = 256,
     **extra,
 ):
-    """A ``transformers`` config object of ``family`` (qwen2 | qwen3 | llama)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A ``transformers`` config object of ``family`` (qwen2 | qwen3 | llama | qwen3_moe)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[family]
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}[family]
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -55,7 +65,9 @@ def tiny_hf_config(
 
 
 def make_tiny_hf_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
-    """A randomly initialised ``*ForCausalLM`` (eval mode)."""
+    """A randomly initialised ``*ForCausalLM`` (eval mode). MoE routers get std 0.5 (instead of the default
+    0.02, which routes nearly at random by tiny margins) so that every expert gets tokens and the top-k choice is
+    not decided by rounding; expert weights std 0.1."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -66,6 +78,10 @@ def make_tiny_hf_model(family: str, seed: int = 0, dtype: torch.dtype = torch.fl
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight") and "experts" not in name:
+                p.normal_(0.0, 0.5)
+            elif ".mlp.experts." in name:
+                p.normal_(0.0, 0.1)
     return model.eval()
 
 

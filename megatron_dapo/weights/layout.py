@@ -104,6 +104,7 @@ def hf_shapes(mapping: ParamMapping, arch: ModelArch) -> list[tuple[int, ...]]:
     """Expected HF shapes for ``mapping`` (for error messages before any tensor is read)."""
     h, hd = arch.hidden_size, arch.head_dim
     name = mapping.mcore
+    ffn = arch.moe_ffn_hidden_size if mapping.is_expert else arch.ffn_hidden_size
     if mapping.kind == "vocab":
         return [(arch.vocab_size, h)]
     if mapping.kind == "qkv":
@@ -112,11 +113,13 @@ def hf_shapes(mapping: ParamMapping, arch: ModelArch) -> list[tuple[int, ...]]:
             return [(q_rows,), (kv_rows,), (kv_rows,)]
         return [(q_rows, h), (kv_rows, h), (kv_rows, h)]
     if mapping.kind == "gate_up":
-        return [(arch.ffn_hidden_size, h)] * 2
+        return [(ffn, h)] * 2
     if name.endswith("linear_proj.weight"):
         return [(h, arch.num_attention_heads * hd)]
     if name.endswith("linear_fc2.weight"):
-        return [(h, arch.ffn_hidden_size)]
+        return [(h, ffn)]
+    if name.endswith("mlp.router.weight"):
+        return [(arch.num_experts, h)]
     if name.endswith("q_layernorm.weight") or name.endswith("k_layernorm.weight"):
         return [(hd,)]
     return [(h,)]  # norms

@@ -14,7 +14,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.models.builder import unwrap
-from megatron_dapo.models.families import ModelArch, ParamMapping, from_te_name, param_mappings, tied_output_source
+from megatron_dapo.models.families import (
+    ModelArch,
+    ParamMapping,
+    expert_name_shift,
+    experts_per_rank,
+    from_te_name,
+    param_mappings,
+    tied_output_source,
+)
 from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.layout import local_to_global_name, pp_layer_range, tp_merge, tp_shard
 
@@ -31,18 +39,39 @@ def chunk_layer_offset(arch: ModelArch, pp_size: int, pp_rank: int, vpp_size: Op
     return pp_layer_range(arch.num_layers, pp_size, pp_rank, vpp_size, vpp_rank).start
 
 
+def expert_offset(arch: ModelArch) -> int:
+    """Global id of this rank's first local expert (``ep_rank × E/EP``; 0 for a dense model)."""
+    from megatron.core import parallel_state as ps
+
+    if not arch.is_moe:
+        return 0
+    ep_size = ps.get_expert_model_parallel_world_size()
+    return ps.get_expert_model_parallel_rank() * experts_per_rank(arch, ep_size)
+
+
+def shard_group(mapping: ParamMapping) -> tuple[int, int]:
+    """(size, rank) of the group ``mapping.tp_dim`` is split over: expert TP (ETP) for expert weights, else TP."""
+    from megatron.core import parallel_state as ps
+
+    if mapping.is_expert:
+        return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
 def local_param_table(chunks: list, arch: ModelArch) -> list[LocalParam]:
-    """Every parameter of this rank's chunks with its global mapping (tied output weights included)."""
+    """Every parameter of this rank's chunks with its global mapping (tied output weights included). Expert weights
+    are this EP rank's experts only (local index j = global expert ``ep_rank × E/EP + j``)."""
     from megatron.core import parallel_state as ps
 
     by_name = {m.mcore: m for m in param_mappings(arch)}
     pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    e_offset = expert_offset(arch)
     table = []
     for ci, chunk in enumerate(chunks):
         offset = chunk_layer_offset(arch, pp_size, pp_rank, vpp, ci)
         for local_name, param in unwrap(chunk).named_parameters():
-            global_name = local_to_global_name(from_te_name(local_name), offset)
+            global_name = expert_name_shift(local_to_global_name(from_te_name(local_name), offset), e_offset)
             mapping = by_name.get(global_name) or by_name.get(tied_output_source(arch, global_name) or "")
             if mapping is None:
                 raise KeyError(
@@ -58,10 +87,8 @@ def load_full_tensors(
 ) -> None:
     """Fill this rank's parameters: ``get_full(mapping)`` returns the full Megatron tensor; we keep our TP slice.
     ``where`` (the source) starts the error when a shape does not fit."""
-    from megatron.core import parallel_state as ps
-
-    tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     for lp in local_param_table(chunks, arch):
+        tp_size, tp_rank = shard_group(lp.mapping)
         full = get_full(lp.mapping)
         shard = tp_shard(full, lp.mapping.kind, lp.mapping.tp_dim, tp_size, tp_rank)
         if tuple(shard.shape) != tuple(lp.param.shape):
@@ -74,15 +101,17 @@ def load_full_tensors(
 
 @torch.no_grad()
 def gather_full_tensor(lp: LocalParam) -> torch.Tensor:
-    """All-gather ``lp``'s TP shards into the full Megatron tensor (collective over the TP group)."""
+    """All-gather ``lp``'s TP shards into the full Megatron tensor (collective over the TP group; the expert TP
+    group for expert weights)."""
     from megatron.core import parallel_state as ps
 
-    tp_size = ps.get_tensor_model_parallel_world_size()
+    tp_size, _ = shard_group(lp.mapping)
     local = lp.param.detach()
     if lp.mapping.tp_dim is None or tp_size == 1:
         return local
     shards = [torch.empty_like(local) for _ in range(tp_size)]
-    dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    group = ps.get_expert_tensor_parallel_group() if lp.mapping.is_expert else ps.get_tensor_model_parallel_group()
+    dist.all_gather(shards, local.contiguous(), group=group)
     return tp_merge(shards, lp.mapping.kind, lp.mapping.tp_dim)
 
 
@@ -98,6 +127,7 @@ def unique_local_params(chunks: list, arch: ModelArch) -> list[LocalParam]:
 
 
 def iter_full_tensors(chunks: list, arch: ModelArch) -> Iterator[tuple[ParamMapping, torch.Tensor]]:
-    """This pipeline stage's full tensors (TP-gathered), skipping the tied output copy. Collective over TP."""
+    """This pipeline stage's full tensors (TP-gathered), skipping the tied output copy. Collective over TP (and over
+    ETP for expert weights). With EP > 1 only this EP rank's experts are yielded (no gather over EP)."""
     for lp in unique_local_params(chunks, arch):
         yield lp.mapping, gather_full_tensor(lp)
