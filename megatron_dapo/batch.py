@@ -157,6 +157,7 @@ class MicroBatch:
     ref_log_probs: Optional[torch.Tensor] = None
     rollout_log_probs: Optional[torch.Tensor] = None
     rollout_is_weights: Optional[torch.Tensor] = None
+    padding_mask: Optional[torch.Tensor] = None  # [b, S] True on padding tokens (MoE routers leave them out)
     # Packed (THD) layout, set by ``pack_micro_batch``: tokens are [1, N], rows one after the other; row i spans
     # cu_seqlens_padded[i]:cu_seqlens_padded[i + 1] with its cu_seqlens[i + 1] - cu_seqlens[i] real tokens first.
     cu_seqlens: Optional[torch.Tensor] = None  # [b + 1] int32
@@ -201,6 +202,7 @@ def make_micro_batch(batch: TrainBatch, rows: Sequence[int], seq_multiple: int =
     return MicroBatch(
         tokens=tokens,
         position_ids=pos.expand(b, -1).contiguous(),
+        padding_mask=pos >= total_lens,
         response_index=(prompt_lens - 1 + torch.arange(t).unsqueeze(0)).clamp(max=seq_len - 1),
         response_tokens=responses,
         response_mask=response_mask,
@@ -239,6 +241,7 @@ def context_parallel_slice(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroB
         mb,
         tokens=mb.tokens[:, positions],
         position_ids=mb.position_ids[:, positions],
+        padding_mask=mb.padding_mask[:, positions],
         response_index=torch.where(owned, local_index, 0),
         response_mask=mb.response_mask & owned,
         loss_mask=mb.loss_mask * owned.to(mb.loss_mask.dtype),
@@ -263,9 +266,11 @@ def pack_micro_batch(mb: MicroBatch, row_multiple: int = 1, total_multiple: int 
     total = starts[-1]
     tokens = torch.zeros((1, total), dtype=mb.tokens.dtype)
     position_ids = torch.zeros((1, total), dtype=mb.position_ids.dtype)
+    padding = torch.ones((1, total), dtype=torch.bool)
     for i, (n, start) in enumerate(zip(lengths, starts)):
         tokens[0, start : start + n] = mb.tokens[i, :n]
         position_ids[0, start : start + n] = torch.arange(n)
+        padding[0, start : start + n] = False
     offsets = torch.as_tensor(starts[:-1], dtype=mb.response_index.dtype).unsqueeze(-1)
     real = [0]
     for n in lengths:
@@ -274,6 +279,7 @@ def pack_micro_batch(mb: MicroBatch, row_multiple: int = 1, total_multiple: int 
         mb,
         tokens=tokens,
         position_ids=position_ids,
+        padding_mask=padding,
         response_index=(mb.response_index + offsets).clamp(max=total - 1),
         cu_seqlens=torch.as_tensor(real, dtype=torch.int32),
         cu_seqlens_padded=torch.as_tensor(starts, dtype=torch.int32),

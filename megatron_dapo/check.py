@@ -408,6 +408,8 @@ class _Checker:
             arch.num_query_groups,
             arch.ffn_hidden_size,
             world_desc=where,
+            num_experts=arch.num_experts,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         )
         self.problems.extend(found)
         self.layout_ok = not found

@@ -78,11 +78,11 @@ def parallel_layout_problems(
     num_query_groups: int,
     ffn_hidden_size: Optional[int] = None,
     world_desc: str = "",
-    num_experts: int = 0,
+    num_experts: Optional[int] = None,
     moe_ffn_hidden_size: Optional[int] = None,
 ) -> list[str]:
     """The actor's TP/PP/VPP sizes against the world and the model (heads, KV heads and FFN ÷ TP, layers ÷ PP×VPP),
-    and for a Mixture-of-Experts model (``num_experts`` > 0) the expert sizes (``expert_layout_problems``).
+    and the expert sizes (``expert_layout_problems``) when ``num_experts`` is given (0: a dense model).
 
     ``world_desc`` follows "world size N" in the messages (``check`` says how the world size was made up)."""
     p = parallel
@@ -119,7 +119,9 @@ def parallel_layout_problems(
         )
     if p.sequence_parallel and tp == 1:
         problems.append("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1; set it to false")
-    return problems + expert_layout_problems(p, world_size, num_experts, moe_ffn_hidden_size, world_desc)
+    if num_experts is not None:
+        problems += expert_layout_problems(p, world_size, num_experts, moe_ffn_hidden_size, world_desc)
+    return problems
 
 
 def expert_layout_problems(
@@ -326,6 +328,9 @@ def _weight_sync_notes(cfg: ExperimentConfig, arch: ModelArch, padded_vocab: int
         "linear_fc1 (gate + up)": 2 * arch.ffn_hidden_size * h,
         "linear_qkv": (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim * h,
     }
+    if arch.is_moe:
+        # vLLM takes all experts of a layer in one update (rollout/sync.py): fc1 (gate + up) and fc2 of every expert
+        modules["the routed experts of one MoE layer"] = arch.num_experts * 3 * arch.moe_ffn_hidden_size * h
     name, numel = max(modules.items(), key=lambda kv: kv[1])
     size_mb = numel * dtype_bytes / _MIB
     bucket_mb = cfg.rollout.weight_sync_bucket_mb

@@ -80,7 +80,8 @@ def any_rank(flag: bool) -> bool:
 
 
 def init_model_parallel(parallel: ParallelConfig, seed: int = 1, timeout_s: float = 600.0) -> None:
-    """Create megatron-core's TP/PP/DP (and expert EP/ETP) groups (gloo groups too, for CPU-side collectives) and seed RNG streams."""
+    """Create megatron-core's TP/PP/DP groups, the expert EP/ETP groups (gloo groups too, for CPU-side collectives)
+    and seed RNG streams."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
@@ -154,16 +155,20 @@ def agree_error(local: Optional[str]) -> Optional[str]:
 
 
 def parallel_layout() -> dict[str, Any]:
-    """The parallel layout this rank runs under (world size, TP, PP, VPP, DP): what a checkpoint records, and what
-    decides whether its per-rank state (RNG) can be restored."""
+    """The parallel layout this rank runs under (world size, TP, PP, VPP, DP; EP/ETP when set): what a checkpoint
+    records, and what decides whether its per-rank state (RNG) can be restored."""
     from megatron.core import parallel_state as ps
 
-    return {
+    layout = {
         "world_size": world_size(),
         "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
         "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
         "data_parallel_size": ps.get_data_parallel_world_size(),
-        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
-        "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
     }
+    # Expert sizes only when they are not the defaults (EP 1, ETP = TP): layouts recorded before they existed still
+    # compare equal, and a change of either (which changes the expert RNG streams) does not.
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    if ep != 1 or etp != layout["tensor_model_parallel_size"]:
+        layout.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    return layout

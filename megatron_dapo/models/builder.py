@@ -141,6 +141,9 @@ def moe_config_kwargs(arch: ModelArch, parallel: ParallelConfig) -> dict:
         "moe_router_fusion": False,
         "expert_model_parallel_size": parallel.expert_model_parallel_size,
         "expert_tensor_parallel_size": parallel.expert_tensor_parallel_size,
+        # Qwen2-MoE: a shared expert on every token, scaled by sigmoid(gate_weight · x)
+        "moe_shared_expert_intermediate_size": arch.moe_shared_expert_ffn_hidden_size,
+        "moe_shared_expert_gate": arch.moe_shared_expert_ffn_hidden_size is not None,
     }
 
 
@@ -198,6 +201,7 @@ def moe_layer_specs(config, vp_stage: Optional[int], impl: str):
     megatron-core's ``get_gpt_decoder_layer_specs``; on the local spec the norms are the project's HF-exact
     ``RMSNorm``/``QKRMSNorm``. The TE spec returns a block spec (megatron-core slices it for PP/VPP itself)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs
+    from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -210,6 +214,12 @@ def moe_layer_specs(config, vp_stage: Optional[int], impl: str):
         sub = spec.submodules
         sub.input_layernorm = RMSNorm
         sub.pre_mlp_layernorm = RMSNorm
+        if sub.mlp.module is not MLP:
+            # An MoE layer's pre-MLP norm is a module of its own in the TE spec too (no linear_fc1 to fuse into):
+            # keep its checkpoint key ``pre_mlp_layernorm.weight`` as Megatron-LM (TE) writes it.
+            sub.sharded_state_dict_keys_map = {
+                k: v for k, v in sub.sharded_state_dict_keys_map.items() if k != "pre_mlp_layernorm."
+            }
         if config.qk_layernorm:
             sub.self_attention.submodules.q_layernorm = QKRMSNorm
             sub.self_attention.submodules.k_layernorm = QKRMSNorm

@@ -30,6 +30,8 @@ FAMILIES: dict[str, FamilySpec] = {
     "qwen3": FamilySpec("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_layernorm=True),
     "llama": FamilySpec("llama", "LlamaForCausalLM", qkv_bias=False, qk_layernorm=False),
     "qwen3_moe": FamilySpec("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_layernorm=True, moe=True),
+    # Qwen2-MoE: Qwen2 attention (q/k/v bias) + routed experts + one shared expert behind a sigmoid gate.
+    "qwen2_moe": FamilySpec("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True, qk_layernorm=False, moe=True),
 }
 
 
@@ -65,6 +67,8 @@ class ModelArch:
     # HF's router_aux_loss_coef, for reference only: HF's load-balancing loss is top-k x megatron-core's per layer
     # and is computed over all layers' tokens at once, so it does not carry over 1:1 (see docs/checkpoints.md).
     router_aux_loss_coef: float = 0.0
+    # Qwen2-MoE's shared expert (every token, output scaled by sigmoid(gate · x)); None: no shared expert.
+    moe_shared_expert_ffn_hidden_size: Optional[int] = None
 
     @property
     def heads_per_group(self) -> int:
@@ -179,7 +183,8 @@ def _moe_fields(cfg: dict, family: FamilySpec) -> dict:
             f"{family.name}: num_experts={experts}, num_experts_per_tok={topk}: need num_experts >= 1 and "
             "1 <= num_experts_per_tok <= num_experts"
         )
-    if cfg.get("shared_expert_intermediate_size"):
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) or None
+    if shared is not None and family.name != "qwen2_moe":
         raise UnsupportedModelError(f"{family.name}: shared experts are not supported")
     step = int(cfg.get("decoder_sparse_step") or 1)
     dense = set(cfg.get("mlp_only_layers") or [])
@@ -191,6 +196,7 @@ def _moe_fields(cfg: dict, family: FamilySpec) -> dict:
         "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
         "moe_layers": moe_layers,
         "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef") or 0.0),
+        "moe_shared_expert_ffn_hidden_size": shared,
     }
 
 
@@ -272,13 +278,27 @@ EXPERT_PREFIX = "mlp.experts.local_experts."
 
 
 def moe_mlp_param_mappings(arch: ModelArch, layer: int) -> list[ParamMapping]:
-    """Router + every routed expert of one MoE layer (megatron-core's SequentialMLP, local or TE spec).
+    """Router (+ Qwen2-MoE's shared expert and its gate) + every routed expert of one MoE layer (megatron-core's
+    SequentialMLP, local or TE spec).
 
     The router ``[E, H]`` is replicated over TP; expert e's ``linear_fc1`` is ``cat(gate_e, up_e)`` (split over ETP
     like the dense ``linear_fc1``) and ``linear_fc2`` is ``down_e`` (split along dim 1)."""
     m = f"decoder.layers.{layer}."
     h = f"model.layers.{layer}.mlp."
     out = [ParamMapping(m + "mlp.router.weight", (h + "gate.weight",), "copy", None, layer)]
+    if arch.moe_shared_expert_ffn_hidden_size:
+        s = m + "mlp.shared_experts."
+        out += [
+            ParamMapping(
+                s + "linear_fc1.weight",
+                (h + "shared_expert.gate_proj.weight", h + "shared_expert.up_proj.weight"),
+                "gate_up",
+                0,
+                layer,
+            ),
+            ParamMapping(s + "linear_fc2.weight", (h + "shared_expert.down_proj.weight",), "copy", 1, layer),
+            ParamMapping(s + "gate_weight", (h + "shared_expert_gate.weight",), "copy", None, layer),
+        ]
     for e in range(arch.num_experts):
         x = f"{m}{EXPERT_PREFIX}{e}."
         hx = f"{h}experts.{e}."

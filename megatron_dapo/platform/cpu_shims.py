@@ -9,7 +9,8 @@ megatron-core 0.16 assumes CUDA in a handful of places (see docs/cpu_stack.md):
     (``tensor_parallel.checkpoint``), which saves and restores the CUDA generator state around the re-run forward;
   * Mixture of Experts: the alltoall token dispatcher creates a ``torch.cuda.Stream`` for its device-to-host copies
     and hands its split sizes to ``all_to_all_single`` as (CPU) tensors, and the router's gating GEMM reads a
-    TransformerEngine symbol that is never bound without TE (``_apply_moe_shims``).
+    TransformerEngine symbol that is never bound without TE; with expert TP it gathers tokens in uneven splits,
+    which gloo's list collectives reject (``_apply_moe_shims``).
 Rather than patching each call site, one ``TorchFunctionMode`` redirects CUDA device arguments to the CPU and
 reports CPU tensor types under their CUDA names, and the RNG tracker is replaced by one that swaps the CPU
 generator state. Nothing here changes numerics.
@@ -143,12 +144,13 @@ _NULL_STREAM = _NullStream()
 
 def _apply_moe_shims() -> None:
     """megatron-core 0.16 MoE on the CPU (no effect on dense models):
-      1. ``MoEAlltoAllTokenDispatcher`` creates ``torch.cuda.Stream()`` for its device-to-host copy of the split
-         sizes and enters ``torch.cuda.stream(...)``: a null stream and no-op stream contexts;
-      2. ``maybe_move_tensor_to_cpu(as_numpy=True)`` converts only CUDA tensors, so on the CPU the split sizes stay
-         tensors and gloo's ``all_to_all_single`` rejects them: CPU tensors become numpy arrays too;
-      3. without TransformerEngine ``moe_utils.te_general_gemm`` is never bound but the router's gating GEMM reads
-         it (NameError): ``None`` selects its ``torch.mm`` path.
+    1. ``MoEAlltoAllTokenDispatcher`` creates ``torch.cuda.Stream()`` for its device-to-host copy of the split
+       sizes and enters ``torch.cuda.stream(...)``: a null stream and no-op stream contexts;
+    2. ``maybe_move_tensor_to_cpu(as_numpy=True)`` converts only CUDA tensors, so on the CPU the split sizes stay
+       tensors and gloo's ``all_to_all_single`` rejects them: CPU tensors become numpy arrays too;
+    3. without TransformerEngine ``moe_utils.te_general_gemm`` is never bound but the router's gating GEMM reads
+       it (NameError): ``None`` selects its ``torch.mm`` path;
+    4. uneven all-gather / reduce-scatter over the expert TP group (``_uneven_sequence_parallel_collectives``).
     """
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -163,8 +165,41 @@ def _apply_moe_shims() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    _uneven_sequence_parallel_collectives()
     torch.cuda.current_stream = lambda *a, **k: _NULL_STREAM
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def _uneven_sequence_parallel_collectives() -> None:
+    """With expert tensor parallelism (ETP > 1) the alltoall dispatcher all-gathers / reduce-scatters tokens over the
+    expert TP group in *uneven* splits (``output_split_sizes``), through list collectives that gloo rejects
+    ("invalid tensor size"). On the CPU: all-gather pads every split to the largest and slices; reduce-scatter
+    all-reduces the whole tensor and keeps this rank's split. Even splits take megatron-core's own path."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    original_gather = mappings._gather_along_first_dim
+    original_reduce_scatter = mappings._reduce_scatter_along_first_dim
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original_gather(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest,) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, output_split_sizes)], dim=0)
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return torch.split(total, list(input_split_sizes), dim=0)[group.rank()].clone()
+
+    mappings._gather_along_first_dim = gather
+    mappings._reduce_scatter_along_first_dim = reduce_scatter
 
 
 def seed_cpu(seed: int) -> None:

@@ -20,6 +20,16 @@ FAMILY_KWARGS = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [0],
     },
+    # Qwen2-MoE: q/k/v bias, a shared expert (intermediate 48) behind a sigmoid gate; no renormalisation of top-k.
+    "qwen2_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+    },
     "llama": {
         "rope_scaling": {
             "rope_type": "llama3",
@@ -45,10 +55,16 @@ def tiny_hf_config(
     max_position_embeddings: int = 256,
     **extra,
 ):
-    """A ``transformers`` config object of ``family`` (qwen2 | qwen3 | llama | qwen3_moe)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    """A ``transformers`` config object of ``family`` (qwen2 | qwen3 | llama | qwen3_moe | qwen2_moe)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
-    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}[family]
+    cls = {
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "llama": LlamaConfig,
+        "qwen3_moe": Qwen3MoeConfig,
+        "qwen2_moe": Qwen2MoeConfig,
+    }[family]
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

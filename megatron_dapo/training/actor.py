@@ -31,6 +31,7 @@ from megatron_dapo.batch import (
 )
 from megatron_dapo.config import ActorConfig
 from megatron_dapo.models.builder import unwrap
+from megatron_dapo.training.moe import MoEMeter
 
 
 def balance_rows(lengths: list[int], dp: int) -> list[list[int]]:
@@ -117,6 +118,9 @@ class MegatronActor:
         self.optimizer = optimizer
         self._guard_s = 0.0
         self.model_config = unwrap(chunks[0]).config
+        self.moe: Optional[MoEMeter] = None
+        if getattr(self.model_config, "num_moe_experts", None) and optimizer is not None:
+            self.moe = MoEMeter(chunks, self.model_config)
         if optimizer is not None:
             self.model_config.finalize_model_grads_func = finalize_model_grads
             self.model_config.grad_scale_func = optimizer.scale_loss
@@ -144,17 +148,20 @@ class MegatronActor:
         from megatron_dapo.platform import get_platform
 
         device = self.device
+        moe = bool(getattr(self.model_config, "num_moe_experts", None))
         tp_group = ps.get_tensor_model_parallel_group()
         vocab_start_rank = ps.get_tensor_model_parallel_rank()
         explicit_mask = get_platform().causal_mask_needed  # MindSpeed's flash attention wants None (causal itself)
 
         def forward_step(data_iterator, model):
             mb: MicroBatch = next(data_iterator).to(device)
+            # MoE routers leave padding out of their losses and of the expert load.
+            kwargs = {"padding_mask": mb.padding_mask} if moe else {}
             if mb.packed:  # THD: the attention masks by cu_seqlens
-                output = model(mb.tokens, mb.position_ids, None, packed_seq_params=_packed_seq_params(mb))
+                output = model(mb.tokens, mb.position_ids, None, packed_seq_params=_packed_seq_params(mb), **kwargs)
             else:
                 mask = causal_mask(mb.tokens.shape[1], device) if explicit_mask else None
-                output = model(mb.tokens, mb.position_ids, mask)
+                output = model(mb.tokens, mb.position_ids, mask, **kwargs)
 
             def loss_func(logits):
                 # Response positions are read straight from the full-sequence logits, chunk by chunk (no gathered
@@ -320,6 +327,8 @@ class MegatronActor:
         metrics["actor/grad_norm"] = grad_norm
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["actor/update_ok"] = float(applied)
+        if self.moe is not None:
+            metrics.update(self.moe.metrics(self.device))
         metrics["perf/padding_ratio/update"] = padding_ratio
         metrics["perf/update_guard_s"] = self._guard_s
         metrics["nonfinite"] = nonfinite  # type: ignore[assignment]  # popped by the trainer
@@ -385,6 +394,8 @@ class MegatronActor:
         _, local, _, micro_batches, padding_ratio = self._local_micro_batches(
             mini_batch, self.cfg.ppo_micro_batch_size_per_gpu
         )
+        if self.moe is not None:
+            self.moe.start_step(len(micro_batches))
         # Global normalisers over every micro-batch of every DP rank: the loss is exact for any split.
         counts = local_loss_counts(local.loss_mask).to(self.device)
         dist.all_reduce(counts, group=ps.get_data_parallel_group())

@@ -772,12 +772,19 @@ def _check_optimizer_fits(step_dir: Path, state: dict, optimizer) -> None:
     saved_layout, layout = state["layout"], parallel_layout()
     if state["distributed_optimizer"] and _uses_distributed_optimizer(optimizer):
         sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-        changed = [k for k in sizes if saved_layout[k] != layout[k]]
+        changed = [f"{k} {saved_layout[k]} -> {layout[k]}" for k in sizes if saved_layout[k] != layout[k]]
+        # Expert sizes are recorded only when not the defaults (EP 1, ETP = TP, which the TP check covers).
+        for key, default in (("expert_model_parallel_size", 1), ("expert_tensor_parallel_size", None)):
+            if key in saved_layout or key in layout:
+                saved = saved_layout.get(key, default or saved_layout["tensor_model_parallel_size"])
+                now = layout.get(key, default or layout["tensor_model_parallel_size"])
+                if saved != now:
+                    changed.append(f"{key} {saved} -> {now}")
         if changed:
             raise CheckpointError(
                 f"{step_dir}: the distributed optimizer's state ({DIST_OPTIM_FORMAT}) reshards only across data "
-                f"parallelism, but {', '.join(f'{k} {saved_layout[k]} -> {layout[k]}' for k in changed)}; "
-                "resume with the saved TP/PP or load weights only (load_optimizer=False)"
+                f"parallelism, but {', '.join(changed)}; "
+                "resume with the saved TP/PP/EP/ETP or load weights only (load_optimizer=False)"
             )
     if state["distributed_optimizer"] != _uses_distributed_optimizer(optimizer):
         raise CheckpointError(

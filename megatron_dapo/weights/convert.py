@@ -189,12 +189,32 @@ def _plan_hf_to_mcore(
 
     plans = []
     for m in param_mappings(arch):
-        key, layer = stacked_layer_key(to_te_name(m.mcore))
+        key, index, count = checkpoint_key(m, arch)
         dtype = out_dtype or reader.info(m.hf[0]).dtype
-        plans.append(
-            TensorPlan(key, dtype, mcore_full_shape(m, arch, padded_vocab), produce(m), layer, arch.num_layers)
-        )
+        plans.append(TensorPlan(key, dtype, mcore_full_shape(m, arch, padded_vocab), produce(m), index, count))
     return plans
+
+
+def expert_checkpoint_key(mapping: ParamMapping) -> str:
+    """megatron-core's key for a routed expert's weight (``SequentialMLP.sharded_state_dict``): all experts of a
+    layer in one tensor ``decoder.layers.{i}.mlp.experts.experts.linear_fc{1,2}.weight`` with a leading global expert
+    axis (``[E, 2I, H]`` / ``[E, H, I]``); each EP rank writes and reads its block of experts."""
+    return f"decoder.layers.{mapping.layer}.mlp.experts.experts.{mapping.mcore.rsplit('.', 2)[-2]}.weight"
+
+
+def checkpoint_key(mapping: ParamMapping, arch: ModelArch) -> tuple[str, Optional[int], Optional[int]]:
+    """(key, index along the key's leading axis or None, that axis' size) of ``mapping`` in a checkpoint we write.
+
+    Dense models: layer-stacked keys (megatron-core's default for homogeneous layers). MoE models: megatron-core
+    always saves them with ``non_homogeneous_layers`` (``moe_layer_freq`` is a list), i.e. one key per layer, and
+    every expert weight is index ``expert`` of its layer's stacked-experts tensor."""
+    if mapping.is_expert:
+        return expert_checkpoint_key(mapping), mapping.expert, arch.num_experts
+    name = to_te_name(mapping.mcore, arch)
+    if arch.is_moe:
+        return name, None, None
+    key, layer = stacked_layer_key(name)
+    return key, layer, arch.num_layers if layer is not None else None
 
 
 def _write_release_checkpoint(out: Path, hf_dir: Path, plans: Sequence[TensorPlan]) -> None:
@@ -279,10 +299,13 @@ def _config_for_dtype(cfg: dict, stored: set[torch.dtype]) -> dict:
     return cfg
 
 
-def stored_key(mapping: ParamMapping, reader: DistCheckpointReader) -> tuple[str, Optional[int]]:
+def stored_key(mapping: ParamMapping, reader: DistCheckpointReader, arch: ModelArch) -> tuple[str, Optional[int]]:
     """Where ``mapping`` is stored: (key, layer index in a layer-stacked tensor or None). Keys are megatron-core's
-    TransformerEngine-spec names, layer-stacked (its default) or one per layer (``non_homogeneous_layers``)."""
-    name = to_te_name(mapping.mcore)
+    TransformerEngine-spec names, layer-stacked (its default) or one per layer (``non_homogeneous_layers``). A routed
+    expert's weight is (its layer's stacked-experts key, global expert id)."""
+    if mapping.is_expert:
+        return expert_checkpoint_key(mapping), mapping.expert
+    name = to_te_name(mapping.mcore, arch)
     return (name, None) if name in reader else stacked_layer_key(name)
 
 
@@ -290,14 +313,15 @@ def check_stored_tensors(reader: DistCheckpointReader, arch: ModelArch, mappings
     """Every model tensor present with the shape ``arch`` gives it (any vocabulary padding); errors list all."""
     missing, bad = [], []
     for m in mappings:
-        key, layer = stored_key(m, reader)
+        key, layer = stored_key(m, reader, arch)
         if key not in reader:
             missing.append(key)
             continue
         got = reader.tensors[key][1]
         if layer is not None:
-            if got[0] != arch.num_layers:
-                bad.append(f"{key}: stacks {got[0]} layers, the model has {arch.num_layers}")
+            count, what = (arch.num_experts, "experts") if m.is_expert else (arch.num_layers, "layers")
+            if got[0] != count:
+                bad.append(f"{key}: stacks {got[0]} {what}, the model has {count}")
                 continue
             got = got[1:]
         want = mcore_full_shape(m, arch, arch.vocab_size)
@@ -356,7 +380,7 @@ class _HfFilePlan:
 def _plan_hf_files(reader: DistCheckpointReader, arch: ModelArch, max_bytes: int) -> _HfFilePlan:
     specs: list[TensorSpec] = []
     for m in param_mappings(arch):
-        stored_dtype = reader.tensors[stored_key(m, reader)[0]][0]
+        stored_dtype = reader.tensors[stored_key(m, reader, arch)[0]][0]
         for name, shape in zip(m.hf, hf_shapes(m, arch)):
             specs.append(TensorSpec(name, stored_dtype, tuple(shape)))
     shards = plan_hf_shards(specs, max_bytes)
@@ -376,7 +400,7 @@ def _write_hf_tensors(out: Path, reader: DistCheckpointReader, arch: ModelArch, 
             writers[fn] = StreamingSafetensorsWriter(out / fn, shard, {"format": "pt"})
         scratch = BufferPool()  # q/k/v and vocabulary slices are strided views: copied through one reused buffer
         for m in param_mappings(arch):
-            (full,) = reader.read([stored_key(m, reader)])
+            (full,) = reader.read([stored_key(m, reader, arch)])
             for name, t in zip(m.hf, mcore_to_hf(m, full, arch)):
                 writers[plan.where[name]].write(name, t, scratch=scratch)
             del full

@@ -105,6 +105,10 @@ def hf_shapes(mapping: ParamMapping, arch: ModelArch) -> list[tuple[int, ...]]:
     h, hd = arch.hidden_size, arch.head_dim
     name = mapping.mcore
     ffn = arch.moe_ffn_hidden_size if mapping.is_expert else arch.ffn_hidden_size
+    if ".shared_experts." in name:
+        ffn = arch.moe_shared_expert_ffn_hidden_size
+        if name.endswith("gate_weight"):
+            return [(1, h)]
     if mapping.kind == "vocab":
         return [(arch.vocab_size, h)]
     if mapping.kind == "qkv":
@@ -194,3 +198,29 @@ def layer_of(name: str) -> Optional[int]:
     if not name.startswith(prefix):
         return None
     return int(name[len(prefix) :].split(".", 1)[0])
+
+
+# --------------------------------------------------------------------------------------- MoE (HF side)
+
+
+def unfuse_hf_experts(state: dict) -> dict:
+    """An HF state dict with per-expert names (the checkpoint format: ``mlp.experts.{e}.{gate,up,down}_proj.weight``).
+
+    transformers 5 keeps a Qwen3-MoE layer's experts fused in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
+    gate rows first, and ``mlp.experts.down_proj`` ``[E, H, I]``) and splits them only when saving; the name map
+    uses the checkpoint names. Other entries pass through (views, no copies)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            for e in range(tensor.shape[0]):
+                gate, up = torch.chunk(tensor[e], 2, dim=0)
+                out[f"{base}{e}.gate_proj.weight"] = gate
+                out[f"{base}{e}.up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(tensor.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = tensor[e]
+        else:
+            out[name] = tensor
+    return out

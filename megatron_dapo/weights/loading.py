@@ -57,6 +57,10 @@ def arch_mismatches(a: ModelArch, b: ModelArch) -> list[str]:
         "tie_word_embeddings",
         "qkv_bias",
         "qk_layernorm",
+        "num_experts",
+        "moe_ffn_hidden_size",
+        "moe_router_topk",
+        "moe_layers",
     )
     out = [f"family: {a.family.name} vs {b.family.name}"] if a.family.name != b.family.name else []
     out += [f"{f}: {getattr(a, f)} vs {getattr(b, f)}" for f in fields if getattr(a, f) != getattr(b, f)]

@@ -2,9 +2,10 @@
 """Check a converted Megatron checkpoint against its HF source: same logits on a random batch.
 
     torchrun --nproc_per_node=N tools/checkpoint_convert/verify.py --hf-dir H --mcore-dir M --tp T --pp P \
-        [--vpp V] [--sp] [--tol 1e-4] [--seed 0]
+        [--vpp V] [--sp] [--ep E] [--etp T] [--tol 1e-4] [--seed 0]
 
-Builds the megatron-core model at TP×PP (N = T×P×DP; a converted checkpoint has no layout: dist_checkpointing
+Builds the megatron-core model at TP×PP (N = T×P×DP; Mixture-of-Experts models: experts split over EP, each
+expert's FFN over ETP, N a multiple of ETP×EP×PP; a converted checkpoint has no layout: dist_checkpointing
 reads each rank's slices), loads M with ``load_mcore_checkpoint`` (M may also be an HF directory), runs a forward
 pass through megatron-core's ``forward_backward_func`` (forward only) and compares the vocabulary-gathered logits
 with the HF model (transformers, fp32) on the same batch. Only the first ``vocab_size`` columns are compared: the
@@ -48,6 +49,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (Mixture-of-Experts models)")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallelism (default: --tp)")
     p.add_argument("--tol", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=4, help="sequences; one per micro-batch")
@@ -58,7 +61,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def _build_and_load(args: argparse.Namespace):
     """Process groups, the model at ``args``' layout, ``--mcore-dir`` loaded into it: (cfg, info, platform, arch,
     chunks, load report)."""
-    from megatron_dapo.config import load_config, validate_parallel_layout
+    from megatron_dapo.config import ConfigError, load_config, validate_parallel_layout
+    from megatron_dapo.config_checks import expert_layout_problems
     from megatron_dapo.models.builder import build_gpt_chunks
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.parallel import init_distributed, init_model_parallel
@@ -68,17 +72,23 @@ def _build_and_load(args: argparse.Namespace):
         f"parallel.tensor_model_parallel_size={args.tp}",
         f"parallel.pipeline_model_parallel_size={args.pp}",
         f"parallel.sequence_parallel={'true' if args.sp else 'false'}",
+        f"parallel.expert_model_parallel_size={args.ep}",
         "model.params_dtype=fp32",
         f"model.make_vocab_size_divisible_by={args.make_vocab_size_divisible_by}",
     ]
     if args.vpp:
         overrides.append(f"parallel.virtual_pipeline_model_parallel_size={args.vpp}")
+    if args.etp:
+        overrides.append(f"parallel.expert_tensor_parallel_size={args.etp}")
     cfg = load_config(None, overrides)
     info, platform = init_distributed(cfg.parallel)
     arch = model_arch_from_hf(args.hf_dir)
     validate_parallel_layout(
         cfg.parallel, info.world_size, arch.num_layers, arch.num_attention_heads, arch.num_query_groups
     )
+    expert_problems = expert_layout_problems(cfg.parallel, info.world_size, arch.num_experts, arch.moe_ffn_hidden_size)
+    if expert_problems:
+        raise ConfigError.of(expert_problems)
     init_model_parallel(cfg.parallel, seed=args.seed + 1)
     chunks = build_gpt_chunks(arch, cfg)
     report = load_mcore_checkpoint(chunks, arch, args.mcore_dir)
@@ -176,7 +186,7 @@ def main(argv: Optional[Sequence[str]] = None, finalize: bool = True) -> int:
     rank = dist.get_rank()
     if rank == 0:
         print(
-            f"model TP={args.tp} PP={args.pp} VPP={args.vpp} SP={args.sp} world={dist.get_world_size()};"
+            f"model TP={args.tp} PP={args.pp} VPP={args.vpp} SP={args.sp} EP={args.ep} world={dist.get_world_size()};"
             f" loaded {res.load_report['description']}",
             flush=True,
         )
