@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_dapo.config import ConfigError, ExperimentConfig, load_config
 from megatron_dapo.config_checks import RunLayout, validate_run
@@ -264,11 +265,17 @@ def test_unknown_adv_estimator_and_policy_loss_list_the_registered_names():
 def test_user_algorithms_file_registers_new_names(tmp_path):
     path = tmp_path / "my_algos.py"
     path.write_text(
+        "import torch\n"
         "from megatron_dapo.algo.registry import register_adv_estimator, register_policy_loss\n"
         "@register_adv_estimator('test_run_validation_adv')\n"
-        "def adv(inputs, cfg):\n    raise NotImplementedError\n"
+        "def adv(inputs):\n"
+        "    out = (inputs.scores - inputs.scores.mean()).unsqueeze(-1) * inputs.response_mask\n"
+        "    return out, out\n"
         "@register_policy_loss('test_run_validation_loss')\n"
-        "def loss(*args):\n    raise NotImplementedError\n"
+        "def loss(log_prob, old_log_prob, advantages, cfg, is_weights=None):\n"
+        "    zero = torch.zeros_like(log_prob)\n"
+        "    return {'pg_losses': -advantages * log_prob, 'clipped': zero, 'clipped_lower': zero,\n"
+        "            'approx_kl': zero}\n"
     )
     cfg = tiny(
         [
@@ -278,6 +285,26 @@ def test_user_algorithms_file_registers_new_names(tmp_path):
         ]
     )
     assert validate_run(cfg, tiny_arch(), 2).dp_size == 2
+    # The registered functions are what dispatch runs: the estimator by name, the loss inside dapo_loss.
+    from megatron_dapo.algo.advantages import compute_advantages
+    from megatron_dapo.algo.loss import LossNormalisers, dapo_loss
+
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv, _ = compute_advantages(
+        "test_run_validation_adv", scores=torch.tensor([1.0, 3.0]), group_ids=[0, 0], response_mask=mask
+    )
+    assert adv.tolist() == [[-1.0, -1.0], [1.0, 0.0]]
+    log_probs = torch.tensor([[-0.5, -1.0], [-2.0, 0.0]])
+    loss, _ = dapo_loss(
+        log_probs,
+        None,
+        loss_mask=mask,
+        response_mask=mask,
+        advantages=adv,
+        cfg=cfg.actor,
+        norm=LossNormalisers.of(mask),
+    )
+    assert loss.item() == pytest.approx((-0.5 - 1.0 + 2.0) / 3)  # token mean of -A * log_prob
 
 
 def test_missing_user_algorithms_file(tmp_path):

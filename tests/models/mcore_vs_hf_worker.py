@@ -24,15 +24,15 @@ asserts nothing about tolerances: the test does.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tests.helpers.worker import write_rank_report
 
 FAMILIES = ("qwen2", "qwen3", "llama")
 VOCAB = 100
@@ -319,11 +319,7 @@ def main() -> None:
         report["layouts"][name] = entry
         destroy_model_parallel()
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{info.rank}.json").write_text(json.dumps(report, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_rank_report(args.out, info.rank, report)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import re
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from tests.helpers.worker import write_rank_report
 from tests.models.mcore_vs_hf_worker import BATCH, SEQ, VOCAB, make_micro_batches, token_loss
 
 HF_SEED = 0
@@ -197,11 +195,7 @@ def main() -> None:
         report["layouts"][name] = entry
         destroy_model_parallel()
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{info.rank}.json").write_text(json.dumps(report, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_rank_report(args.out, info.rank, report)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ writes its block of the experts axis). Writes ``<out>/rank<r>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.helpers.worker import write_rank_report
 
 
 def main() -> None:
@@ -82,11 +83,7 @@ def main() -> None:
             dist.barrier()
             dist_checkpointing.save(sharded, args.save)
         destroy_model_parallel()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{info.rank}.json").write_text(json.dumps(report, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_rank_report(args.out, info.rank, report)
 
 
 if __name__ == "__main__":
