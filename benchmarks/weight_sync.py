@@ -1,10 +1,13 @@
 """Benchmark: Megatron → vLLM weight sync time against a memcpy baseline, on a locally made ~0.5 GB model.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 --master_port 29790 benchmarks/weight_sync.py [--tp 1 --rollout-tp 1]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 --master_port 29790 benchmarks/weight_sync.py --moe [--ep 2]
 
-The model is Qwen2-shaped with random weights (fp32, ~120M parameters, ~480 MB): Megatron initialises it itself and
-vLLM starts from dummy weights, so only ``config.json`` is written. For each bucket size the sync runs ``--repeats``
-times after one warm-up sync (the first sync is several times slower); the fastest run counts.
+The model is Qwen2-shaped with random weights (fp32, ~120M parameters, ~480 MB), or with ``--moe`` Qwen3-MoE-shaped
+(8 layers of 16 experts, top-2, ~140M parameters): Megatron initialises it itself and vLLM starts from dummy weights,
+so only ``config.json`` is written. With ``--ep`` each expert-parallel rank holds and sends its share of the experts.
+For each bucket size the sync runs ``--repeats`` times after one warm-up sync (the first sync is several times
+slower); the fastest run counts.
 
 Baseline: on each rank, ``clone()`` (allocate + copy) of the tensors that rank's vLLM engine holds after the sync
 (the HF tensors, sliced to the rank's vLLM TP shard). Ratio = sync time / baseline on the same rank; the slowest
@@ -32,12 +35,23 @@ MODEL = dict(
     max_position_embeddings=512,
     tie_word_embeddings=False,
 )
+MOE_MODEL = dict(
+    MODEL,
+    num_layers=8,
+    num_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+    mlp_only_layers=[],
+    architectures=["Qwen3MoeForCausalLM"],  # config.json only: vLLM would otherwise guess a pooling model
+)
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, default=1, help="training tensor-parallel size")
     p.add_argument("--rollout-tp", type=int, default=1)
+    p.add_argument("--moe", action="store_true", help="a Qwen3-MoE model instead of the dense Qwen2 one")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
     p.add_argument("--buckets-mb", default="16,64,512", help="comma-separated bucket sizes (MiB)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work-dir", default=None, help="where config.json and vLLM's cache go (default: a temp dir)")
@@ -46,7 +60,7 @@ def parse() -> argparse.Namespace:
 
 def vllm_shard(name: str, tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     """The slice of a full HF tensor that vLLM TP rank ``rank`` keeps (column-parallel rows, row-parallel columns)."""
-    if tp == 1 or "norm" in name:
+    if tp == 1 or "norm" in name or name.endswith("mlp.gate.weight"):  # the MoE router is replicated in vLLM
         return tensor
     row_parallel = name.endswith("o_proj.weight") or name.endswith("down_proj.weight")
     return torch.chunk(tensor, tp, dim=1 if row_parallel else 0)[rank]
@@ -109,6 +123,8 @@ def setup(args: argparse.Namespace):
         None,
         [
             f"parallel.tensor_model_parallel_size={args.tp}",
+            f"parallel.sequence_parallel={str(args.moe and args.tp > 1).lower()}",
+            f"parallel.expert_model_parallel_size={args.ep}",
             "parallel.platform=cpu",
             "model.params_dtype=fp32",
             f"rollout.tensor_model_parallel_size={args.rollout_tp}",
@@ -125,7 +141,8 @@ def setup(args: argparse.Namespace):
     init_model_parallel(cfg.parallel, seed=1)
     hf_dir = os.path.join(work, "model")
     if info.rank == 0:
-        tiny_hf_config("qwen2", **MODEL).save_pretrained(hf_dir)  # config only: nobody reads weights from disk
+        family, shape = ("qwen3_moe", MOE_MODEL) if args.moe else ("qwen2", MODEL)
+        tiny_hf_config(family, **shape).save_pretrained(hf_dir)  # config only: nobody reads weights from disk
     dist.barrier()
     arch = model_arch_from_hf(hf_dir)
     chunks = build_gpt_chunks(arch, cfg)  # megatron-core's own random init, identical on data-parallel replicas
@@ -144,14 +161,16 @@ def setup(args: argparse.Namespace):
 
 
 def memcpy_baseline(chunks, arch, engine, args: argparse.Namespace) -> tuple[float, int]:
-    """``(seconds, bytes)`` of the fastest ``clone()`` of what this rank's engine holds after a sync."""
+    """``(seconds, bytes)`` of the fastest ``clone()`` of what this rank's engine holds after a sync. The engine
+    holds every expert; with EP a rank has 1/EP of them, so each of its expert tensors is cloned EP times."""
     from megatron_dapo.weights.layout import mcore_to_hf
     from megatron_dapo.weights.model_io import iter_full_tensors
 
     held = []
     for mapping, full in iter_full_tensors(chunks, arch):
         for name, tensor in zip(mapping.hf, mcore_to_hf(mapping, full, arch)):
-            held.append(vllm_shard(name, tensor, args.rollout_tp, engine.tp_rank).contiguous())
+            shard = vllm_shard(name, tensor, args.rollout_tp, engine.tp_rank).contiguous()
+            held.extend([shard] * (args.ep if mapping.is_expert else 1))
     held_bytes = sum(x.numel() * x.element_size() for x in held)
     return timed_min(lambda: [x.clone() for x in held], args.repeats), held_bytes
 

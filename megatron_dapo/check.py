@@ -89,26 +89,70 @@ class CheckReport:
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Parameter counts of an HF ``ModelArch`` (``megatron_dapo/models/families.py``), unpadded vocabulary."""
+    """Parameter counts of an HF ``ModelArch`` (``megatron_dapo/models/families.py``), unpadded vocabulary.
+
+    A Mixture-of-Experts model has two kinds of decoder layer: ``num_layers - moe_layers`` dense ones (``layer_split``
+    + ``layer_replicated`` each) and ``moe_layers`` MoE ones, whose parameters split three ways (docs/check.md, "MoE
+    models"): ``moe_layer_split`` (attention + shared expert, ÷ TP like a dense layer's), ``moe_layer_replicated``
+    (norms, router, shared-expert gate) and ``expert_layer`` (the routed experts, ÷ EP × ETP). A dense model has
+    ``moe_layers == 0`` and the MoE fields are unused."""
 
     embedding: int  # V x h
     output_layer: int  # V x h, 0 when tied to the embedding
-    layer_split: int  # per decoder layer, the tensors split across TP (qkv weight+bias, o, fc1, fc2)
+    layer_split: int  # per dense decoder layer, the tensors split across TP (qkv weight+bias, o, fc1, fc2)
     layer_replicated: int  # per decoder layer, the norms (input, pre-MLP, q/k layernorm)
     final_norm: int
     num_layers: int
+    moe_layers: int = 0  # MoE decoder layers (the others are dense)
+    moe_layer_split: int = 0  # per MoE layer, split across TP: qkv, o, the shared expert's fc1 and fc2
+    moe_layer_replicated: int = 0  # per MoE layer, replicated over TP: the norms, the router E x h, the shared gate h
+    expert_layer: int = 0  # per MoE layer, the routed experts: E x 3 x h x f_e, split over EP x ETP
+    expert_active_layer: int = 0  # per MoE layer, the routed experts one token goes through: topk x 3 x h x f_e
 
     @property
     def layer(self) -> int:
+        """One dense decoder layer."""
         return self.layer_split + self.layer_replicated
 
     @property
+    def moe_layer(self) -> int:
+        """One MoE decoder layer, every routed expert included."""
+        return self.moe_layer_split + self.moe_layer_replicated + self.expert_layer
+
+    @property
+    def dense_layers(self) -> int:
+        return self.num_layers - self.moe_layers
+
+    @property
+    def experts(self) -> int:
+        """All routed-expert parameters (the part EP × ETP divides)."""
+        return self.moe_layers * self.expert_layer
+
+    @property
     def total(self) -> int:
-        return self.embedding + self.output_layer + self.num_layers * self.layer + self.final_norm
+        return (
+            self.embedding
+            + self.output_layer
+            + self.dense_layers * self.layer
+            + self.moe_layers * self.moe_layer
+            + self.final_norm
+        )
+
+    @property
+    def non_expert(self) -> int:
+        """Everything but the routed experts (embeddings, attention, norms, router, shared expert, dense MLPs)."""
+        return self.total - self.experts
+
+    @property
+    def active(self) -> int:
+        """Parameters one token goes through: all but the routed experts it is not sent to (top-k of E per MoE
+        layer); embedding and output layer included. Equal to ``total`` for a dense model."""
+        return self.total - self.moe_layers * (self.expert_layer - self.expert_active_layer)
 
 
 def param_counts(arch: Any) -> ParamCounts:
-    """Count the parameters of ``arch`` (embedding, attention, MLP, norms; tied embeddings counted once)."""
+    """Count the parameters of ``arch`` (embedding, attention, MLP, norms; tied embeddings counted once; for an MoE
+    model the router, the shared expert and the routed experts of its MoE layers)."""
     h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
     qkv = h * (q + 2 * kv) + ((q + 2 * kv) if arch.qkv_bias else 0)
@@ -116,6 +160,17 @@ def param_counts(arch: Any) -> ParamCounts:
     mlp = 3 * h * f  # gate, up, down
     norms = 2 * h + (2 * d if arch.qk_layernorm else 0)
     vh = arch.vocab_size * h
+    moe: dict[str, int] = {}
+    if getattr(arch, "is_moe", False):
+        shared = arch.moe_shared_expert_ffn_hidden_size or 0
+        one_expert = 3 * h * arch.moe_ffn_hidden_size  # fc1 (gate + up) 2 x f_e x h, fc2 h x f_e
+        moe = {
+            "moe_layers": sum(arch.is_moe_layer(i) for i in range(arch.num_layers)),
+            "moe_layer_split": qkv + attn_out + 3 * h * shared,
+            "moe_layer_replicated": norms + arch.num_experts * h + (h if shared else 0),
+            "expert_layer": arch.num_experts * one_expert,
+            "expert_active_layer": arch.moe_router_topk * one_expert,
+        }
     return ParamCounts(
         embedding=vh,
         output_layer=0 if arch.tie_word_embeddings else vh,
@@ -123,35 +178,75 @@ def param_counts(arch: Any) -> ParamCounts:
         layer_replicated=norms,
         final_norm=h,
         num_layers=arch.num_layers,
+        **moe,
     )
 
 
-def actor_params_per_rank(arch: Any, counts: ParamCounts, tp: int, pp: int, padded_vocab: int) -> int:
+def stage_layers(num_layers: int, pp: int, vpp: Optional[int], stage: int) -> list[list[int]]:
+    """The global layer indices of each model chunk pipeline rank ``stage`` holds (megatron-core: chunk v of rank
+    p holds layers [(v x PP + p) x c, (v x PP + p + 1) x c), c = L / (PP x VPP))."""
+    c = num_layers // (pp * (vpp or 1))
+    return [list(range((v * pp + stage) * c, (v * pp + stage + 1) * c)) for v in range(vpp or 1)]
+
+
+def actor_params_per_rank(
+    arch: Any,
+    counts: ParamCounts,
+    tp: int,
+    pp: int,
+    padded_vocab: int,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    vpp: Optional[int] = None,
+) -> int:
     """Parameters one actor rank holds on its largest pipeline stage (Megatron's padded vocabulary, TP shards).
 
     Stage 0 holds the embedding, the last stage the final norm and the output layer (a copy of the embedding when
-    tied and PP > 1, as megatron-core's ``GPTModel`` holds it).
-    """
-    layers = arch.num_layers // pp
-    body = layers * (counts.layer_split // tp + counts.layer_replicated)
+    tied and PP > 1, as megatron-core's ``GPTModel`` holds it). An MoE layer holds its attention and shared expert
+    ÷ TP, its norms and router whole, and E / EP routed experts each ÷ ETP (``etp`` None: TP)."""
+    return max(sum(actor_stage_params(arch, counts, tp, pp, padded_vocab, ep, etp, vpp, stage)) for stage in range(pp))
+
+
+def actor_stage_params(
+    arch: Any,
+    counts: ParamCounts,
+    tp: int,
+    pp: int,
+    padded_vocab: int,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    vpp: Optional[int] = None,
+    stage: int = 0,
+) -> tuple[int, int]:
+    """(non-expert, routed-expert) parameters pipeline rank ``stage`` holds (see ``actor_params_per_rank``)."""
+    etp = tp if etp is None else etp
+    layers = [i for chunk in stage_layers(arch.num_layers, pp, vpp, stage) for i in chunk]
+    n_moe = sum(arch.is_moe_layer(i) for i in layers) if counts.moe_layers else 0
+    n = (len(layers) - n_moe) * (counts.layer_split // tp + counts.layer_replicated)
+    n += n_moe * (counts.moe_layer_split // tp + counts.moe_layer_replicated)
+    experts = n_moe * (counts.expert_layer // (ep * etp))
     vocab_shard = padded_vocab * arch.hidden_size // tp
-    stages = []
-    for stage in range(pp):
-        n = body
-        if stage == 0:
+    if stage == 0:
+        n += vocab_shard
+    if stage == pp - 1:
+        n += counts.final_norm
+        if not arch.tie_word_embeddings or pp > 1:
             n += vocab_shard
-        if stage == pp - 1:
-            n += counts.final_norm
-            if not arch.tie_word_embeddings or pp > 1:
-                n += vocab_shard
-        stages.append(n)
-    return max(stages)
+    return n, experts
 
 
 def rollout_params_per_rank(counts: ParamCounts, rollout_tp: int) -> int:
-    """Parameters of one vLLM rank: the full model's TP-split tensors / rollout TP, norms replicated."""
-    split = counts.embedding + counts.output_layer + counts.num_layers * counts.layer_split
-    return split // rollout_tp + counts.num_layers * counts.layer_replicated + counts.final_norm
+    """Parameters of one vLLM rank: the full model's TP-split tensors / rollout TP, norms replicated. An MoE model's
+    routed experts count in full (every replica holds all experts, each expert's FFN split over rollout TP: vLLM
+    without expert parallelism), its router and shared-expert gate replicated."""
+    split = (
+        counts.embedding
+        + counts.output_layer
+        + counts.dense_layers * counts.layer_split
+        + counts.moe_layers * (counts.moe_layer_split + counts.expert_layer)
+    )
+    replicated = counts.dense_layers * counts.layer_replicated + counts.moe_layers * counts.moe_layer_replicated
+    return split // rollout_tp + replicated + counts.final_norm
 
 
 # --------------------------------------------------------------------------------------------- the memory model
@@ -184,17 +279,53 @@ class LayerActivations:
     replicated: float  # inputs and outputs of the 2 norms: 4 h B (÷ TP with sequence parallelism)
     split: float  # QKV output, rotated Q and K, QK-norm input, attention output, fc1 and SwiGLU outputs, ÷ TP
     core: float  # core attention internals, ÷ TP; not kept with recompute=selective
+    # An MoE layer's routed part (``moe_activations``): router scores and the dispatched tokens' expert tensors; its
+    # ``split`` then has the shared expert's fc1 and SwiGLU outputs (if any) instead of the dense MLP's.
+    moe: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.replicated + self.split + self.core
+        return self.replicated + self.split + self.core + self.moe
+
+
+def moe_activations(arch: Any, b: int, tp: int, sequence_parallel: bool, etp: Optional[int] = None) -> float:
+    """Bytes per token (of the micro-batch, as ``LayerActivations``) that one MoE layer's routed experts keep for
+    backward with megatron-core's alltoall token dispatcher (``moe_token_dispatcher_type="alltoall"``,
+    SequentialMLP experts, which apply the routing probabilities after the SwiGLU). The one formula for MoE
+    activations:
+
+    * a rank routes its own tokens, T / TP with sequence parallelism (else all T): the router keeps its fp32 softmax
+      scores, E x 4 B per token;
+    * each token goes to its top-k experts: after the all-to-all over EP (and the all-gather over ETP) a rank's
+      experts receive, with balanced routing, k x ETP copies per routed token. Each copy keeps fc1's input h, fc1's
+      output 2 f_e / ETP (gate + up), the SwiGLU output f_e / ETP and its probability-weighted copy f_e / ETP
+      (fc2's input): k x (ETP x h + 4 f_e) x B per token;
+    * the combine (all-to-all back, unpermute by scatter-add) keeps nothing large.
+
+    All ÷ TP with sequence parallelism. Balanced routing is an assumption: the router's load-balancing loss is off
+    (``moe_router_load_balancing_type="none"``), so an EP rank whose experts are popular receives more."""
+    h, k, fe = arch.hidden_size, arch.moe_router_topk, arch.moe_ffn_hidden_size
+    etp = tp if etp is None else etp
+    router = arch.num_experts * 4
+    dispatched = k * (etp * h + 4 * fe) * b
+    return (router + dispatched) / (tp if sequence_parallel else 1)
 
 
 def layer_activations(
-    arch: Any, b: int, tp: int, sequence_parallel: bool, flash: bool, seq_len: int, selective: bool = False
+    arch: Any,
+    b: int,
+    tp: int,
+    sequence_parallel: bool,
+    flash: bool,
+    seq_len: int,
+    selective: bool = False,
+    moe: bool = False,
+    etp: Optional[int] = None,
 ) -> LayerActivations:
-    """Per-token activation bytes of one layer (see ``LayerActivations``)."""
-    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    """Per-token activation bytes of one layer (see ``LayerActivations``); ``moe``: an MoE layer of ``arch`` (its
+    routed experts by ``moe_activations``, the shared expert, if any, in place of the dense MLP)."""
+    h, d = arch.hidden_size, arch.head_dim
+    f = (arch.moe_shared_expert_ffn_hidden_size or 0) if moe else arch.ffn_hidden_size
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
     # The QKV projection's output (kept whole: V is a view of it), the rotated copies of Q and K that the attention
     # keeps, the QK-norm's input copy of Q (Qwen3), the attention output (the projection's input), fc1's output
@@ -208,7 +339,8 @@ def layer_activations(
         core = arch.num_attention_heads * 4 / tp  # log-sum-exp per head and token, fp32
     else:
         core = arch.num_attention_heads * seq_len * b / tp  # softmax probabilities, a x s per token
-    return LayerActivations(replicated, split, core)
+    routed = moe_activations(arch, b, tp, sequence_parallel, etp) if moe else 0.0
+    return LayerActivations(replicated, split, core, routed)
 
 
 def held_chunks(pp: int, vpp: Optional[int], micro_batches: int, stage: int) -> int:
@@ -786,13 +918,21 @@ class _Checker:
         counts = param_counts(arch)
         vp = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
         vshard = vp // tp
-        p_rank = actor_params_per_rank(arch, counts, tp, pp, vp)
+        # Expert layout (MoE): E / EP experts per rank, each expert's FFN ÷ ETP (default TP); expert parameters'
+        # gradients and distributed-optimizer shards live on the expert data-parallel group, W / (ETP x EP x PP).
+        ep = p.expert_model_parallel_size if counts.moe_layers else 1
+        etp = (p.expert_tensor_parallel_size or tp) if counts.moe_layers else tp
+        edp = self.world_size // (etp * ep * pp)
+        stage_params = [actor_stage_params(arch, counts, tp, pp, vp, ep, etp, vpp, s) for s in range(pp)]
+        p_dense, p_expert = max(stage_params, key=sum)
+        p_rank = p_dense + p_expert  # = actor_params_per_rank(...)
         rtp = r.tensor_model_parallel_size
         p_vllm = rollout_params_per_rank(counts, rtp)
         b = DTYPE_BYTES[cfg.model.params_dtype]
         rdt = rollout_dtype(cfg)
         br = DTYPE_BYTES[rdt]
         dist_div = self.dp if p.use_distributed_optimizer else 1
+        expert_div = edp if p.use_distributed_optimizer else 1
         kl = self._kl()
         h, L = arch.hidden_size, arch.num_layers
         seq = d.max_prompt_length + d.max_response_length
@@ -800,7 +940,8 @@ class _Checker:
         weights = p_rank * b
         grads = p_rank * 4
         opt_per_param = 8 + (4 if b < 4 else 0)
-        optim = p_rank * opt_per_param / dist_div
+        # The distributed optimizer shards non-expert state over DP and expert state over the expert DP group.
+        optim = p_dense * opt_per_param / dist_div + p_expert * opt_per_param / expert_div
         ref = weights if kl else 0
         vllm_w = p_vllm * br
         mem = self.device_memory_gb * GIB if self.device_memory_gb else None
@@ -850,6 +991,25 @@ class _Checker:
         full_layer = layer_activations(arch, b, tp, sp, flash, s_upd)
         kept_layer = layer_activations(arch, b, tp, sp, flash, s_upd, selective=a.recompute == "selective")
         chunk_layers = L // (pp * (vpp or 1))
+        moe_arch = bool(counts.moe_layers)
+        if moe_arch:
+            # MoE layers keep their routed experts' tensors (moe_activations) instead of the dense MLP's; the
+            # one-layer terms take the larger kind of layer, the kept activations sum each chunk's own layers.
+            sel = a.recompute == "selective"
+            dense_full, dense_kept = full_layer, kept_layer
+            moe_full = layer_activations(arch, b, tp, sp, flash, s_upd, moe=True, etp=etp)
+            moe_kept = layer_activations(arch, b, tp, sp, flash, s_upd, selective=sel, moe=True, etp=etp)
+            kinds = [moe_full] + ([dense_full] if counts.dense_layers else [])
+            full_layer = max(kinds, key=lambda x: x.total)
+            kept_layer = moe_kept if full_layer is moe_full else dense_kept
+
+            def chunk_bytes(stage: int) -> float:
+                """Per-token bytes the largest model chunk of ``stage`` keeps (recompute none or selective)."""
+                return max(
+                    sum((moe_kept if arch.is_moe_layer(i) else dense_kept).total for i in chunk)
+                    for chunk in stage_layers(L, pp, vpp, stage)
+                )
+
         group = a.recompute_num_layers
         layer_input = h * b / (tp if sp else 1)  # per token: what full recompute keeps of a group of layers
 
@@ -859,6 +1019,8 @@ class _Checker:
             if a.recompute == "full":
                 terms["layer inputs"] = chunks * -(-chunk_layers // group) * t_upd * layer_input
                 terms["recomputed group"] = min(group, chunk_layers) * t_upd * full_layer.total
+            elif moe_arch:
+                terms["activations"] = chunks * t_upd * chunk_bytes(stage)
             else:
                 terms["activations"] = chunks * chunk_layers * t_upd * kept_layer.total
             if stage == pp - 1:
@@ -872,6 +1034,9 @@ class _Checker:
         upd_terms = stages[upd_stage]
         act_upd = sum(v for k, v in upd_terms.items() if k in ("activations", "layer inputs", "recomputed group"))
         lp_layer = layer_activations(arch, b, tp, sp, flash, s_lp)
+        if moe_arch:
+            lp_moe = layer_activations(arch, b, tp, sp, flash, s_lp, moe=True, etp=etp)
+            lp_layer = max([lp_moe] + ([lp_layer] if counts.dense_layers else []), key=lambda x: x.total)
         lp_terms = {
             LP_LAYER: t_lp * lp_layer.total,
             "logits": t_lp * vshard * b,
@@ -880,7 +1045,14 @@ class _Checker:
         # Weight sync: one bucket of full (TP-gathered) tensors, at least the largest module (a module is never split:
         # the padded embedding or output layer, or fc1), plus vLLM's staging copy of it in the rollout dtype.
         q_dim, kv_dim = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
-        largest_module = max(vp * h, 2 * arch.ffn_hidden_size * h, (q_dim + 2 * kv_dim) * h) * b
+        modules = [vp * h, (q_dim + 2 * kv_dim) * h]
+        if counts.dense_layers:
+            modules.append(2 * arch.ffn_hidden_size * h)
+        if moe_arch:
+            # vLLM loads all routed experts of a layer at once (FusedMoE): one module of E x 3 x f_e x h, gathered
+            # over ETP and all-gathered over EP (rollout/sync.py); a shared expert's fc1 is 2 x s x h.
+            modules += [counts.expert_layer, 2 * (arch.moe_shared_expert_ffn_hidden_size or 0) * h]
+        largest_module = max(modules) * b
         bucket_full = max(r.weight_sync_bucket_mb * MIB, largest_module)
         bucket = bucket_full + bucket_full * br // b
         # Log-prob results (compute_log_probs): log-prob and entropy in fp32 for this rank's rows while the forward
@@ -982,6 +1154,14 @@ class _Checker:
             + f"attention output, fc1 and SwiGLU outputs {full_layer.split:,.0f} B/tok"
             + f" + norms {full_layer.replicated:,.0f} B/tok"
         )
+        if moe_arch and full_layer.moe:
+            k, fe = arch.moe_router_topk, arch.moe_ffn_hidden_size
+            shared_text = "shared expert's fc1 and SwiGLU outputs" if arch.moe_shared_expert_ffn_hidden_size else ""
+            head_note = head_note.replace(", fc1 and SwiGLU outputs", f", {shared_text}" if shared_text else "") + (
+                f" + routed experts {full_layer.moe:,.0f} B/tok (alltoall dispatch, balanced routing: router scores "
+                f"E {arch.num_experts} x 4 B + top-{k} x (ETP {etp} x h {h} + 4 x f_e {fe}) x {b} B dispatched"
+                f"{f', / TP {tp} (SP)' if sp and tp > 1 else ''})"
+            )
         if flash:
             core_text = f"softmax stats {full_layer.core:,.0f} B/tok (flash attention)"
         else:
@@ -1000,12 +1180,37 @@ class _Checker:
                 + ("; core attention recomputed, not kept" if sel else f" + {core_text}")
                 + f") x {chunk_layers} layers/chunk x {held_chunks(pp, vpp, n_micro, upd_stage)} chunk(s) in flight"
             )
+        if moe_arch:
+            layers_text = (
+                f"{counts.moe_layers} MoE layers x {counts.moe_layer:,} (attention + shared expert "
+                f"{counts.moe_layer_split:,}, norms + router {counts.moe_layer_replicated:,}, routed experts "
+                f"{counts.expert_layer:,} = {arch.num_experts} x 3 x h x f_e {arch.moe_ffn_hidden_size})"
+                + (f" + {counts.dense_layers} dense layers x {counts.layer:,}" if counts.dense_layers else "")
+            )
+        else:
+            layers_text = f"{L} layers x {counts.layer:,}"
         out = [
             f"  parameters (from {self.hf_dir}/config.json): {total:,} = {_human(total)} (embedding "
             f"{counts.embedding:,}, output layer {counts.output_layer:,}{' (tied)' if arch.tie_word_embeddings else ''}"
-            f", {L} layers x {counts.layer:,}, final norm {counts.final_norm:,})",
-            f"  actor parameters per rank (largest stage, vocabulary padded to {vp}): {p_rank:,}; rollout per rank "
-            f"(rollout TP {rtp}): {p_vllm:,}",
+            f", {layers_text}, final norm {counts.final_norm:,})",
+        ]
+        if moe_arch:
+            out += [
+                f"  MoE: routed experts {counts.experts:,} = {_human(counts.experts)}, the rest (embeddings, "
+                f"attention, norms, router, shared expert) {counts.non_expert:,} = {_human(counts.non_expert)}; "
+                f"active per token {counts.active:,} = {_human(counts.active)} (top-{arch.moe_router_topk} of "
+                f"{arch.num_experts} experts per MoE layer)",
+                f"  experts: EP {ep} x ETP {etp} ({arch.num_experts // ep} experts per rank, each expert's FFN / ETP)"
+                f" x expert DP {edp} (= world / (ETP x EP x PP)); alltoall token dispatcher",
+            ]
+        out += [
+            f"  actor parameters per rank (largest stage, vocabulary padded to {vp}): {p_rank:,}"
+            + (
+                f" (non-expert {p_dense:,} / TP {tp}, routed experts {p_expert:,} / (EP {ep} x ETP {etp}))"
+                if moe_arch
+                else ""
+            )
+            + f"; rollout per rank (rollout TP {rtp}): {p_vllm:,}",
             f"  memory per rank, estimate ({cfg.model.params_dtype} actor, {rdt} rollout; GiB = 2^30 bytes):",
             f"    hand-off ({platform_name} defaults + config; training/offload.py): offload actor params "
             f"{yes_no[handoff.params]}, grads {grads_text}, optimizer {yes_no[handoff.optimizer]}, reference "
@@ -1016,10 +1221,24 @@ class _Checker:
             "grad_reduce_in_fp32)",
             f"    optimizer state    {gib(optim)}  = params/rank x {opt_per_param} B (Adam: 2 fp32 moments"
             + (" + fp32 master weights" if b < 4 else "")
-            + (f") / DP {dist_div} (distributed optimizer)" if dist_div > 1 else ")"),
+            + (
+                f") / DP {dist_div} (distributed optimizer)"
+                if dist_div > 1 and not moe_arch
+                else (
+                    f"): non-expert / DP {dist_div}, routed experts / expert DP {expert_div} (distributed optimizer)"
+                    if moe_arch and p.use_distributed_optimizer
+                    else ")"
+                )
+            ),
             f"    reference weights  {gib(ref)}  = "
             + (f"params/rank x {b} B (KL term on)" if kl else "0 (no KL term)"),
-            f"    vLLM weights       {gib(vllm_w)}  = full model / rollout TP {rtp} x {br} B",
+            f"    vLLM weights       {gib(vllm_w)}  = full model / rollout TP {rtp} x {br} B"
+            + (
+                " (every replica holds all experts, each expert's FFN / rollout TP: vLLM without expert "
+                "parallelism; router replicated)"
+                if moe_arch
+                else ""
+            ),
             f"    vLLM KV cache      {gib(kv)}  = {kv_formula}; {kv_tokens:,} tokens = {kv_tokens // seq} full "
             "sequences",
             f"    update activations {gib(act_upd)}  = {act_text}"
@@ -1083,6 +1302,13 @@ class _Checker:
         self.peak_phase = peak.name
         self.numbers.update(
             params=total,
+            params_active=counts.active,
+            params_experts=counts.experts,
+            params_non_expert=counts.non_expert,
+            actor_expert_params_per_rank=p_expert,
+            ep=ep,
+            etp=etp,
+            expert_dp=edp,
             actor_params_per_rank=p_rank,
             rollout_params_per_rank=p_vllm,
             padded_vocab=vp,

@@ -156,6 +156,12 @@ def expert_layout_problems(
     problems = []
     etp_eff = p.tensor_model_parallel_size if etp is None else etp
     pp = p.pipeline_model_parallel_size
+    if p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        # megatron-core's TransformerConfig refuses this for training (the MoE dispatcher expects SP-split tokens).
+        problems.append(
+            f"parallel.tensor_model_parallel_size={p.tensor_model_parallel_size} with a Mixture-of-Experts model needs "
+            "parallel.sequence_parallel=true (megatron-core's rule for MoE with TP)"
+        )
     if num_experts % ep:
         problems.append(
             f"parallel.expert_model_parallel_size={ep} does not divide the model's num_experts={num_experts}; use a "
@@ -244,6 +250,8 @@ def rollout_layout_problems(
             problems.append(
                 f"rollout.tensor_model_parallel_size={tp} does not divide intermediate_size={ffn}; use a divisor"
             )
+        if arch.is_moe:
+            problems += _rollout_expert_problems(tp, arch.moe_ffn_hidden_size, cfg.parallel.platform)
     prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
     if prompt < 1 or response < 1:
         return problems + [f"data.max_prompt_length={prompt} and data.max_response_length={response} must both be >= 1"]
@@ -261,6 +269,27 @@ def rollout_layout_problems(
             f" least {budget} (or null)"
         )
     return problems
+
+
+def _rollout_expert_problems(tp: int, expert_ffn: int, platform_name: str) -> list[str]:
+    """vLLM splits each expert's FFN over rollout TP; the platform's fused-MoE kernel may need an aligned share. The
+    config's platform is checked (``check`` runs for a CUDA config on a CPU machine), auto = this machine's."""
+    from megatron_dapo.platform import get_platform, make_platform
+
+    platform = get_platform() if platform_name == "auto" else make_platform(platform_name)
+    if expert_ffn % tp:
+        return [
+            f"rollout.tensor_model_parallel_size={tp} does not divide moe_intermediate_size={expert_ffn} (vLLM splits "
+            "each expert's FFN); use a divisor"
+        ]
+    align = platform.vllm_moe_ffn_alignment
+    if (expert_ffn // tp) % align:
+        return [
+            f"moe_intermediate_size={expert_ffn} / rollout.tensor_model_parallel_size={tp} = {expert_ffn // tp} is not "
+            f"a multiple of {align}: the engine's fused-MoE kernel on the {platform.name} platform pads it, and "
+            "vLLM cannot reload weights into a padded layer; choose a rollout TP that keeps it a multiple"
+        ]
+    return []
 
 
 def resolve_max_num_batched_tokens(cfg: ExperimentConfig, max_model_len: int) -> int:

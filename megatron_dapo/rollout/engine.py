@@ -423,10 +423,16 @@ class RolloutEngine:
           and the layer-wise reload only re-processes the layer that received the tensor. On CPU the output
           projection runs through a oneDNN handle packed from the weight at processing time, so without this step
           the logits keep using the weights of the *previous* load (measured: the dummy weights, log-probs ≈ uniform).
+        * MoE on CPU: a fused-MoE layer's first weight processing prepacks ``w13``/``w2`` into the CPU grouped-GEMM
+          layout; a reload counts as a weight *update*, which copies the new weights back in the loading layout and
+          skips the prepack, so the kernel would read them in the wrong layout (measured: log-probs off by 0.68).
+          The prepack is redone here, once per layer, which requires that every fused-MoE layer was reloaded since
+          the last call (the sync always sends every expert).
         * The prefix cache holds prompt KV blocks computed with the previous weights: reset it.
         """
         if self.tied_embeddings:
             self.llm.apply_model(_reprocess_tied_lm_head)
+        self.llm.apply_model(_repack_fused_moe_experts)
         self.llm.reset_prefix_cache()
 
     def sleep(self, level: Optional[int] = None) -> None:
@@ -495,6 +501,19 @@ def _reprocess_tied_lm_head(model) -> None:
     method = getattr(lm_head, "quant_method", None)
     if isinstance(method, UnquantizedEmbeddingMethod):
         method.process_weights_after_loading(lm_head)
+
+
+def _repack_fused_moe_experts(model) -> int:
+    """Inside the worker: redo the CPU fused-MoE prepack from the freshly reloaded weights (see
+    ``after_weight_update``); other backends' update path keeps their kernel layout, so they are left alone."""
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
 
 
 def teardown(engine: Optional[RolloutEngine]) -> None:

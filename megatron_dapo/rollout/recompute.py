@@ -21,6 +21,18 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return causal[None, None] | (attention_mask == 0)[:, None, None, :]
 
 
+def pad_for_sequence_parallel(model_chunks: list, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Right-pad ``[B, S]`` tensors with zeros to a multiple of TP when the model uses sequence parallelism (its
+    sequence is split over TP ranks); padded keys are masked by a zero attention mask."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_dapo.models.builder import unwrap
+
+    multiple = ps.get_tensor_model_parallel_world_size() if unwrap(model_chunks[0]).config.sequence_parallel else 1
+    extra = -tensors[0].shape[1] % multiple
+    return tuple(torch.nn.functional.pad(t, (0, extra)) if extra else t for t in tensors)
+
+
 @torch.no_grad()
 def megatron_sampled_log_probs(
     model_chunks: list, vocab_size: int, batch: RolloutBatch, temperature: float = 1.0
@@ -33,9 +45,11 @@ def megatron_sampled_log_probs(
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    ids, pos = batch.input_ids, batch.position_ids
+    ids, pos, attention_mask = pad_for_sequence_parallel(
+        model_chunks, batch.input_ids, batch.position_ids, batch.attention_mask
+    )
     b, s = ids.shape
-    mask = causal_padding_mask(batch.attention_mask)
+    mask = causal_padding_mask(attention_mask)
     out: dict[str, torch.Tensor] = {}
 
     def forward_step(_data, model):

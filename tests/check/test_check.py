@@ -12,12 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.check import main, run_check
+from megatron_dapo.check import (
+    actor_stage_params,
+    layer_activations,
+    main,
+    moe_activations,
+    param_counts,
+    rollout_params_per_rank,
+    run_check,
+)
 from megatron_dapo.data.rows import read_records
+from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.tasks.arithmetic import DATA_SOURCE
 from megatron_dapo.tasks.demo import prepare
 from megatron_dapo.weights.convert import convert_hf_to_mcore
-from tests.helpers.hf_configs import QWEN3_8B, QWEN3_32B, QWEN25_32B
+from tests.helpers.hf_configs import QWEN3_8B, QWEN3_30B_A3B, QWEN3_32B, QWEN25_32B
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -397,6 +406,7 @@ def test_pipeline_stages_in_flight(tmp_path):
         ("dapo_qwen2.5_32b.yaml", QWEN25_32B, 16, 8, 80, 32.8e9),
         ("dapo_qwen3_32b_ascend.yaml", QWEN3_32B, 16, 16, 64, 32.8e9),  # Atlas 800T A2: 64 GB per NPU
         ("grpo_qwen3_8b.yaml", QWEN3_8B, 1, 8, 80, 8.19e9),
+        ("dapo_qwen3_30b_a3b.yaml", QWEN3_30B_A3B, 4, 8, 80, 30.5e9),  # MoE: EP 8, TP 2
     ],
 )
 def test_shipped_large_configs_plan(tmp_path, config, hf_config, nnodes, nproc, memory_gb, params):
@@ -480,3 +490,190 @@ def test_checkpoint_not_matching_or_not_converted(demo, tmp_path):
     assert "the checkpoint's architecture differs" in report.problems[1]  # an HF directory is a load_dir too
     # The reference doubles the weights term: fp32 weights of the actor's size.
     assert report.numbers["memory_reference_bytes"] == report.numbers["memory_actor_weights_bytes"]
+
+
+# ------------------------------------------------------------------------------------------------ MoE models
+
+# A small Qwen3-MoE model: 4 layers, MoE on layers 1 and 3 (decoder_sparse_step 2), the others dense; 4 experts of
+# FFN 64, top-2; q/k norms, no qkv bias. Its counts are worked out by hand below.
+TINY_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 64,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 2,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+# By hand (h 64, q = 4 x 16 = 64, kv = 2 x 16 = 32):
+#   attention: qkv 64 x (64 + 2 x 32) = 8192 + o 64 x 64 = 4096 -> 12288 (÷ TP); norms 2 x 64 + q/k norms 2 x 16 = 160.
+#   dense layer (0, 2): 12288 + MLP 3 x 64 x 128 = 24576 -> 36864 split + 160 = 37024.
+#   MoE layer (1, 3): 12288 split + norms 160 + router 4 x 64 = 256 (replicated) + experts 4 x 3 x 64 x 64 = 49152
+#   (÷ EP x ETP) = 61856; one token goes through 2 of the 4 experts: 2 x 12288 = 24576 active expert parameters.
+#   embedding + output layer 2 x 1000 x 64 = 128000, final norm 64.
+TINY_MOE_TOTAL = 128000 + 2 * 37024 + 2 * 61856 + 64  # 325824 (the HF model's numel, checked below)
+TINY_MOE_EXPERTS = 2 * 49152  # 98304
+TINY_MOE_ACTIVE = TINY_MOE_TOTAL - 2 * (49152 - 24576)  # 276672
+# Per rank, TP 1, EP 2, ETP 1, PP 1, vocabulary padded to 1024 (128 x TP 1):
+#   non-expert 2 x 37024 + 2 x (12288 + 160 + 256) + 2 x 1024 x 64 + 64 = 230592; experts 2 layers x 49152 / 2 = 49152.
+TINY_MOE_DENSE_RANK = 230592
+TINY_MOE_EXPERT_RANK = 49152
+
+
+def test_moe_param_counts_by_hand():
+    arch = model_arch_from_hf(TINY_MOE)
+    counts = param_counts(arch)
+    assert (counts.moe_layers, counts.dense_layers) == (2, 2)
+    assert counts.layer_split == 36864 and counts.layer_replicated == 160
+    assert (counts.moe_layer_split, counts.moe_layer_replicated) == (12288, 160 + 256)
+    assert (counts.expert_layer, counts.expert_active_layer) == (49152, 24576)
+    assert counts.total == TINY_MOE_TOTAL == 325824
+    assert counts.experts == TINY_MOE_EXPERTS
+    assert counts.non_expert == TINY_MOE_TOTAL - TINY_MOE_EXPERTS == 227520
+    assert counts.active == TINY_MOE_ACTIVE == 276672
+    # Per rank: the non-expert part ÷ TP, the routed experts ÷ EP x ETP (ETP defaults to TP).
+    assert actor_stage_params(arch, counts, 1, 1, 1024, ep=2, etp=1) == (TINY_MOE_DENSE_RANK, TINY_MOE_EXPERT_RANK)
+    # TP 2 (vocabulary padded to 1024 = 4 x 256): 2 x (36864 / 2 + 160) + 2 x (12288 / 2 + 416) + 2 x 1024 x 64 / 2
+    # + 64 = 115904; experts / (EP 2 x ETP 1) = 49152, / (EP 2 x ETP 2, the default) = 24576.
+    assert actor_stage_params(arch, counts, 2, 1, 1024, ep=2, etp=1) == (115904, 49152)
+    assert actor_stage_params(arch, counts, 2, 1, 1024, ep=2) == (115904, 24576)
+    # PP 2: stage 0 holds layers 0 (dense) and 1 (MoE) and the embedding, stage 1 layers 2 and 3 and the output layer.
+    assert actor_stage_params(arch, counts, 1, 2, 1024, ep=2, etp=1, stage=0) == (37024 + 12704 + 65536, 24576)
+    assert actor_stage_params(arch, counts, 1, 2, 1024, ep=2, etp=1, stage=1) == (37024 + 12704 + 64 + 65536, 24576)
+    # vLLM holds every expert (no vLLM expert parallelism), split over rollout TP; the router replicated:
+    # (128000 + 2 x 36864 + 2 x (12288 + 49152)) / 2 + 2 x 160 + 2 x 416 + 64 = 163520.
+    assert rollout_params_per_rank(counts, 2) == 163520
+    assert rollout_params_per_rank(counts, 1) == TINY_MOE_TOTAL
+
+
+def test_moe_param_counts_match_the_hf_models():
+    # The HF models' own parameter counts (transformers builds them from the same configs): Qwen3-MoE with dense and
+    # MoE layers, and Qwen2-MoE with a shared expert (its fc1/fc2 ÷ TP, its sigmoid gate h replicated) and a dense
+    # layer from mlp_only_layers.
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    qwen2_moe = dict(
+        TINY_MOE,
+        architectures=["Qwen2MoeForCausalLM"],
+        model_type="qwen2_moe",
+        shared_expert_intermediate_size=96,
+        decoder_sparse_step=1,
+        mlp_only_layers=[3],
+        use_sliding_window=False,
+    )
+    del qwen2_moe["head_dim"]
+    for hf, cls in ((TINY_MOE, "Qwen3MoeForCausalLM"), (qwen2_moe, "Qwen2MoeForCausalLM")):
+        config_cls = getattr(transformers, cls.replace("ForCausalLM", "Config"))
+        config = config_cls(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
+        torch.manual_seed(0)
+        model = getattr(transformers, cls)(config)
+        counts = param_counts(model_arch_from_hf(hf))
+        assert counts.total == sum(p.numel() for p in model.parameters()), cls
+    shared = param_counts(model_arch_from_hf(qwen2_moe))
+    # 3 MoE layers: attention 12288 + qkv bias 128 + shared expert 3 x 64 x 96 = 18432 split; norms 128 (no q/k norm)
+    # + router 256 + shared gate 64 replicated.
+    assert (shared.moe_layers, shared.moe_layer_split, shared.moe_layer_replicated) == (3, 12416 + 18432, 128 + 320)
+
+
+def test_moe_activations_by_hand():
+    arch = model_arch_from_hf(TINY_MOE)
+    # Per token, bf16, TP 1: router scores 4 experts x 4 B + top-2 x (ETP 1 x h 64 + 4 x f_e 64) x 2 B = 16 + 1280.
+    assert moe_activations(arch, 2, 1, False, etp=1) == 1296
+    # TP 2 with SP and ETP 2: the rank routes T / 2 tokens; each copy is all-gathered over ETP:
+    # (16 + 2 x (2 x 64 + 4 x 64) x 2) / 2 = 776.
+    assert moe_activations(arch, 2, 2, True, etp=2) == (16 + 2 * (2 * 64 + 4 * 64) * 2) / 2 == 776
+    # The MoE layer (no shared expert) keeps the attention part of a dense layer, not its MLP: QKV output 128 + rotated
+    # Q and K 96 + QK-norm input 64 + attention output 64 = 352 x 2 B, norms 4 x 64 x 2 B, flash softmax stats 4 x 4 B.
+    moe = layer_activations(arch, 2, 1, False, True, 1024, moe=True, etp=1)
+    assert (moe.split, moe.replicated, moe.core, moe.moe, moe.total) == (704, 512, 16, 1296, 2528)
+    dense = layer_activations(arch, 2, 1, False, True, 1024)
+    assert dense.total == (352 + 3 * 128) * 2 + 512 + 16 == 2000
+
+
+def moe_plan(tmp_path, *overrides: str, nproc: int = 2, hf: dict = TINY_MOE):
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    base = [
+        f"model.hf_config_dir={tmp_path}",
+        "model.params_dtype=bf16",
+        "model.make_vocab_size_divisible_by=128",
+        "parallel.platform=cuda",
+        "parallel.expert_model_parallel_size=2",
+        "parallel.expert_tensor_parallel_size=1",
+        "parallel.use_distributed_optimizer=true",
+        "rollout.tensor_model_parallel_size=2",
+        "rollout.gpu_memory_utilization=0.5",
+        "data.max_prompt_length=512",
+        "data.max_response_length=512",
+        f"data.train_files=[{tmp_path}/no_data.jsonl]",
+        "data.val_files=[]",
+        f"checkpoint.load_dir={tmp_path}/no_ckpt",
+        "actor.ppo_micro_batch_size_per_gpu=2",
+        "actor.log_prob_micro_batch_size_per_gpu=2",
+    ]
+    report = run_check(TINY, base + list(overrides), nnodes=1, nproc_per_node=nproc, device_memory_gb=1.0)
+    print(report.render())
+    return report
+
+
+def test_moe_plan_per_rank_by_hand(tmp_path):
+    # 2 ranks: TP 1 -> DP 2; EP 2 x ETP 1 -> expert DP 2 / (1 x 2 x 1) = 1: each rank holds 2 of the 4 experts.
+    report = moe_plan(tmp_path, "actor.recompute=none")
+    assert report.phases, report.problems
+    n = report.numbers
+    assert (n["params"], n["params_experts"], n["params_active"]) == (TINY_MOE_TOTAL, TINY_MOE_EXPERTS, TINY_MOE_ACTIVE)
+    assert (n["ep"], n["etp"], n["dp"], n["expert_dp"]) == (2, 1, 2, 1)
+    assert n["actor_params_per_rank"] == TINY_MOE_DENSE_RANK + TINY_MOE_EXPERT_RANK == 279744
+    assert n["actor_expert_params_per_rank"] == TINY_MOE_EXPERT_RANK
+    assert n["memory_actor_weights_bytes"] == 2 * 279744
+    assert n["memory_grads_bytes"] == 4 * 279744  # expert grads too: fp32, in the expert-parallel DDP buffers
+    # Distributed optimizer, 12 B per parameter: non-expert state ÷ DP 2, expert state ÷ expert DP 1.
+    assert n["memory_optimizer_bytes"] == TINY_MOE_DENSE_RANK * 12 / 2 + TINY_MOE_EXPERT_RANK * 12 / 1 == 1973376
+    assert n["memory_vllm_weights_bytes"] == 2 * 163520
+    # Activations (recompute none, 2048 tokens, flash attention, PP 1): 2 dense layers x 2000 B + 2 MoE layers x 2528 B
+    # per token.
+    assert n["micro_batch_tokens"] == 2048
+    assert n["memory_activations_bytes"] == 2048 * (2 * 2000 + 2 * 2528)
+    # Full recompute: 4 layer inputs (2048 x 64 x 2 B) + one layer recomputed, the larger kind: the MoE layer.
+    full = moe_plan(tmp_path, "actor.recompute=full").numbers
+    assert full["memory_activations_bytes"] == 4 * 2048 * 128 + 2048 * 2528
+    # The log-prob forward's one layer is the MoE layer too.
+    assert full["memory_log_prob_activations_bytes"] == 2048 * 2528
+    text = report.plan
+    assert "active per token 276,672" in text and "EP 2 x ETP 1 (2 experts per rank" in text
+    assert "routed experts 49,152 / (EP 2 x ETP 1)" in text
+    assert "every replica holds all experts" in text
+    # EP changes only the expert part: EP 1 holds all 4 experts (and expert DP = DP = 2).
+    ep1 = moe_plan(tmp_path, "actor.recompute=none", "parallel.expert_model_parallel_size=1").numbers
+    assert ep1["actor_params_per_rank"] == TINY_MOE_DENSE_RANK + 2 * TINY_MOE_EXPERT_RANK
+    assert ep1["memory_optimizer_bytes"] == (TINY_MOE_DENSE_RANK + 2 * TINY_MOE_EXPERT_RANK) * 12 / 2
+
+
+def test_moe_bad_expert_layout_is_reported(tmp_path):
+    # 4 experts over EP 3 on 3 ranks: no even split of the experts; the plan is not computed.
+    report = moe_plan(tmp_path, "parallel.expert_model_parallel_size=3", nproc=3, hf=TINY_MOE)
+    expected = "parallel.expert_model_parallel_size=3 does not divide the model's num_experts=4; use a divisor of 4"
+    assert any(p.startswith(expected) for p in report.problems), report.problems
+    assert "plan: not computed" in report.plan and not report.phases
+
+
+def test_qwen3_30b_a3b_published_sizes():
+    # Qwen3-30B-A3B's model card: 30.5B parameters, 3.3B activated.
+    counts = param_counts(model_arch_from_hf(QWEN3_30B_A3B))
+    assert counts.total == pytest.approx(30.5e9, rel=0.02)
+    assert counts.active == pytest.approx(3.3e9, rel=0.03)
+    # 48 layers x 128 experts x 3 x 2048 x 768 routed-expert parameters; the rest is embeddings and attention.
+    assert counts.experts == 48 * 128 * 3 * 2048 * 768
+    assert counts.total == 30_532_122_624 and counts.active == 3_353_032_704

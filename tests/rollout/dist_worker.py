@@ -26,6 +26,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--rollout-tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE checkpoints)")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: TP)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (megatron-core needs it for MoE with TP)")
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--cycles", type=int, default=2, help="Adam step + sync + generate cycles after the first")
     return p.parse_args()
@@ -35,13 +38,15 @@ def adam_step(model, optimizer, batch) -> float:
     """One real training step: mean NLL of the sampled response tokens, megatron DDP + optimizer."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_dapo.rollout.recompute import causal_padding_mask
+    from megatron_dapo.rollout.recompute import causal_padding_mask, pad_for_sequence_parallel
 
-    ids, pos = batch.input_ids, batch.position_ids
+    ids, pos, attention_mask = pad_for_sequence_parallel(
+        model, batch.input_ids, batch.position_ids, batch.attention_mask
+    )
     b, s = ids.shape
-    mask = causal_padding_mask(batch.attention_mask)
+    mask = causal_padding_mask(attention_mask)
     labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
-    loss_mask = torch.cat([batch.attention_mask[:, 1:], torch.zeros_like(ids[:, :1])], dim=1).float()
+    loss_mask = torch.cat([attention_mask[:, 1:], torch.zeros_like(ids[:, :1])], dim=1).float()
     loss_mask[:, : batch.prompts.shape[1] - 1] = 0  # train on response tokens only
 
     def fwd(_it, m):
@@ -94,6 +99,9 @@ def main() -> None:
         [
             f"parallel.tensor_model_parallel_size={args.tp}",
             f"parallel.pipeline_model_parallel_size={args.pp}",
+            f"parallel.expert_model_parallel_size={args.ep}",
+            f"parallel.sequence_parallel={str(args.sp).lower()}",
+            *([f"parallel.expert_tensor_parallel_size={args.etp}"] if args.etp else []),
             f"parallel.use_distributed_optimizer={str(args.distributed_optimizer).lower()}",
             "parallel.platform=cpu",
             "model.params_dtype=fp32",
@@ -263,6 +271,15 @@ def main() -> None:
         engine.sleep()
         engine.wake_up(["weights"])
         res[f"c{cycle}_sync"] = syncer.sync(model)
+        if arch.is_moe:
+            # A MoE layer's experts (vLLM's one FusedMoE layer) must arrive in one reload call, whatever the size.
+            buckets_of_layer: dict = {}
+            for i, bucket in enumerate(syncer._buckets):
+                for e in bucket.entries:
+                    if e.mapping.is_expert:
+                        buckets_of_layer.setdefault(e.mapping.layer, set()).add(i)
+            res[f"c{cycle}_expert_buckets_per_layer"] = sorted(len(v) for v in buckets_of_layer.values())
+            res["moe_layers"] = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
         engine.wake_up(["kv_cache"])
         b2 = engine.generate(prompts, spec, seed_offset=0)
         check(f"c{cycle}", b2)

@@ -4,7 +4,11 @@ Layouts (training TP × PP → rollout TP, world), together covering every train
   * TP2 PP1 → rollout TP2 (world 2), llama with tied embeddings;
   * TP1 PP2 → rollout TP1 = rollout DP 2 (world 2), qwen2 untied;
   * TP1 PP1 DP2 (distributed optimizer) → rollout TP2 (world 2), qwen3 (q/k norms);
-  * TP2 PP2 → rollout TP2 = rollout DP 2 (world 4), qwen2 with tied embeddings (output copy on the last stage).
+  * TP2 PP2 → rollout TP2 = rollout DP 2 (world 4), qwen2 with tied embeddings (output copy on the last stage);
+  * MoE: Qwen3-MoE at EP2 → rollout TP1 (each EP rank sends its experts), Qwen2-MoE (shared expert) at TP2 = expert
+    TP2 → rollout TP2, Qwen3-MoE at EP2 × PP2 (world 4). vLLM loads the experts into its fused-MoE layout; a layer's
+    experts always arrive in one reload call, and on CPU the engine re-does the fused-MoE prepack after a sync
+    (``engine.after_weight_update``; without it the log-probs are off by ~0.8).
 Each run: first sync into a dummy-initialised engine, generate, recompute the sampled tokens' log-probs with the
 Megatron model and with HF transformers; RNG perturbation on one rank; temperature 0.7 and greedy sampling; two
 Adam steps (megatron-core optimizer), each checked stale (before sync) and fresh (after sync; the second sync with
@@ -35,6 +39,20 @@ LAYOUTS = [
     pytest.param(
         dict(tp=2, pp=2, rollout_tp=2, nproc=4, ckpt="qwen2_tied", port=29766, extra=[]),
         id="tp2-pp2-rtp2-w4",
+        marks=pytest.mark.slow,
+    ),
+    # MoE: each EP rank holds half the experts and sends them; vLLM's fused-MoE layout on the other side.
+    pytest.param(
+        dict(tp=1, pp=1, rollout_tp=1, nproc=2, ckpt="qwen3_moe", port=29772, extra=["--ep", "2"]),
+        id="moe-qwen3-ep2-rtp1",
+    ),
+    pytest.param(
+        dict(tp=2, pp=1, rollout_tp=2, nproc=2, ckpt="qwen2_moe", port=29774, extra=["--sp"]),
+        id="moe-qwen2-tp2-sp-etp2-rtp2",
+    ),
+    pytest.param(
+        dict(tp=1, pp=2, rollout_tp=1, nproc=4, ckpt="qwen3_moe", port=29776, extra=["--ep", "2"]),
+        id="moe-qwen3-ep2-pp2-w4",
         marks=pytest.mark.slow,
     ),
 ]
@@ -77,6 +95,8 @@ def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
         # The default 512 MiB bucket holds a whole stage of the tiny model (buckets never span pipeline stages).
         assert r["c0_sync"]["buckets"] == layout["pp"]
         assert r["c1_sync"]["buckets"] >= 10  # one Megatron module per reload_weights call
+        if "moe_layers" in r:
+            assert r["c0_expert_buckets_per_layer"] == r["c1_expert_buckets_per_layer"] == [1] * r["moe_layers"]
         # After each Adam step + sync, the same seeds give different log-probs where the same token was sampled.
         assert r["c0_lp_change_max"] > 1e-3 and r["c1_lp_change_max"] > 1e-3
         # Results once (leaders gather over gloo, broadcast to TP peers): the same batch as one replica generating
