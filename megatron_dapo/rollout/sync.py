@@ -23,6 +23,11 @@ between Megatron *modules* (``linear_qkv`` weight and bias together, ``linear_fc
 one-to-one onto vLLM layers; a module larger than the bucket size gets a bucket of its own, and buckets never span
 pipeline stages. The tests sync with one-module buckets and check every log-prob.
 
+Mixture-of-experts (docs/moe.md): all routed experts of a layer are one vLLM layer (``FusedMoE``) and therefore one
+unit of a bucket. Each EP rank gathers its own experts over expert TP and the bucket's experts are all-gathered over
+the expert-parallel group (every rank's vLLM replica holds every expert); then PP broadcast as above. On CPU the
+engine re-packs the fused-MoE weights after the last bucket (``engine.after_weight_update``).
+
 Memory: besides its own shards a rank holds one bucket of full tensors (plus the q/k/v split copies of that bucket)
 and vLLM holds a staging copy of the layers being loaded.
 
