@@ -7,6 +7,7 @@ transforms (QKV interleave, gate/up fuse, vocab padding, TP split) live in ``meg
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
@@ -395,7 +396,18 @@ def _moe_layer_of(name: str, arch: ModelArch) -> bool:
     return arch.is_moe_layer(int(name[len(prefix) :].split(".", 1)[0]))
 
 
+# TransformerEngine's grouped-GEMM experts (``TEGroupedMLP``, ``moe_grouped_gemm=True``) hold local expert j's weight as
+# ``mlp.experts.linear_fc{1,2}.weight{j}``; SequentialMLP as ``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight``.
+# Their checkpoint keys are the same (megatron-core makes them interchangeable), so only in-memory names differ.
+_GROUPED_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
+
+
 def from_te_name(name: str) -> str:
+    """A parameter name of the TE spec (fused norms, grouped-GEMM experts) → the local spec's name."""
+    grouped = _GROUPED_EXPERT.match(name)
+    if grouped:
+        head, linear, j = grouped.groups()
+        return f"{head}local_experts.{j}.{linear}.weight"
     for local, te in TE_NAME_ALIASES.items():
         if name.endswith(te):
             return name[: -len(te)] + local

@@ -143,6 +143,31 @@ def test_qwen3_moe_arch_and_config_mapping():
     assert to_te_name("decoder.layers.1.pre_mlp_layernorm.weight", arch).endswith("pre_mlp_layernorm.weight")
 
 
+def test_grouped_gemm_expert_names_map_to_sequential_ones():
+    """TE's grouped-GEMM experts (TEGroupedLinear registers ``weight{j}`` per local expert; megatron-core's
+    ``TEGroupedMLP``) are named back to SequentialMLP's, which the name map, loaders and weight sync use. No TE on
+    CPU: this checks the translation, not a TEGroupedMLP at run time."""
+    from megatron_dapo.models.families import from_te_name
+
+    assert (
+        from_te_name("decoder.layers.3.mlp.experts.linear_fc1.weight12")
+        == "decoder.layers.3.mlp.experts.local_experts.12.linear_fc1.weight"
+    )
+    assert (
+        from_te_name("decoder.layers.0.mlp.experts.linear_fc2.weight0")
+        == "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"
+    )
+    # dense MLPs, shared experts and fused norms are untouched by the expert rule
+    assert from_te_name("decoder.layers.3.mlp.linear_fc1.weight") == "decoder.layers.3.mlp.linear_fc1.weight"
+    assert (
+        from_te_name("decoder.layers.3.mlp.shared_experts.linear_fc1.weight")
+        == "decoder.layers.3.mlp.shared_experts.linear_fc1.weight"
+    )
+    assert (
+        from_te_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == "decoder.layers.0.pre_mlp_layernorm.weight"
+    )
+
+
 def test_expert_layout_problems():
     from megatron_dapo.config import ParallelConfig
     from megatron_dapo.config_checks import parallel_layout_problems
@@ -191,7 +216,9 @@ def test_rollout_tp_must_split_expert_ffn_for_the_engine():
 
     def problems(rollout_tp, expert_ffn):
         arch = model_arch_from_hf(
-            tiny_hf_config("qwen3_moe", hidden_size=128, intermediate_size=128, moe_intermediate_size=expert_ffn).to_dict()
+            tiny_hf_config(
+                "qwen3_moe", hidden_size=128, intermediate_size=128, moe_intermediate_size=expert_ffn
+            ).to_dict()
         )
         cfg = load_config(None, [f"rollout.tensor_model_parallel_size={rollout_tp}"])
         return rollout_layout_problems(cfg, 4, 4096, arch)
