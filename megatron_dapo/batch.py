@@ -7,7 +7,9 @@ re-pads to the new longest. A micro-batch re-lays its rows left-aligned (prompt,
 its own longest row: rotary positions then start at 0 for every row and only a causal mask is needed.
 
 Shapes: ``B`` rows (responses; ``prompts × n``, a prompt's ``n`` responses contiguous), ``P`` prompt width, ``T``
-response width. Per-token fields are ``[B, T]`` float32 unless stated; per-row fields ``[B]``.
+response width. Per-token fields are ``[B, T]`` float32 unless stated; per-row fields ``[B]``. A per-token field may
+have trailing dimensions (the rollout's MoE routing: ``[B, P, L, K]`` / ``[B, T, L, K]``); padding rules apply to
+dimension 1.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ class TrainBatch:
     # response_mask.
     loss_mask: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
     rollout_log_probs: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)  # the engine's, per token
+    # The rollout engine's MoE routing (actor.router_replay=rollout): for every token, in each of the model's L MoE
+    # layers (in layer order, dense layers left out), the K experts it was routed to. Integer [B, P, L, K] (prompt
+    # tokens, left-padded) and [B, T, L, K] (response tokens); padding and tokens the engine never ran (the last
+    # response token) may hold anything (rollout/routing.py, training/router_replay.py).
+    prompt_routed_experts: Optional[torch.Tensor] = field(default=None, metadata=_PROMPT)
+    response_routed_experts: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
     truncated: Optional[torch.Tensor] = field(default=None, metadata=_ROW)  # [B] bool: stopped by the length limit
     # --- rewards (scoring)
     token_level_scores: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)  # reward on the last token
@@ -86,7 +94,7 @@ class TrainBatch:
             if size != rows:
                 raise ValueError(f"TrainBatch.{f.name} has {size} rows, responses has {rows}")
             expected = {"response": (rows, width), "prompt": tuple(self.prompts.shape)}.get(layout)
-            if expected is not None and tuple(value.shape) != expected:
+            if expected is not None and tuple(value.shape[:2]) != expected:
                 raise ValueError(f"TrainBatch.{f.name} has shape {tuple(value.shape)}, expected {expected}")
 
     def __len__(self) -> int:
@@ -134,8 +142,16 @@ class TrainBatch:
 
 
 def _pad_to(t: torch.Tensor, width: int, left: bool) -> torch.Tensor:
+    """``t`` padded with 0 along dimension 1 to ``width`` (on the left or the right)."""
     extra = width - int(t.shape[1])
-    return t if extra == 0 else torch.nn.functional.pad(t, (extra, 0) if left else (0, extra))
+    trailing = (0, 0) * (t.dim() - 2)  # F.pad lists dimensions last first
+    return t if extra == 0 else torch.nn.functional.pad(t, trailing + ((extra, 0) if left else (0, extra)))
+
+
+def _gather_positions(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[row, index[row, j], ...]`` for a ``[b, W, ...]`` tensor and a ``[b, S]`` index: ``[b, S, ...]``."""
+    shape = (*index.shape, *t.shape[2:])
+    return t.gather(1, index.reshape(*index.shape, *([1] * (t.dim() - 2))).expand(shape))
 
 
 @dataclass
@@ -158,6 +174,8 @@ class MicroBatch:
     rollout_log_probs: Optional[torch.Tensor] = None
     rollout_is_weights: Optional[torch.Tensor] = None
     padding_mask: Optional[torch.Tensor] = None  # [b, S] True on padding tokens (MoE routers leave them out)
+    # The rollout's MoE routing laid out like tokens: [b, S, L, K] (packed: [1, N, L, K]); 0 on padding.
+    routed_experts: Optional[torch.Tensor] = None
     # Packed (THD) layout, set by ``pack_micro_batch``: tokens are [1, N], rows one after the other; row i spans
     # cu_seqlens_padded[i]:cu_seqlens_padded[i + 1] with its cu_seqlens[i + 1] - cu_seqlens[i] real tokens first.
     cu_seqlens: Optional[torch.Tensor] = None  # [b + 1] int32
@@ -199,6 +217,17 @@ def make_micro_batch(batch: TrainBatch, rows: Sequence[int], seq_multiple: int =
     def rows_of(value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if value is None else value[index]
 
+    routed = None
+    if batch.prompt_routed_experts is not None and batch.response_routed_experts is not None:
+        from_prompt = _gather_positions(
+            batch.prompt_routed_experts[index], (width - prompt_lens + pos).clamp(0, width - 1)
+        )
+        from_response = _gather_positions(batch.response_routed_experts[index], (pos - prompt_lens).clamp(0, t - 1))
+        at = (..., None, None)
+        routed = torch.where(
+            (pos < prompt_lens)[at], from_prompt, torch.where((pos < total_lens)[at], from_response, 0)
+        )
+
     return MicroBatch(
         tokens=tokens,
         position_ids=pos.expand(b, -1).contiguous(),
@@ -212,6 +241,7 @@ def make_micro_batch(batch: TrainBatch, rows: Sequence[int], seq_multiple: int =
         ref_log_probs=rows_of(batch.ref_log_probs),
         rollout_log_probs=rows_of(batch.rollout_log_probs),
         rollout_is_weights=rows_of(batch.rollout_is_weights),
+        routed_experts=routed,
     )
 
 
@@ -242,6 +272,7 @@ def context_parallel_slice(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroB
         tokens=mb.tokens[:, positions],
         position_ids=mb.position_ids[:, positions],
         padding_mask=mb.padding_mask[:, positions],
+        routed_experts=None if mb.routed_experts is None else mb.routed_experts[:, positions],
         response_index=torch.where(owned, local_index, 0),
         response_mask=mb.response_mask & owned,
         loss_mask=mb.loss_mask * owned.to(mb.loss_mask.dtype),
@@ -267,8 +298,13 @@ def pack_micro_batch(mb: MicroBatch, row_multiple: int = 1, total_multiple: int 
     tokens = torch.zeros((1, total), dtype=mb.tokens.dtype)
     position_ids = torch.zeros((1, total), dtype=mb.position_ids.dtype)
     padding = torch.ones((1, total), dtype=torch.bool)
+    routed = None
+    if mb.routed_experts is not None:
+        routed = mb.routed_experts.new_zeros((1, total, *mb.routed_experts.shape[2:]))
     for i, (n, start) in enumerate(zip(lengths, starts)):
         tokens[0, start : start + n] = mb.tokens[i, :n]
+        if routed is not None:
+            routed[0, start : start + n] = mb.routed_experts[i, :n]
         position_ids[0, start : start + n] = torch.arange(n)
         padding[0, start : start + n] = False
     offsets = torch.as_tensor(starts[:-1], dtype=mb.response_index.dtype).unsqueeze(-1)
@@ -280,6 +316,7 @@ def pack_micro_batch(mb: MicroBatch, row_multiple: int = 1, total_multiple: int 
         tokens=tokens,
         position_ids=position_ids,
         padding_mask=padding,
+        routed_experts=routed,
         response_index=(mb.response_index + offsets).clamp(max=total - 1),
         cu_seqlens=torch.as_tensor(real, dtype=torch.int32),
         cu_seqlens_padded=torch.as_tensor(starts, dtype=torch.int32),

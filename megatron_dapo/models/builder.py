@@ -108,23 +108,24 @@ def transformer_config(
         overlap_p2p_comm=parallel.virtual_pipeline_model_parallel_size is not None,
         batch_p2p_comm=parallel.virtual_pipeline_model_parallel_size is None,
         init_method_std=0.02,
-        **moe_config_kwargs(arch, parallel),
+        **moe_config_kwargs(arch, parallel, actor),
         **recompute_kwargs(actor),
         **get_platform().transformer_config_overrides(),
     )
 
 
-def moe_config_kwargs(arch: ModelArch, parallel: ParallelConfig) -> dict:
+def moe_config_kwargs(arch: ModelArch, parallel: ParallelConfig, actor: Optional[ActorConfig] = None) -> dict:
     """MoE ``TransformerConfig`` fields for ``arch`` (none for a dense model).
 
     Router: HF ``norm_topk_prob=True`` (softmax over all experts → top-k → renormalise) equals megatron-core's
     ``moe_router_pre_softmax=False`` (top-k on the logits, softmax over the k); ``False`` is ``pre_softmax=True``.
     Router logits in fp32. Tokens move with the alltoall dispatcher (``variable_seq_lengths`` rules out allgather),
-    experts are SequentialMLP (no grouped GEMM / fused permute: they need extra packages). The load-balancing aux
-    loss is off here (``moe_router_load_balancing_type="none"``); the training side decides whether to add it.
+    experts are SequentialMLP (no grouped GEMM / fused permute: they need extra packages). Router losses:
+    ``moe_router_coefficients(arch, actor)``; the actor re-weights them per micro-batch (``training/moe.py``).
     """
     if not arch.is_moe:
         return {}
+    aux, z = moe_router_coefficients(arch, actor)
     return {
         "num_moe_experts": arch.num_experts,
         "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
@@ -134,8 +135,9 @@ def moe_config_kwargs(arch: ModelArch, parallel: ParallelConfig) -> dict:
         "moe_router_pre_softmax": not arch.norm_topk_prob,
         "moe_router_topk_scaling_factor": None,
         "moe_router_dtype": "fp32",
-        "moe_router_load_balancing_type": "none",
-        "moe_aux_loss_coeff": 0.0,
+        "moe_router_load_balancing_type": "aux_loss" if aux > 0 else "none",
+        "moe_aux_loss_coeff": aux,
+        "moe_z_loss_coeff": z if z > 0 else None,
         "moe_grouped_gemm": False,
         "moe_permute_fusion": False,
         "moe_router_fusion": False,
@@ -145,6 +147,26 @@ def moe_config_kwargs(arch: ModelArch, parallel: ParallelConfig) -> dict:
         "moe_shared_expert_intermediate_size": arch.moe_shared_expert_ffn_hidden_size,
         "moe_shared_expert_gate": arch.moe_shared_expert_ffn_hidden_size is not None,
     }
+
+
+def moe_router_coefficients(arch: ModelArch, actor: Optional[ActorConfig] = None) -> tuple[float, float]:
+    """(load-balancing, z-loss) coefficients per MoE layer, megatron-core's definitions; 0 = off.
+
+    ``actor.moe_aux_loss_coeff=None`` converts HF's ``router_aux_loss_coef`` c: transformers'
+    ``load_balancing_loss_func`` is ``E · Σ_i f̄_i p̄_i`` with ``f̄_i``/``p̄_i`` the fraction of top-k assignments
+    (summing to k) and the mean router probability of expert i, both averaged over the tokens of *all* MoE layers;
+    megatron-core's ``switch_load_balancing_loss_func`` is ``(E/k) · Σ_i f_i p_i`` per layer, summed over the L MoE
+    layers. Its gradient with respect to layer l's probabilities is ``c · (E/L) · f̄_i`` in HF and
+    ``coeff · (E/k) · f_i^l`` in megatron-core, so ``coeff = c · k / L`` gives the same gradient whenever each layer's
+    expert load equals the mean load over layers (exactly with one MoE layer), and the same value for uniform
+    routing (HF: k, megatron-core: L x 1).
+    """
+    actor = actor if actor is not None else ActorConfig()
+    aux = actor.moe_aux_loss_coeff
+    if aux is None:
+        layers = max(len(arch.moe_layers), 1)
+        aux = arch.router_aux_loss_coef * arch.moe_router_topk / layers
+    return float(aux), float(actor.moe_z_loss_coeff)
 
 
 def resolve_transformer_impl(model: ModelConfig, parallel: ParallelConfig) -> str:

@@ -60,9 +60,10 @@ import torch.distributed as dist
 from megatron_dapo import dtypes
 from megatron_dapo.config import ConfigError, ExperimentConfig
 from megatron_dapo.config_checks import RunLayout, resolve_max_num_batched_tokens, rollout_layout_problems
-from megatron_dapo.models.families import load_hf_config
+from megatron_dapo.models.families import load_hf_config, model_arch_from_hf
 from megatron_dapo.parallel import dist_info_from_env
 from megatron_dapo.platform import Platform
+from megatron_dapo.rollout.routing import engine_routing_kwargs, routed_experts_fields, row_routing
 from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec, build_rollout_batch
 
 logger = logging.getLogger(__name__)
@@ -257,6 +258,9 @@ class RolloutEngine:
                 gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             )
         )
+        # Routing replay: vLLM returns the experts it routed each token to (ConfigError where it cannot).
+        kwargs.update(engine_routing_kwargs(cfg, platform.name))
+        self.routing_arch = model_arch_from_hf(hf_config) if cfg.actor.router_replay == "rollout" else None
         # vLLM seeds the process-wide generators (python, numpy, torch) while it starts; keep the trainer's
         # streams, megatron-core's RNG tracker included, as they were.
         rng = platform.rng_state()
@@ -313,7 +317,7 @@ class RolloutEngine:
                     f" data.max_prompt_length={self.cfg.data.max_prompt_length}"
                 )
         rows = self._gather_rows(self._generate_share(prompts, sampling, seed_offset))
-        return build_rollout_batch(
+        batch = build_rollout_batch(
             prompts,
             responses=[r[2] for r in rows],
             log_probs=[r[3] for r in rows],
@@ -321,6 +325,14 @@ class RolloutEngine:
             prompt_index=[r[0] for r in rows],
             pad_token_id=self.pad_token_id,
         )
+        if rows and rows[0][5] is not None:
+            batch.routed_experts = routed_experts_fields(
+                [r[5] for r in rows],
+                [len(prompts[r[0]]) for r in rows],
+                batch.prompts.shape[1],
+                batch.responses.shape[1],
+            )
+        return batch
 
     def _generate_share(self, prompts: list[list[int]], sampling: SamplingSpec, seed_offset: int) -> list:
         """This replica's rows: ``(prompt index, sample index, tokens, log-probs, truncated)`` per request."""
@@ -332,7 +344,7 @@ class RolloutEngine:
     ) -> list:
         """Rows for the prompts ``indices`` on this replica (collective over the replica's TP ranks)."""
         requests = [(i, j) for i in indices for j in range(sampling.n)]
-        rows: list[tuple[int, int, list[int], list[float], bool]] = []
+        rows: list[tuple[int, int, list[int], list[float], bool, Optional[torch.Tensor]]] = []
         if not requests:
             return rows
         params = [
@@ -343,7 +355,10 @@ class RolloutEngine:
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
             logprobs = [float(pos[tok].logprob) for tok, pos in zip(tokens, completion.logprobs)]
-            rows.append((i, j, tokens, logprobs, completion.finish_reason == "length"))
+            routing = None
+            if self.routing_arch is not None:  # [prompt + response, MoE layers, top-k]
+                routing = row_routing(completion.routed_experts, len(prompts[i]), len(tokens), self.routing_arch)
+            rows.append((i, j, tokens, logprobs, completion.finish_reason == "length", routing))
         return rows
 
     def _make_result_groups(self, timeout: datetime.timedelta) -> None:
@@ -475,21 +490,30 @@ class RolloutEngine:
         gc.collect()
 
 
-def _pack_rows(rows: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows → (meta[n, 4] = prompt, sample, length, truncated; tokens; log-probs), compact CPU tensors."""
-    meta = torch.tensor([[i, j, len(t), int(trunc)] for i, j, t, _, trunc in rows], dtype=torch.long).reshape(-1, 4)
+def _pack_rows(rows: list) -> tuple[torch.Tensor, ...]:
+    """Rows → (meta[n, 5] = prompt, sample, length, truncated, routed tokens; tokens; log-probs; routing or an empty
+    tensor), compact CPU tensors. A row's routing (6th item, routing replay only) is ``[tokens, L, K]``."""
+    routings = [r[5] if len(r) > 5 else None for r in rows]
+    meta = torch.tensor(
+        [[r[0], r[1], len(r[2]), int(r[4]), 0 if x is None else x.shape[0]] for r, x in zip(rows, routings)],
+        dtype=torch.long,
+    ).reshape(-1, 5)
     tokens = torch.tensor([tok for r in rows for tok in r[2]], dtype=torch.long)
     logprobs = torch.tensor([lp for r in rows for lp in r[3]], dtype=torch.float32)
-    return meta, tokens, logprobs
+    present = [x for x in routings if x is not None]
+    routing = torch.cat(present) if present else torch.empty(0, dtype=torch.int16)
+    return meta, tokens, logprobs, routing
 
 
-def _unpack_rows(packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list:
-    meta, tokens, logprobs = packed
-    out, offset = [], 0
+def _unpack_rows(packed: tuple[torch.Tensor, ...]) -> list:
+    meta, tokens, logprobs, routing = packed
+    out, offset, r_offset = [], 0, 0
     toks, lps = tokens.tolist(), logprobs.tolist()
-    for i, j, length, trunc in meta.tolist():
-        out.append((i, j, toks[offset : offset + length], lps[offset : offset + length], bool(trunc)))
+    for i, j, length, trunc, routed in meta.tolist():
+        row_routing_ = routing[r_offset : r_offset + routed] if routed else None
+        out.append((i, j, toks[offset : offset + length], lps[offset : offset + length], bool(trunc), row_routing_))
         offset += length
+        r_offset += routed
     return out
 
 

@@ -104,6 +104,9 @@ class RolloutBatch:
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
     prompt_index: torch.Tensor
+    # Routing replay only: the experts vLLM routed each token to, as the TrainBatch fields ``prompt_routed_experts``
+    # ``[B, P, L_moe, K]`` and ``response_routed_experts`` ``[B, T, L_moe, K]`` (rollout/routing.py).
+    routed_experts: Optional[dict[str, torch.Tensor]] = None
 
     def __len__(self) -> int:
         return int(self.responses.shape[0])

@@ -32,6 +32,7 @@ from megatron_dapo.batch import (
 from megatron_dapo.config import ActorConfig
 from megatron_dapo.models.builder import unwrap
 from megatron_dapo.training.moe import MoEMeter
+from megatron_dapo.training.router_replay import RouterReplayer
 
 
 def balance_rows(lengths: list[int], dp: int) -> list[list[int]]:
@@ -121,6 +122,10 @@ class MegatronActor:
         self.moe: Optional[MoEMeter] = None
         if getattr(self.model_config, "num_moe_experts", None) and optimizer is not None:
             self.moe = MoEMeter(chunks, self.model_config)
+        # actor.router_replay=rollout: the actor (not the frozen reference) routes tokens as the rollout did.
+        self.router_replay: Optional[RouterReplayer] = None
+        if actor_cfg.router_replay == "rollout" and optimizer is not None:
+            self.router_replay = RouterReplayer(chunks)
         if optimizer is not None:
             self.model_config.finalize_model_grads_func = finalize_model_grads
             self.model_config.grad_scale_func = optimizer.scale_loss
@@ -154,7 +159,12 @@ class MegatronActor:
         explicit_mask = get_platform().causal_mask_needed  # MindSpeed's flash attention wants None (causal itself)
 
         def forward_step(data_iterator, model):
-            mb: MicroBatch = next(data_iterator).to(device)
+            mb: MicroBatch = next(data_iterator)
+            if self.moe is not None:  # the router losses' weights for this micro-batch (training/moe.py)
+                self.moe.before_forward(mb)
+            mb = mb.to(device)
+            if self.router_replay is not None:  # the rollout's expert choices for this chunk's routers
+                self.router_replay.set_micro_batch(model, mb)
             # MoE routers leave padding out of their losses and of the expert load.
             kwargs = {"padding_mask": mb.padding_mask} if moe else {}
             if mb.packed:  # THD: the attention masks by cu_seqlens
@@ -185,15 +195,19 @@ class MegatronActor:
             return output, loss_func
 
         iterators = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators,
-            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-            num_microbatches=len(micro_batches),
-            seq_length=max(int(mb.tokens.shape[1]) for mb in micro_batches),
-            micro_batch_size=max(int(mb.tokens.shape[0]) for mb in micro_batches),
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iterators,
+                model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                num_microbatches=len(micro_batches),
+                seq_length=max(int(mb.tokens.shape[1]) for mb in micro_batches),
+                micro_batch_size=max(int(mb.tokens.shape[0]) for mb in micro_batches),
+                forward_only=forward_only,
+            )
+        finally:
+            if self.router_replay is not None:
+                self.router_replay.finish()
 
     @property
     def _seq_multiple(self) -> int:
@@ -395,7 +409,7 @@ class MegatronActor:
             mini_batch, self.cfg.ppo_micro_batch_size_per_gpu
         )
         if self.moe is not None:
-            self.moe.start_step(len(micro_batches))
+            self.moe.start_step(micro_batches, self.device)
         # Global normalisers over every micro-batch of every DP rank: the loss is exact for any split.
         counts = local_loss_counts(local.loss_mask).to(self.device)
         dist.all_reduce(counts, group=ps.get_data_parallel_group())

@@ -409,6 +409,7 @@ class DAPOTrainer:
             verifier_scores=torch.tensor([float(s) if s is not None else 0.0 for s in result.extra["score"]]),
             acc=torch.tensor([float(bool(a)) for a in result.extra.get("acc", [None] * len(rows))]),
             data_source=[items[i]["data_source"] for i in rows],
+            **(rollout.routed_experts or {}),  # routing replay: the experts vLLM chose per token
         )
         if self.dumper is not None:
             batch.prompt_text = [items[i]["raw_prompt"] for i in rows]

@@ -178,6 +178,7 @@ def main() -> None:
                 f"parallel.sequence_parallel={str(lay['sp']).lower()}",
                 "parallel.platform=cpu",
                 "model.params_dtype=fp32",
+                "actor.moe_aux_loss_coeff=0",  # HF's reference has no router loss (the tiny config's coef is 0.001)
             ]
             + ([f"parallel.expert_tensor_parallel_size={lay['etp']}"] if lay["etp"] else []),
         )

@@ -164,3 +164,19 @@ def test_engine_rejects_bad_configs_before_starting_vllm(tiny_checkpoints, monke
     msg = str(err.value)
     assert "data.max_prompt_length" in msg and "data.max_response_length" in msg
     assert "max_position_embeddings=64" in msg and "70" in msg
+
+
+def test_rows_carry_routing_through_the_gather_packing():
+    """Rows travel between replicas packed into tensors; a row's routing (routing replay) must come back attached to
+    the same row, and rows without one (replay off, or the tests' 5-item rows) stay without."""
+    from megatron_dapo.rollout.engine import _pack_rows, _unpack_rows
+
+    r0 = torch.arange(5 * 2 * 3, dtype=torch.int16).reshape(5, 2, 3)
+    r1 = -torch.arange(3 * 2 * 3, dtype=torch.int16).reshape(3, 2, 3)
+    rows = [(0, 1, [4, 5, 6], [-0.5, -1.0, -2.0], False, r0), (2, 0, [7], [-0.25], True, r1)]
+    back = _unpack_rows(_pack_rows(rows))
+    assert [r[:5] for r in back] == [r[:5] for r in rows]
+    assert torch.equal(back[0][5], r0) and torch.equal(back[1][5], r1)
+    plain = [(1, 0, [3, 2], [-1.0, -3.0], False)]
+    (row,) = _unpack_rows(_pack_rows(plain))
+    assert row[:5] == plain[0] and row[5] is None
