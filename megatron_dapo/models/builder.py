@@ -60,10 +60,15 @@ def recompute_kwargs(actor: Optional[ActorConfig]) -> dict:
 
 
 def transformer_config(
-    arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, actor: Optional[ActorConfig] = None
+    arch: ModelArch,
+    parallel: ParallelConfig,
+    model: ModelConfig,
+    actor: Optional[ActorConfig] = None,
+    impl: str = "local",
 ):
     """``TransformerConfig`` for ``arch`` under ``parallel`` (+ the actor's recompute settings and the platform's
-    ``transformer_config_overrides``); no fused kernels megatron-core would need extra packages for."""
+    ``transformer_config_overrides``) for the resolved ``model.transformer_impl``; no fused kernels megatron-core
+    would need extra packages for (the TE spec's grouped-GEMM experts come with TE)."""
     from megatron.core.transformer import TransformerConfig
 
     dtype = dtypes.from_config_name(model.params_dtype, "model.params_dtype")
@@ -108,19 +113,23 @@ def transformer_config(
         overlap_p2p_comm=parallel.virtual_pipeline_model_parallel_size is not None,
         batch_p2p_comm=parallel.virtual_pipeline_model_parallel_size is None,
         init_method_std=0.02,
-        **moe_config_kwargs(arch, parallel, actor),
+        **moe_config_kwargs(arch, parallel, actor, grouped_gemm=impl == "transformer_engine"),
         **recompute_kwargs(actor),
         **get_platform().transformer_config_overrides(),
     )
 
 
-def moe_config_kwargs(arch: ModelArch, parallel: ParallelConfig, actor: Optional[ActorConfig] = None) -> dict:
+def moe_config_kwargs(
+    arch: ModelArch, parallel: ParallelConfig, actor: Optional[ActorConfig] = None, grouped_gemm: bool = False
+) -> dict:
     """MoE ``TransformerConfig`` fields for ``arch`` (none for a dense model).
 
     Router: HF ``norm_topk_prob=True`` (softmax over all experts → top-k → renormalise) equals megatron-core's
     ``moe_router_pre_softmax=False`` (top-k on the logits, softmax over the k); ``False`` is ``pre_softmax=True``.
-    Router logits in fp32. Tokens move with the alltoall dispatcher (``variable_seq_lengths`` rules out allgather),
-    experts are SequentialMLP (no grouped GEMM / fused permute: they need extra packages). Router losses:
+    Router logits in fp32. Tokens move with the alltoall dispatcher (``variable_seq_lengths`` rules out allgather).
+    Experts: with ``grouped_gemm`` (the TransformerEngine spec; MindSpeed on NPU) TE's grouped GEMM
+    (``TEGroupedMLP``, parameters ``linear_fc{1,2}.weight{j}``, named back by ``families.from_te_name``), otherwise
+    SequentialMLP; no fused permute / router kernels (extra packages). Router losses:
     ``moe_router_coefficients(arch, actor)``; the actor re-weights them per micro-batch (``training/moe.py``).
     """
     if not arch.is_moe:
@@ -138,7 +147,7 @@ def moe_config_kwargs(arch: ModelArch, parallel: ParallelConfig, actor: Optional
         "moe_router_load_balancing_type": "aux_loss" if aux > 0 else "none",
         "moe_aux_loss_coeff": aux,
         "moe_z_loss_coeff": z if z > 0 else None,
-        "moe_grouped_gemm": False,
+        "moe_grouped_gemm": grouped_gemm,
         "moe_permute_fusion": False,
         "moe_router_fusion": False,
         "expert_model_parallel_size": parallel.expert_model_parallel_size,
@@ -271,7 +280,7 @@ def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig) -> list:
 
     impl = resolve_transformer_impl(cfg.model, cfg.parallel)
     get_platform().configure_model_features(cfg)
-    config = transformer_config(arch, cfg.parallel, cfg.model, cfg.actor)
+    config = transformer_config(arch, cfg.parallel, cfg.model, cfg.actor, impl=impl)
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(
         arch.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size

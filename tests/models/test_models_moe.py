@@ -143,6 +143,18 @@ def test_qwen3_moe_arch_and_config_mapping():
     assert to_te_name("decoder.layers.1.pre_mlp_layernorm.weight", arch).endswith("pre_mlp_layernorm.weight")
 
 
+def test_grouped_gemm_only_with_the_transformer_engine_spec():
+    """TE's grouped-GEMM experts where the TE spec is used (MindSpeed provides it on NPU); SequentialMLP otherwise."""
+    from megatron_dapo.config import ModelConfig, ParallelConfig
+    from megatron_dapo.models.builder import transformer_config
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.testing.tiny_models import tiny_hf_config
+
+    arch = model_arch_from_hf(tiny_hf_config("qwen3_moe").to_dict())
+    assert transformer_config(arch, ParallelConfig(), ModelConfig(), impl="transformer_engine").moe_grouped_gemm
+    assert not transformer_config(arch, ParallelConfig(), ModelConfig(), impl="local").moe_grouped_gemm
+
+
 def test_grouped_gemm_expert_names_map_to_sequential_ones():
     """TE's grouped-GEMM experts (TEGroupedLinear registers ``weight{j}`` per local expert; megatron-core's
     ``TEGroupedMLP``) are named back to SequentialMLP's, which the name map, loaders and weight sync use. No TE on
