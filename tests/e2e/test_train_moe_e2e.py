@@ -12,17 +12,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e.test_train_e2e import REPO, REQUIRED_METRICS, assert_same_as_straight, export, launch, read_metrics
-from tests.e2e.test_train_e2e import overrides as dense_overrides
-from tests.e2e.test_train_e2e import wait_ok
+from tests.e2e.test_train_e2e import (
+    REPO,
+    REQUIRED_METRICS,
+    assert_same_as_straight,
+    export,
+    launch,
+    overrides,
+    read_metrics,
+    wait_ok,
+)
 
 CONFIG = REPO / "configs" / "tiny_moe_cpu.yaml"
 ENV = {"NPROC_PER_NODE": "2", "MASTER_PORT": "29973"}
 MOE_METRICS = ["actor/moe_expert_load/min", "actor/moe_expert_load/max"]
-
-
-def overrides(demo: dict, out: Path, steps: int, **extra) -> list[str]:
-    return dense_overrides(demo, out, steps, **extra)
 
 
 @pytest.fixture(scope="module")
