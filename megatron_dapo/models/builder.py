@@ -67,8 +67,8 @@ def transformer_config(
     impl: str = "local",
 ):
     """``TransformerConfig`` for ``arch`` under ``parallel`` (+ the actor's recompute settings and the platform's
-    ``transformer_config_overrides``) for the resolved ``model.transformer_impl``; no fused kernels megatron-core
-    would need extra packages for (the TE spec's grouped-GEMM experts come with TE)."""
+    ``transformer_config_overrides``: initialisation, p2p sync and fused kernels) for the resolved
+    ``model.transformer_impl`` (the TE spec's grouped-GEMM experts come with TE)."""
     from megatron.core.transformer import TransformerConfig
 
     dtype = dtypes.from_config_name(model.params_dtype, "model.params_dtype")
@@ -98,12 +98,6 @@ def transformer_config(
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         # Responses differ in length from step to step; p2p shapes are exchanged per micro-batch.
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # avoids a MoE-only check that variable_seq_lengths trips
@@ -115,7 +109,7 @@ def transformer_config(
         init_method_std=0.02,
         **moe_config_kwargs(arch, parallel, actor, grouped_gemm=impl == "transformer_engine"),
         **recompute_kwargs(actor),
-        **get_platform().transformer_config_overrides(),
+        **get_platform().transformer_config_overrides(impl),  # fused kernels where the platform has them
     )
 
 

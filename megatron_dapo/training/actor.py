@@ -92,14 +92,28 @@ def causal_mask(seq_len: int, device) -> torch.Tensor:
     return torch.triu(torch.ones((1, 1, seq_len, seq_len), dtype=torch.bool, device=device), diagonal=1)
 
 
+def _wraps_float16_module(chunk) -> bool:
+    """Whether ``chunk`` (DDP / Float16Module / GPTModel) runs through megatron-core's ``Float16Module``."""
+    from megatron.core.transformer.module import Float16Module
+
+    while chunk is not None:
+        if isinstance(chunk, Float16Module):
+            return True
+        chunk = getattr(chunk, "module", None)
+    return False
+
+
 def _packed_seq_params(mb: MicroBatch):
     """megatron-core's description of a THD micro-batch for the attention and rotary kernels."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    # Every row's padding counts as part of the row (verl does the same): causal attention keeps it out of the
+    # real tokens, and FlashAttention writes every output row (with real lengths in cu_seqlens_q it leaves the pad
+    # rows of the packed output unwritten, garbage that the backward then reads).
     return PackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=mb.cu_seqlens,
-        cu_seqlens_kv=mb.cu_seqlens,
+        cu_seqlens_q=mb.cu_seqlens_padded,
+        cu_seqlens_kv=mb.cu_seqlens_padded,
         cu_seqlens_q_padded=mb.cu_seqlens_padded,
         cu_seqlens_kv_padded=mb.cu_seqlens_padded,
         max_seqlen_q=mb.max_seqlen,
@@ -157,6 +171,8 @@ class MegatronActor:
         tp_group = ps.get_tensor_model_parallel_group()
         vocab_start_rank = ps.get_tensor_model_parallel_rank()
         explicit_mask = get_platform().causal_mask_needed  # MindSpeed's flash attention wants None (causal itself)
+        # Float16Module upcasts the last stage's output to fp32 by default: a second, 2x larger copy of the logits.
+        half_wrapped = _wraps_float16_module(self.chunks[0])
 
         def forward_step(data_iterator, model):
             mb: MicroBatch = next(data_iterator)
@@ -167,6 +183,8 @@ class MegatronActor:
                 self.router_replay.set_micro_batch(model, mb)
             # MoE routers leave padding out of their losses and of the expert load.
             kwargs = {"padding_mask": mb.padding_mask} if moe else {}
+            if half_wrapped:  # keep the logits in bf16/fp16: the loss upcasts them chunk by chunk
+                kwargs["fp32_output"] = False
             if mb.packed:  # THD: the attention masks by cu_seqlens
                 output = model(mb.tokens, mb.position_ids, None, packed_seq_params=_packed_seq_params(mb), **kwargs)
             else:

@@ -14,14 +14,26 @@ follows it without being re-pointed:
   are left to **params**: moving them twice would break the aliasing the optimizer step relies on.
 * **reference**: the frozen reference chunks' parameters and buffers.
 
-How. Each storage is copied into a host byte buffer (pinned on CUDA/NPU, kept between cycles: pinning is slow), the
-device is synchronised once, then the storage is resized to 0 bytes (``Platform.release_storage``: the allocator gets
-the memory back; the tensor objects stay). Onload resizes it back and copies the bytes in: bit-exact by construction.
+How. Each component has one host byte buffer, exactly the size of its storages (each slice aligned to
+``HOST_ALIGN`` bytes), pinned on CUDA/NPU and kept between cycles (pinning is slow; one buffer per storage would
+also pay the pinned allocator's power-of-two rounding on each). Each storage is copied into its slice, the device
+is synchronised once, then the storage is resized to 0 bytes (``Platform.release_storage``: the allocator gets the
+memory back; the tensor objects stay). Onload resizes it back and copies the bytes in: bit-exact by construction.
+The frozen reference is copied out once: its host copy stays valid, later offloads only free the device memory.
 This is what verl's ``offload_megatron_model_to_cpu`` / ``load_megatron_model_to_gpu`` and megatron-core's own
 ``_ParamAndGradBuffer.offload_to_cpu`` do for DDP buffers, applied uniformly to every storage kind; grads may instead
 be discarded and re-zeroed (``keep_grad_values=False``, megatron-core's behaviour; the actor zeroes them before
 every update anyway). Every device move goes through the platform (``host_buffer``, ``copy_to_host``,
 ``copy_to_device``, ``release_storage``, ``restore_storage``), so a test platform can count them.
+
+Start-up (``before_engine_start`` / ``after_engine_start`` / ``attach_reference``), as verl orders it: vLLM refuses
+to start unless free device memory covers ``rollout.gpu_memory_utilization`` x the device (``request_memory`` in
+``vllm/v1/worker/utils.py``), so the actor's grads and optimizer state (and params, if planned) leave before the engine
+is built; the engine sleeps as soon as it exists (its weights are dummies until the first sync); the reference is
+built after that and leaves at once when planned. A resume loads the optimizer state while the engine sleeps.
+
+Checkpoint saves (``before_save``): a save reads params and optimizer state, so the engine sleeps first (a validation
+leaves it awake with its KV cache) and the actor comes back whole; the next ``before_rollout`` starts from there.
 
 Sequence per training step (``MemoryHandoff``; the trainer calls one method at each phase boundary):
 
@@ -57,6 +69,8 @@ from megatron_dapo.platform import Platform
 from megatron_dapo.platform.base import HandoffDefaults
 
 COMPONENTS = ("params", "grads", "optimizer", "reference")
+ACTOR = ("params", "grads", "optimizer")
+HOST_ALIGN = 512  # bytes: each storage's slice of a component's host buffer starts at a multiple of this
 
 
 @dataclass(frozen=True)
@@ -166,17 +180,35 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
 class _Held:
     storage: torch.UntypedStorage
     nbytes: int
-    host: Optional[torch.Tensor]  # None: values discarded (re-zeroed on onload)
+    host: Optional[torch.Tensor]  # a slice of the component's host buffer; None: values discarded (re-zeroed)
     offloaded: bool = True
+    host_current: bool = False  # the host slice holds the storage's value (frozen components: copy once)
+
+
+@dataclass
+class _HostBuffer:
+    """One component's host buffer and where each storage's bytes sit in it."""
+
+    buffer: torch.Tensor
+    slices: dict[int, tuple[int, int]]  # storage key -> (offset, nbytes)
+
+    def fits(self, sizes: dict[int, int]) -> bool:
+        return all(key in self.slices and self.slices[key][1] == n for key, n in sizes.items())
+
+    def view(self, key: int) -> torch.Tensor:
+        offset, nbytes = self.slices[key]
+        return self.buffer[offset : offset + nbytes]
 
 
 @dataclass
 class OffloadStats:
-    """Bytes and storages moved by the last offload/onload of each component, and the time it took."""
+    """Bytes and storages moved by the last offload/onload of each component, the time it took, and each
+    component's host buffer size."""
 
     bytes: dict[str, int] = field(default_factory=dict)
     storages: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    host_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class StorageOffloader:
@@ -185,6 +217,7 @@ class StorageOffloader:
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
         self._held: dict[str, dict[int, _Held]] = {c: {} for c in COMPONENTS}
+        self._host: dict[str, _HostBuffer] = {}
         self.stats = OffloadStats()
 
     def is_offloaded(self, component: str) -> bool:
@@ -208,23 +241,51 @@ class StorageOffloader:
             seen.add(key)
             yield key, t.untyped_storage()
 
+    def _host_slices(self, component: str, sizes: dict[int, int]) -> tuple[_HostBuffer, bool]:
+        """The component's host buffer holding ``sizes`` (storage key -> bytes), and whether it is the one already
+        there (else a new one, exactly sized: the storages changed)."""
+        current = self._host.get(component)
+        if current is not None and current.fits(sizes):
+            return current, True
+        if self.is_offloaded(component):
+            raise RuntimeError(f"offload of {component!r}: its storages changed while some of them are offloaded")
+        slices, offset = {}, 0
+        for key, nbytes in sizes.items():
+            slices[key] = (offset, nbytes)
+            offset += -(-nbytes // HOST_ALIGN) * HOST_ALIGN
+        if current is not None:
+            self.platform.free_host_buffer(current.buffer)
+        host = _HostBuffer(self.platform.host_buffer(offset), slices)
+        self._host[component] = host
+        self.stats.host_bytes[component] = offset
+        return host, False
+
     @torch.no_grad()
-    def offload(self, component: str, tensors: Iterable[torch.Tensor], keep_values: bool = True) -> int:
-        """Copy every distinct storage behind ``tensors`` to host, then free it. Returns the bytes released."""
+    def offload(
+        self, component: str, tensors: Iterable[torch.Tensor], keep_values: bool = True, frozen: bool = False
+    ) -> int:
+        """Copy every distinct storage behind ``tensors`` to the component's host buffer, then free it. Returns the
+        bytes released. ``frozen``: the values never change, so a host copy made by an earlier offload is kept."""
         start = time.perf_counter()
         held = self._held[component]
+        # Skip empty storages and those already off the device (e.g. shared with another component).
+        storages = {
+            key: storage
+            for key, storage in self._unique_storages(tensors)
+            if storage.nbytes() and self._owner(key) is None
+        }
+        host, reuse_copies = None, False
+        if keep_values and storages:
+            host, same = self._host_slices(component, {key: s.nbytes() for key, s in storages.items()})
+            reuse_copies = frozen and same
         moving: list[_Held] = []
-        for key, storage in self._unique_storages(tensors):
-            nbytes = storage.nbytes()
-            if nbytes == 0 or self._owner(key) is not None:
-                continue  # empty, or already off the device (e.g. a storage shared with another component)
-            entry = held.get(key)
-            host = entry.host if entry is not None and entry.nbytes == nbytes else None
-            if keep_values:
-                if host is None:
-                    host = self.platform.host_buffer(nbytes)
-                self.platform.copy_to_host(host, _bytes_view(storage))
-            entry = _Held(storage=storage, nbytes=nbytes, host=host if keep_values else None)
+        for key, storage in storages.items():
+            previous = held.get(key)
+            entry = _Held(storage=storage, nbytes=storage.nbytes(), host=None if host is None else host.view(key))
+            entry.host_current = reuse_copies and previous is not None and previous.host_current
+            if entry.host is not None and not entry.host_current:
+                self.platform.copy_to_host(entry.host, _bytes_view(storage))
+                entry.host_current = frozen
             held[key] = entry
             moving.append(entry)
         self.platform.synchronize()  # copies done before the memory is handed back
@@ -274,14 +335,19 @@ def offload_optimizer(off: StorageOffloader, optimizer, chunks: list) -> int:
 
 
 def offload_reference(off: StorageOffloader, ref_chunks: list) -> int:
-    return off.offload("reference", reference_tensors(ref_chunks))
+    return off.offload("reference", reference_tensors(ref_chunks), frozen=True)
 
 
 class MemoryHandoff:
     """Phase-boundary memory moves for one rank: the actor (DDP chunks + megatron optimizer), the reference, and
     the colocated rollout engine. See the module docstring for the sequence and the per-platform plan.
 
-    The trainer calls, every step::
+    The trainer calls, at start-up::
+
+        handoff.before_engine_start(); engine = RolloutEngine(...); handoff.after_engine_start(engine)
+        handoff.attach_reference(ref_chunks)            # built after the engine (when a KL term needs one)
+
+    every step::
 
         handoff.before_rollout(engine, lambda: weight_sync.sync(actor_chunks))
         batch = engine.generate(...)
@@ -291,9 +357,11 @@ class MemoryHandoff:
         handoff.before_update()
         actor.update(...)
 
-    ``phase_peaks_gb`` holds the platform's peak memory of each phase (``rollout``, ``old_log_probs``,
-    ``reference``, ``update``) measured between the calls; ``metrics()`` returns them with the moved bytes under
-    ``perf/`` names. With nothing to offload (CPU) only the peaks are recorded.
+    and around a checkpoint save or load: ``before_save(engine)`` (or ``restore_actor()`` while the engine sleeps).
+
+    ``phase_peaks_gb`` holds the platform's peak memory of each phase (``startup``, ``rollout``, ``old_log_probs``,
+    ``reference``, ``update``, ``save``) measured between the calls; ``metrics()`` returns them with the moved bytes
+    and the host buffers under ``perf/`` names. With nothing to offload (CPU) only the peaks are recorded.
     """
 
     def __init__(
@@ -311,7 +379,8 @@ class MemoryHandoff:
         self.ref_chunks = ref_chunks or []
         self.offloader = StorageOffloader(platform)
         self.phase_peaks_gb: dict[str, float] = {}
-        self._phase: Optional[str] = None
+        self.phase: Optional[str] = None
+        platform.observe_handoff(self)
 
     @classmethod
     def from_config(
@@ -321,21 +390,17 @@ class MemoryHandoff:
 
     # ----- phase bookkeeping
     def _enter(self, phase: Optional[str]) -> None:
-        if self._phase is not None:
-            self.phase_peaks_gb[self._phase] = self.platform.peak_memory_gb()
-        self._phase = phase
+        if self.phase is not None:
+            self.phase_peaks_gb[self.phase] = self.platform.peak_memory_gb()
+        self.phase = phase
         self.platform.reset_peak_memory()
 
     def _empty_cache(self) -> None:
         gc.collect()
         self.platform.empty_cache()
 
-    # ----- the sequence
-    def before_rollout(self, engine: Any, sync_fn: Callable[[], Any]) -> Any:
-        """Free training state, wake the engine's weights, sync, free params (if planned), wake the KV cache.
-
-        Returns what ``sync_fn`` returned (the sync's metrics)."""
-        self._enter(None)
+    def _offload_training_state(self) -> None:
+        """Grads, optimizer state and the reference leave the device, as planned."""
         p = self.plan
         if p.grads and self.optimizer is not None:
             offload_actor_grads(self.offloader, self.actor_chunks, self.optimizer, keep_values=p.keep_grad_values)
@@ -344,10 +409,64 @@ class MemoryHandoff:
         if p.reference and self.ref_chunks:
             offload_reference(self.offloader, self.ref_chunks)
         self._empty_cache()
+
+    def _onload(self, components: Iterable[str]) -> None:
+        for component in components:
+            if self.offloader.is_offloaded(component):
+                self.offloader.onload(component)
+
+    # ----- start-up and checkpoints
+    def before_engine_start(self) -> None:
+        """Before vLLM is built: what the rollout phase does not keep leaves the device (vLLM's start-up check wants
+        ``gpu_memory_utilization`` x the device free)."""
+        self._enter("startup")
+        self._offload_training_state()
+        if self.plan.params:
+            offload_actor_params(self.offloader, self.actor_chunks)
+            self._empty_cache()
+
+    def after_engine_start(self, engine: Any) -> None:
+        """The new engine sleeps until the first rollout (its weights are dummies until the first sync)."""
+        engine.sleep(self.plan.sleep_level)
+        self._empty_cache()
+        self._enter(None)
+
+    def attach_reference(self, ref_chunks: list) -> None:
+        """The frozen reference, built after the engine: it leaves the device at once when planned."""
+        self.ref_chunks = ref_chunks
+        self.platform.observe_handoff(self)
+        if self.plan.reference and self.ref_chunks:
+            offload_reference(self.offloader, self.ref_chunks)
+            self._empty_cache()
+
+    def restore_actor(self) -> None:
+        """Bring every offloaded part of the actor back (a checkpoint load or save reads it). Only while the engine
+        sleeps: ``before_save`` makes sure of that."""
+        self._onload(ACTOR)
+
+    def before_save(self, engine: Any) -> None:
+        """A save never shares the device with an awake engine: the engine sleeps (a validation leaves it awake
+        with its KV cache), then the actor comes back whole. The next ``before_rollout`` starts from here."""
+        self._enter("save")
+        engine.sleep(self.plan.sleep_level)
+        self._empty_cache()
+        self.restore_actor()
+
+    def after_save(self) -> None:
+        self._enter(None)
+
+    # ----- the step
+    def before_rollout(self, engine: Any, sync_fn: Callable[[], Any]) -> Any:
+        """Free training state, wake the engine's weights, sync, free params (if planned), wake the KV cache.
+
+        Returns what ``sync_fn`` returned (the sync's metrics)."""
+        self._enter(None)
+        self._offload_training_state()
+        self._onload(["params"])  # the sync reads them (offloaded only at start-up, before the first sync)
         self._enter("weight_sync")
         engine.wake_up(["weights"])
         result = sync_fn()
-        if p.params:
+        if self.plan.params:
             offload_actor_params(self.offloader, self.actor_chunks)
         self._empty_cache()
         engine.wake_up(["kv_cache"])
@@ -358,13 +477,11 @@ class MemoryHandoff:
         """Put the engine to sleep (planned level), give its memory back, bring the actor's params back."""
         engine.sleep(self.plan.sleep_level)
         self._empty_cache()
-        if self.offloader.is_offloaded("params"):
-            self.offloader.onload("params")
+        self._onload(["params"])
         self._enter("old_log_probs")
 
     def before_reference(self) -> None:
-        if self.offloader.is_offloaded("reference"):
-            self.offloader.onload("reference")
+        self._onload(["reference"])
         self._enter("reference")
 
     def after_reference(self) -> None:
@@ -375,16 +492,8 @@ class MemoryHandoff:
 
     def before_update(self) -> None:
         """Bring grads and optimizer state back for the actor update."""
-        for component in ("params", "grads", "optimizer"):
-            if self.offloader.is_offloaded(component):
-                self.offloader.onload(component)
+        self._onload(ACTOR)
         self._enter("update")
-
-    def restore_all(self) -> None:
-        """Bring every offloaded part of the actor back (before a checkpoint save reads it)."""
-        for component in ("params", "grads", "optimizer"):
-            if self.offloader.is_offloaded(component):
-                self.offloader.onload(component)
 
     def end_step(self) -> None:
         """Close the update phase's peak window (call after the optimizer step, before ``metrics``)."""
@@ -394,4 +503,6 @@ class MemoryHandoff:
         out = {f"perf/peak_memory_gb/{k}": v for k, v in self.phase_peaks_gb.items()}
         for k, v in self.offloader.stats.bytes.items():
             out[f"perf/offload_gb/{k}"] = v / 2**30
+        for k, v in self.offloader.stats.host_bytes.items():
+            out[f"perf/offload_host_buffer_gb/{k}"] = v / 2**30
         return out

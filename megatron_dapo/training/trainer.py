@@ -95,18 +95,21 @@ class DAPOTrainer:
         self.dp_size = self.layout.dp_size
         init_model_parallel(cfg.parallel, seed=cfg.trainer.seed, timeout_s=timeout_s)
 
-        self._build_models()
+        # Start-up order (verl's): the actor, then the engine with the training state off the device (vLLM checks
+        # at construction that gpu_memory_utilization x the device is free), then the reference.
+        self._build_actor()
+        self.handoff.before_engine_start()
+        self.engine = RolloutEngine(
+            cfg, hf_dir, self.platform, pad_token_id=self.pad_id, eos_token_ids=self.eos_ids, layout=self.layout
+        )  # weights come from the first sync
+        self.handoff.after_engine_start(self.engine)
+        self._build_reference()
         self._engine_ready_step: Optional[int] = None  # the step whose weights the awake engine holds
         self.kl_ctrl = get_kl_controller(
             cfg.algorithm.kl_ctrl.type,
             cfg.algorithm.kl_ctrl.kl_coef,
             cfg.algorithm.kl_ctrl.target_kl,
             cfg.algorithm.kl_ctrl.horizon,
-        )
-
-        # Rollout engine (weights come from the first sync) and the reward manager.
-        self.engine = RolloutEngine(
-            cfg, hf_dir, self.platform, pad_token_id=self.pad_id, eos_token_ids=self.eos_ids, layout=self.layout
         )
         self.weight_sync = WeightSync(self.engine, self.arch, cfg)
         self.train_sampling = SamplingSpec.for_training(cfg, self.eos_ids)
@@ -135,9 +138,9 @@ class DAPOTrainer:
             and not cfg.algorithm.use_kl_in_reward
         )
 
-    def _build_models(self) -> None:
-        """The actor (trainable, with its optimizer) and, when a KL term needs it, the frozen reference; the memory
-        hand-off between them and the engine."""
+    def _build_actor(self) -> None:
+        """The actor (trainable, with its optimizer) and the memory hand-off between it and the engine (what is
+        offloaded while vLLM generates; nothing on CPU)."""
         cfg = self.cfg
         impl = resolve_transformer_impl(cfg.model, cfg.parallel)
         cfg.actor.use_remove_padding = resolve_remove_padding(cfg.actor, impl, cfg.parallel.context_parallel_size)
@@ -146,15 +149,17 @@ class DAPOTrainer:
         actor_chunks = wrap_for_training(actor_chunks, cfg)
         optimizer, self.scheduler = build_optimizer(actor_chunks, cfg.actor.optim, self.total_steps)
         self.actor = MegatronActor(actor_chunks, self.arch.vocab_size, cfg.actor, optimizer)
+        self.handoff = MemoryHandoff.from_config(cfg, self.platform, self.actor.chunks, self.actor.optimizer)
+
+    def _build_reference(self) -> None:
+        """The frozen reference, when a KL term needs it; built once the engine sleeps, handed to the hand-off."""
+        cfg = self.cfg
         self.ref: Optional[MegatronActor] = None
         if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             ref_chunks = freeze(build_gpt_chunks(self.arch, cfg))
             load_mcore_checkpoint(ref_chunks, self.arch, cfg.checkpoint.ref_load_dir or cfg.checkpoint.load_dir)
             self.ref = MegatronActor(ref_chunks, self.arch.vocab_size, cfg.actor)
-        # Phase-boundary memory moves (what is offloaded while vLLM generates; nothing on CPU).
-        self.handoff = MemoryHandoff.from_config(
-            cfg, self.platform, self.actor.chunks, self.actor.optimizer, self.ref.chunks if self.ref else None
-        )
+            self.handoff.attach_reference(self.ref.chunks)
 
     def _build_outputs(self) -> None:
         """Checkpoints, metrics loggers, the progress bar and the rollout dump (rank 0 logs)."""
@@ -595,7 +600,10 @@ class DAPOTrainer:
 
     def save_checkpoint(self) -> None:
         self._saving = True
-        self.handoff.restore_all()  # a save reads the actor's parameters and optimizer state
+        # A save reads the actor's parameters and optimizer state; the engine sleeps meanwhile (and is woken and
+        # synced again by the next rollout or validation).
+        self.handoff.before_save(self.engine)
+        self._engine_ready_step = None
         self.ckpt.save(
             step=self.global_step,
             model_chunks=self.actor.chunks,
@@ -605,6 +613,7 @@ class DAPOTrainer:
             config=to_dict(self.cfg),
             save_optimizer=self.cfg.checkpoint.save_optimizer,
         )
+        self.handoff.after_save()
         self._saving = False
         self.saved_step = self.global_step
 
@@ -652,6 +661,7 @@ class DAPOTrainer:
         step_dir = resolve_resume(self.cfg.checkpoint.resume_mode, self.ckpt.save_dir)
         if step_dir is None:
             return
+        self.handoff.restore_actor()  # the engine sleeps since start-up: the optimizer state can come back
         state = self.ckpt.load(step_dir, self.actor.chunks, self.actor.optimizer, self.scheduler)
         self.global_step = self.saved_step = int(state["step"])
         self.sampler.load_state_dict(state["data_state"])

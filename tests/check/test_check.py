@@ -1,8 +1,9 @@
 """``megatron-dapo check`` (megatron_dapo/check.py): the tiny demo passes with the right plan, many problems are
 listed at once, memory phases over --device-memory-gb are flagged, the per-phase memory plan matches hand-computed
-bytes for a small model (offload, vLLM sleep level, recompute, pipeline stages, peak phase), and the shipped large
-configs get a plan from locally written HF config.json files of the real model shapes (no weights) that agrees with
-the budget in their header comments."""
+bytes for a small model (offload, vLLM sleep level, recompute, pipeline stages, peak phase; the startup row and
+vLLM's start-up rule, the save row), --json writes the plan (to stdout with -), overrides may follow the options, and
+the shipped large configs get a plan from locally written HF config.json files of the real model shapes (no weights)
+that agrees with the budget in their header comments."""
 
 from __future__ import annotations
 
@@ -241,9 +242,10 @@ SMALL_ACT_NONE = 8 * SMALL_TOKENS * 3720  # 8 layers, 1 micro-batch in flight (P
 SMALL_ACT_FULL = 8 * SMALL_TOKENS * 256 * 2 // 2 + 1 * SMALL_TOKENS * 3720  # layer inputs + one layer recomputed
 
 
-def small_plan(tmp_path, *overrides: str, memory_gb: float = 1.0, nproc: int = 8):
+def small_overrides(tmp_path) -> list[str]:
+    """The overrides that make ``configs/tiny_cpu.yaml`` the ``SMALL`` model's CUDA plan (writes its config.json)."""
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
-    base = [
+    return [
         f"model.hf_config_dir={tmp_path}",
         "model.params_dtype=bf16",
         "model.make_vocab_size_divisible_by=128",
@@ -261,6 +263,10 @@ def small_plan(tmp_path, *overrides: str, memory_gb: float = 1.0, nproc: int = 8
         "actor.ppo_micro_batch_size_per_gpu=2",
         "actor.log_prob_micro_batch_size_per_gpu=2",
     ]
+
+
+def small_plan(tmp_path, *overrides: str, memory_gb: float = 1.0, nproc: int = 8):
+    base = small_overrides(tmp_path)
     report = run_check(TINY, base + list(overrides), nnodes=1, nproc_per_node=nproc, device_memory_gb=memory_gb)
     print(report.render())
     assert report.phases, report.problems
@@ -400,6 +406,176 @@ def test_pipeline_stages_in_flight(tmp_path):
     assert vpp.numbers["memory_activations_bytes"] == 5 * 2 * SMALL_TOKENS * 3720
 
 
+# ------------------------------------------------------------------------------------------ startup and save rows
+
+
+def test_startup_row_by_hand(tmp_path):
+    # CUDA defaults: grads freed and optimizer offloaded right after the actor is built, then vLLM is built with only
+    # the actor's weights resident; its share is gpu_memory_utilization 0.5 x 1 GiB (weights + KV cache).
+    report = small_plan(tmp_path, "actor.use_kl_loss=true")
+    startup = phase(report, "startup")
+    assert report.phases[0] is startup and report.phases[-1].name == "save"
+    assert startup.device == {
+        "actor weights": 2 * SMALL_P_RANK,  # 5.01 MiB
+        "vLLM weights": SMALL_VLLM,
+        "vLLM KV cache": 2**29 - SMALL_VLLM,
+    }
+    assert startup.device_total == 2 * SMALL_P_RANK + 2**29  # 517.01 MiB
+    # The reference (KL term on) is built after the engine: neither on the device nor on the host yet.
+    assert startup.host == {"optimizer": SMALL_OPTIM}
+    # vLLM's start-up rule: 1024 - 5.01 = 1018.99 MiB free >= 0.5 x 1 GiB = 512 MiB.
+    n = report.numbers
+    assert n["memory_startup_resident_bytes"] == 2 * SMALL_P_RANK
+    assert n["memory_startup_free_bytes"] == 2**30 - 2 * SMALL_P_RANK
+    assert n["memory_startup_asked_bytes"] == 2**29
+    assert startup.fits is True
+    assert "vLLM start-up: free 1018.99 MiB >= rollout.gpu_memory_utilization 0.5 x 1 GiB = 512.00 MiB" in startup.note
+    # The same device total as generation: the peak stays the step's phase.
+    assert startup.device_total == phase(report, "gen").device_total and report.peak_phase == "gen"
+    # Nothing offloaded: grads and optimizer are resident when the engine is built too.
+    kept = small_plan(tmp_path, "actor.offload_optimizer=false", "actor.offload_grads=false")
+    k = phase(kept, "startup")
+    assert k.device_total - startup.device_total == SMALL_GRADS + SMALL_OPTIM and k.host == {}
+    assert kept.numbers["memory_startup_resident_bytes"] == 2 * SMALL_P_RANK + SMALL_GRADS + SMALL_OPTIM
+    # Params offloaded too (actor.offload_params=true): they leave before the engine is built, as they do while vLLM
+    # generates.
+    params = phase(small_plan(tmp_path, "actor.offload_params=true"), "startup")
+    assert "actor weights" not in params.device and params.host["actor weights"] == 2 * SMALL_P_RANK
+
+
+def test_startup_that_does_not_fit_is_a_problem(tmp_path):
+    # 0.2 GiB = 204.80 MiB device, vLLM asks 0.95 x it = 194.56 MiB. The optimizer kept on the device: resident
+    # weights 5.01 + optimizer 7.52 = 12.53 MiB leave 192.27 MiB free, too little (generation, which holds the same
+    # and vLLM's share, is over the device too: a warning).
+    report = small_plan(tmp_path, "rollout.gpu_memory_utilization=0.95", "actor.offload_optimizer=false", memory_gb=0.2)
+    startup = phase(report, "startup")
+    resident = 2 * SMALL_P_RANK + SMALL_OPTIM
+    assert set(startup.device) == {"actor weights", "optimizer", "vLLM weights", "vLLM KV cache"}
+    assert startup.fits is False and report.fits is False
+    assert phase(report, "gen").fits is False
+    found = [p for p in report.problems if p.startswith("vLLM start-up")]
+    assert len(found) == 1, report.problems
+    mib = 2**20
+    for text in (
+        "free device memory when the engine is built must be >= rollout.gpu_memory_utilization x capacity",
+        f"{resident / mib:.2f} MiB per rank resident (actor weights 5.01 MiB + optimizer 7.52 MiB)",
+        f"leaves {(0.2 * 2**30 - resident) / mib:.2f} MiB of --device-memory-gb 0.2 free",  # 192.27 MiB
+        "0.95 x 0.2 GiB = 194.56 MiB vLLM asks for",
+        "lower rollout.gpu_memory_utilization to at most 0.93",
+        "actor.offload_optimizer=true",
+        "more ranks",
+    ):
+        assert text in found[0], (text, found[0])
+    assert "actor.offload_grads=true" not in found[0]  # already offloaded
+    # A problem, not a warning; the row is marked.
+    assert not any("'startup'" in w for w in report.warnings)
+    line = next(x for x in report.plan.splitlines() if x.strip().startswith("startup "))
+    assert "OVER --device-memory-gb 0.2" in line and "vLLM would refuse to start" in line
+    # Offloading the optimizer before the engine is built (the CUDA default) fixes it.
+    fixed = small_plan(tmp_path, "rollout.gpu_memory_utilization=0.95", memory_gb=0.2)
+    assert phase(fixed, "startup").fits and not any(p.startswith("vLLM start-up") for p in fixed.problems)
+
+
+def test_startup_on_cpu_has_no_vllm_rule(demo):
+    report = run_check(TINY, demo_overrides(demo))
+    startup = phase(report, "startup")
+    assert startup.fits is None and report.fits is None
+    assert "vLLM start-up" not in startup.note and "memory_startup_free_bytes" not in report.numbers
+    n = report.numbers
+    assert startup.device == {
+        "actor weights": n["memory_actor_weights_bytes"],
+        "grads": n["memory_grads_bytes"],
+        "optimizer": n["memory_optimizer_bytes"],
+        "vLLM weights": n["memory_vllm_weights_bytes"],
+        "vLLM KV cache": n["memory_kv_cache_bytes"],
+    }
+
+
+def test_save_row_vllm_terms_follow_the_sleep(tmp_path):
+    # vLLM sleeps at level 2 before the save: only the actor's params, grads and optimizer state on the device; the
+    # offloaded reference stays in pinned host memory.
+    two = small_plan(tmp_path, "actor.use_kl_loss=true")
+    save = phase(two, "save")
+    assert save.device == {"actor weights": 2 * SMALL_P_RANK, "grads": SMALL_GRADS, "optimizer": SMALL_OPTIM}
+    assert save.host == {"reference": 2 * SMALL_P_RANK}
+    assert save.runs and save.fits is True and "vLLM asleep first (level 2" in save.note
+    # The reference kept on the device (ref.offload=false) counts there.
+    assert phase(small_plan(tmp_path, "actor.use_kl_loss=true", "ref.offload=false"), "save").device["reference"] == (
+        2 * SMALL_P_RANK
+    )
+    # Level 1: vLLM's weights in pinned host memory, nothing of it on the device.
+    one = phase(small_plan(tmp_path, "rollout.sleep_level=1"), "save")
+    assert not any(k.startswith("vLLM") for k in one.device) and one.host == {"vLLM weights": SMALL_VLLM}
+    # vLLM never sleeps (rollout.free_cache_engine=false): its weights and KV cache stay on the device.
+    awake = small_plan(tmp_path, "actor.use_kl_loss=true", "rollout.free_cache_engine=false")
+    a = phase(awake, "save")
+    assert a.device["vLLM weights"] == SMALL_VLLM and a.device["vLLM KV cache"] == 2**29 - SMALL_VLLM
+    assert a.device_total - save.device_total == 2**29
+    assert "vLLM never sleeps" in a.note
+
+
+def small_argv(tmp_path, *extra: str) -> list[str]:
+    """The ``small_plan`` check as a command line: config, overrides, then ``extra``."""
+    return [TINY, *small_overrides(tmp_path), *extra]
+
+
+def test_json_to_stdout(tmp_path, capsys):
+    rc = main(small_argv(tmp_path, "--nproc-per-node", "8", "--device-memory-gb", "1", "--json", "-"))
+    out, err = capsys.readouterr()
+    assert rc == 1  # the data file and checkpoint do not exist: problems, JSON all the same
+    data = json.loads(out)  # stdout is only the JSON; the text report went to stderr
+    assert "FAILED:" in err and "per phase, per rank" in err
+    assert data["capacity_gib"] == 1.0 and data["world_size"] == 8 and data["ok"] is False
+    assert list(data["phases"]) == ["startup", "sync", "gen", "old_log_prob", "ref", "update", "save"]
+    for name in ("startup", "save"):
+        ph = data["phases"][name]
+        assert ph["fits"] is True and ph["runs"] is True
+        assert ph["device_gib"] == pytest.approx(sum(ph["terms"].values()))
+    assert data["phases"]["save"]["terms"] == pytest.approx(
+        {"actor weights": 2 * SMALL_P_RANK / 2**30, "grads": SMALL_GRADS / 2**30, "optimizer": SMALL_OPTIM / 2**30}
+    )
+    assert data["peak_phase"] == "gen" and data["fits"] is True
+    assert any("/no_data.jsonl" in p for p in data["problems"]) and data["warnings"] == []
+    assert data["numbers"]["memory_startup_asked_bytes"] == 2**29
+
+
+def test_json_to_a_file_and_without_a_plan(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    rc = main(small_argv(tmp_path, "--nproc-per-node", "8", "--json", str(path)))
+    out = capsys.readouterr().out
+    assert rc == 1 and "per phase, per rank" in out  # the text report on stdout
+    data = json.loads(path.read_text())
+    assert data["capacity_gib"] is None and data["fits"] is None
+    assert data["phases"]["startup"]["fits"] is None and data["phases"]["save"]["fits"] is None
+    # No plan (TP 3 on 8 ranks): still a JSON document, with the problems.
+    rc = main(small_argv(tmp_path, "parallel.tensor_model_parallel_size=3", "--nproc-per-node", "8", "--json", "-"))
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1 and data["phases"] == {} and data["peak_phase"] is None and data["fits"] is None
+    assert any("tensor_model_parallel_size=3" in p for p in data["problems"])
+
+
+def test_overrides_after_the_options(tmp_path, capsys):
+    # As README writes it: CONFIG --nnodes N --nproc-per-node P --device-memory-gb G [overrides...].
+    argv = small_argv(tmp_path)
+    config, overrides = argv[0], argv[1:]
+    options = ["--nnodes", "1", "--nproc-per-node", "8", "--device-memory-gb", "1", "--json", "-"]
+    documents = []
+    for order in (
+        [config, *options, *overrides],
+        [config, *overrides, *options],
+        [config, *overrides[:3], *options, *overrides[3:]],
+    ):
+        assert main(order) == 1
+        documents.append(json.loads(capsys.readouterr().out))
+    assert documents[0] == documents[1] == documents[2]
+    assert documents[0]["world_size"] == 8 and documents[0]["overrides"] == overrides
+    # Through the megatron-dapo command line as well.
+    from megatron_dapo.cli import main as cli_main
+
+    assert cli_main(["check", config, *options, *overrides]) == 1
+    assert json.loads(capsys.readouterr().out) == documents[0]
+
+
 @pytest.mark.parametrize(
     "config, hf_config, nnodes, nproc, memory_gb, params",
     [
@@ -427,10 +603,17 @@ def test_shipped_large_configs_plan(tmp_path, config, hf_config, nnodes, nproc, 
     assert report.problems and all(("/data/" in p or "/ckpt/" in p) for p in report.problems), report.problems
     assert report.warnings == []  # no phase over the device memory
 
+    # vLLM's start-up rule holds: only the actor's weights are resident when the engine is built.
+    startup = phase(report, "startup")
+    assert startup.fits and set(startup.device) == {"actor weights", "vLLM weights", "vLLM KV cache"}
+    assert report.fits
+
     # The per-phase budget in the config's header comment is what the check prints: every phase the step runs, its
     # total and each of its terms (GiB, rounded to 0.01), terms that add up to the total, and the peak.
     budget, peak = comment_budget(REPO / "configs" / config)
     phases = {ph.name: ph for ph in report.phases if ph.runs}
+    if config in HEADER_WITHOUT_EDGE_ROWS:
+        phases = {k: v for k, v in phases.items() if k not in ("startup", "save")}
     assert set(budget) == set(phases), (set(budget), set(phases))
     for name, (total, terms) in budget.items():
         ph = phases[name]
@@ -441,7 +624,9 @@ def test_shipped_large_configs_plan(tmp_path, config, hf_config, nnodes, nproc, 
     assert peak == (report.peak_phase, round(report.numbers["memory_peak_bytes"] / 2**30, 2), memory_gb)
 
 
-BUDGET_LINE = re.compile(r"^#\s+(sync|gen|old_log_prob|ref|update)\s+([\d.]+) = (.*)$")
+BUDGET_LINE = re.compile(r"^#\s+(startup|sync|gen|old_log_prob|ref|update|save)\s+([\d.]+) = (.*)$")
+# Shipped configs whose header comment does not show the startup and save rows yet (the step's phases only).
+HEADER_WITHOUT_EDGE_ROWS = {"dapo_qwen3_32b_ascend.yaml"}
 PEAK_LINE = re.compile(r"^#\s+peak: (\w+) ([\d.]+) of ([\d.]+),")
 
 

@@ -4,6 +4,7 @@ CUDA/NPU after these choices — TE kernels, MindSpeed patches, HCCL, vllm-ascen
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -19,7 +20,7 @@ def test_memory_handoff_defaults_and_sleep_levels():
     cpu, cuda, npu = (make_platform(n) for n in ("cpu", "cuda", "npu"))
     d = cpu.memory_handoff_defaults()
     assert not d.anything  # CPU: host memory is the device memory, nothing to hand off
-    for p, level in ((cuda, 2), (npu, 1)):
+    for p, level in ((cuda, 2), (npu, 2)):  # vllm-ascend sleeps at level 2 as well
         d = p.memory_handoff_defaults()
         assert (d.params, d.grads, d.optimizer, d.reference, d.sleep_level) == (False, True, True, True, level)
         assert d.grad_values is False  # the actor zeroes grads before each update: not copied back and forth
@@ -46,7 +47,13 @@ def test_transformer_impl_resolution_on_cpu():
 
 def test_transformer_impl_resolution_on_cuda_and_npu():
     cuda, npu = make_platform("cuda"), make_platform("npu")
-    assert cuda.resolve_transformer_impl("auto") == ("transformer_engine" if TE_INSTALLED else "local")
+    if TE_INSTALLED:
+        assert cuda.resolve_transformer_impl("auto") == "transformer_engine"
+    else:  # CUDA without TE is an error naming the explicit opt-in, not a silent local spec
+        with pytest.raises(RuntimeError, match=r"transformer_impl=auto \(TransformerEngine here\) on platform 'cuda'"):
+            cuda.resolve_transformer_impl("auto")
+        with pytest.raises(RuntimeError, match="set model.transformer_impl=local explicitly"):
+            cuda.resolve_transformer_impl("auto")
     assert cuda.resolve_transformer_impl("local") == "local"
     assert npu.resolve_transformer_impl("local") == "local"
     if not MINDSPEED_INSTALLED:
@@ -114,3 +121,45 @@ def test_cpu_peak_memory_windows():
     assert cpu.peak_memory_gb() >= peak  # the window keeps its maximum until reset
     cpu.reset_peak_memory()
     assert cpu.peak_memory_gb() < peak
+
+
+def test_vllm_engine_options_per_platform(monkeypatch):
+    cpu, cuda, npu = (make_platform(n) for n in ("cpu", "cuda", "npu"))
+    # Sleep mode follows rollout.free_cache_engine in the engine; no platform forces it on.
+    assert cuda.vllm_engine_kwargs(1, 0.6) == {"gpu_memory_utilization": 0.6}
+    monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
+    kwargs = npu.vllm_engine_kwargs(1, 0.6)
+    # vllm-ascend refuses wake_up with its NZ weight format on: RL mode (and, for older releases, the env var) off.
+    assert kwargs == {"gpu_memory_utilization": 0.6, "additional_config": {"rl_config": {"enabled": True}}}
+    assert os.environ["VLLM_ASCEND_ENABLE_NZ"] == "0"
+    # Seeding and chunked prefill: per-request seeds only on CPU, where chunked prefill cannot serve them.
+    assert (cpu.default_per_request_seed, cuda.default_per_request_seed, npu.default_per_request_seed) == (
+        True,
+        False,
+        False,
+    )
+    assert not cpu.vllm_chunked_prefill(True) and cpu.vllm_chunked_prefill(False)
+    assert cuda.vllm_chunked_prefill(True) and npu.vllm_chunked_prefill(False)
+
+
+def test_fused_kernels_per_platform():
+    cpu, cuda, npu = (make_platform(n) for n in ("cpu", "cuda", "npu"))
+    fusions = (
+        "bias_activation_fusion",
+        "bias_dropout_fusion",
+        "apply_rope_fusion",
+        "gradient_accumulation_fusion",
+        "masked_softmax_fusion",
+        "persist_layer_norm",
+    )
+    impls = ("local", "transformer_engine")
+    on = {impl: {k for k in fusions if cuda.transformer_config_overrides(impl)[k]} for impl in impls}
+    # CUDA: torch-compiled fusions always; RoPE fusion with TE; nothing that needs Apex.
+    assert on == {
+        "local": {"bias_activation_fusion", "bias_dropout_fusion"},
+        "transformer_engine": {"bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion"},
+    }
+    # CPU: megatron-core's fusions are device kernels; NPU: MindSpeed's own kernels replace them.
+    for p in (cpu, npu):
+        assert not any(p.transformer_config_overrides("transformer_engine")[k] for k in fusions)
+    assert cpu.transformer_config_overrides()["use_cpu_initialization"]

@@ -30,6 +30,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: TP)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (megatron-core needs it for MoE with TP)")
     p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument(
+        "--engine-seed", action="store_true", help="rollout.per_request_seed=false: seed the engine, not requests"
+    )
     p.add_argument("--cycles", type=int, default=2, help="Adam step + sync + generate cycles after the first")
     return p.parse_args()
 
@@ -109,6 +112,7 @@ def main() -> None:
             "rollout.n=3",
             "rollout.temperature=1.0",
             "rollout.seed=7",
+            f"rollout.per_request_seed={str(not args.engine_seed).lower()}",
             "rollout.kv_cache_memory_mb=32",
             "rollout.max_num_seqs=64",
             "data.max_prompt_length=12",
@@ -149,6 +153,8 @@ def main() -> None:
     t = time.perf_counter()
     engine = RolloutEngine(cfg, args.hf_dir, platform, pad_token_id=0, eos_token_ids=[1])
     res["engine_start_s"] = time.perf_counter() - t
+    res["per_request_seed"] = engine.per_request_seed
+    res["chunked_prefill"] = bool(engine.llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill)
     sync = WeightSync(engine, arch, cfg)
     tiny_sync = WeightSync(engine, arch, cfg, bucket_bytes=1)  # one Megatron module per reload_weights call
 

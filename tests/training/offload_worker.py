@@ -196,6 +196,7 @@ def run_case(name: str, spec: dict, platform: CountingPlatform) -> dict:
 
     res["sizes_start"] = comp_sizes()
     res["n_optimizer_tensors"] = len(optimizer_tensors(optimizer, exclude=param_tensors(chunks)))
+    res["n_reference_storages"] = len({int(t.untyped_storage()._cdata) for t in reference_tensors(ref_chunks)})
     before = snapshot(chunks, optimizer, ref_chunks)
     for keep in (True, False):
         tag = "keep" if keep else "discard"
@@ -236,6 +237,8 @@ def run_case(name: str, spec: dict, platform: CountingPlatform) -> dict:
         res[f"{tag}_engine_calls"] = engine.calls
         res[f"{tag}_platform_calls"] = {k: platform.calls[k] - calls0[k] for k in platform.calls}
         res[f"{tag}_moved_bytes"] = dict(handoff.offloader.stats.bytes)
+        res[f"{tag}_host_buffer_bytes"] = dict(handoff.offloader.stats.host_bytes)
+        res[f"{tag}_storages"] = dict(handoff.offloader.stats.storages)
         res[f"{tag}_metrics_keys"] = sorted(handoff.metrics())
         if keep:
             # Second step on the same gradients, on the handed-off actor and on the control: must agree exactly.

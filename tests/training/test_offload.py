@@ -66,12 +66,20 @@ def test_storages_released_then_restored_bit_exactly(results, case):
             calls = r[f"{tag}_platform_calls"]
             # What is still released at the update is the reference (offloaded again after its forward).
             assert calls["release"] - calls["restore"] == r[f"{tag}_live_released_update"] > 0
-            # One host buffer per storage, reused when the reference leaves a second time.
-            assert calls["host_buffer"] == calls["copy_to_device"]
+            # One exactly sized host buffer per component that keeps its values (discarded grads need none),
+            # reused when the reference leaves a second time.
+            host = r[f"{tag}_host_buffer_bytes"]
+            assert calls["host_buffer"] == len(host) == (4 if tag == "keep" else 3)
+            for component, nbytes in host.items():
+                moved, count = r[f"{tag}_moved_bytes"][component], r[f"{tag}_storages"][component]
+                assert moved <= nbytes < moved + 512 * count, (component, nbytes, moved, count)
+            # The frozen reference is copied to host once; its second offload only frees the device memory.
+            n_ref = r["n_reference_storages"]
             if tag == "keep":
-                assert calls["copy_to_host"] == calls["release"] and calls["copy_to_device"] == calls["restore"]
+                assert calls["copy_to_host"] == calls["release"] - n_ref and calls["copy_to_device"] == calls["restore"]
             else:  # the one DDP grad buffer is freed without a copy and zeroed on reload
-                assert calls["release"] - calls["copy_to_host"] == calls["restore"] - calls["copy_to_device"] == 1
+                assert calls["release"] - n_ref - calls["copy_to_host"] == 1
+                assert calls["restore"] - calls["copy_to_device"] == 1
         # Everything the actor holds came back bit-exactly; grads too when their values are kept.
         assert r["keep_bad"] == {"params": [], "grads": [], "optimizer": []}
         assert r["discard_bad"] == {"params": [], "optimizer": []}
@@ -105,7 +113,7 @@ def test_plan_follows_platform_defaults_and_config():
     assert (plan.params, plan.grads, plan.optimizer, plan.reference) == (False, False, False, False)
     gpu = resolve_handoff_plan(cfg, cuda)
     assert (gpu.params, gpu.grads, gpu.optimizer, gpu.reference, gpu.sleep_level) == (False, True, True, True, 2)
-    assert resolve_handoff_plan(cfg, npu).sleep_level == 1
+    assert resolve_handoff_plan(cfg, npu).sleep_level == 2
     cfg = load_config(
         None,
         [

