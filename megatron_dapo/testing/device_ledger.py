@@ -71,6 +71,33 @@ class LedgerRecord:
     events: list[dict[str, Any]] = field(default_factory=list)  # {"phase", "event", "holders"} per check
 
 
+def state_holders(handoff: Any) -> dict[str, int]:
+    """Bytes the memory hand-off's components hold now: the distinct live storages of the actor's params, grads and
+    optimizer state and of the reference (a storage shared by two components counts for the first). On a GPU this is
+    what ``torch.cuda.memory_allocated`` counts for them (``tests/gpu/gpu_check.py`` compares the two)."""
+    from megatron_dapo.training.offload import grad_tensors, optimizer_tensors, param_tensors, reference_tensors
+
+    h = handoff
+    params = param_tensors(h.actor_chunks)
+    groups = {
+        "actor params": params,
+        "actor grads": grad_tensors(h.actor_chunks, h.optimizer),
+        "optimizer": optimizer_tensors(h.optimizer, exclude=params) if h.optimizer is not None else [],
+        "reference": reference_tensors(h.ref_chunks),
+    }
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for name, tensors in groups.items():
+        out[name] = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = int(storage._cdata)
+            if key not in seen:
+                seen.add(key)
+                out[name] += storage.nbytes()
+    return out
+
+
 class LedgerPlatform(CpuPlatform):
     """The CPU platform with one modelled accelerator of ``capacity`` bytes; see the module docstring.
 
@@ -91,30 +118,8 @@ class LedgerPlatform(CpuPlatform):
 
     # ----- what is held
     def holders(self) -> dict[str, int]:
-        """Device bytes per holder: the hand-off's components (distinct live storages, first holder wins) and the
-        engine's weights and KV cache."""
-        from megatron_dapo.training.offload import grad_tensors, optimizer_tensors, param_tensors, reference_tensors
-
-        out: dict[str, int] = {}
-        h = self.handoff
-        if h is not None:
-            params = param_tensors(h.actor_chunks)
-            groups = {
-                "actor params": params,
-                "actor grads": grad_tensors(h.actor_chunks, h.optimizer),
-                "optimizer": optimizer_tensors(h.optimizer, exclude=params) if h.optimizer is not None else [],
-                "reference": reference_tensors(h.ref_chunks),
-            }
-            seen: set[int] = set()
-            for name, tensors in groups.items():
-                total = 0
-                for t in tensors:
-                    storage = t.untyped_storage()
-                    key = int(storage._cdata)
-                    if key not in seen:
-                        seen.add(key)
-                        total += storage.nbytes()
-                out[name] = total
+        """Device bytes per holder: the hand-off's components and the engine's weights and KV cache."""
+        out = state_holders(self.handoff) if self.handoff is not None else {}
         out["vLLM weights"] = self.engine.weights
         out["vLLM KV cache"] = self.engine.kv_cache
         return out

@@ -52,7 +52,7 @@ Per platform (``Platform.memory_handoff_defaults``; each ``actor.offload_*`` / `
 * CPU: nothing is offloaded (host memory *is* the device memory; the calls above are no-ops by declaration) and
   vLLM has no sleep mode, so ``engine.sleep``/``wake_up`` do nothing.
 * CUDA: grads + optimizer + reference offloaded, params kept; vLLM sleep level 2.
-* NPU: grads + optimizer + reference offloaded, params kept; vLLM (vllm-ascend) sleep level 1.
+* NPU: grads + optimizer + reference offloaded, params kept; vLLM (vllm-ascend) sleep level 2.
 """
 
 from __future__ import annotations
@@ -219,6 +219,10 @@ class StorageOffloader:
         self._held: dict[str, dict[int, _Held]] = {c: {} for c in COMPONENTS}
         self._host: dict[str, _HostBuffer] = {}
         self.stats = OffloadStats()
+
+    def host_buffers(self) -> dict[str, torch.Tensor]:
+        """Each component's host buffer (one per component that kept its values)."""
+        return {component: host.buffer for component, host in self._host.items()}
 
     def is_offloaded(self, component: str) -> bool:
         return any(h.offloaded for h in self._held[component].values())

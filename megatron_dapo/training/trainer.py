@@ -600,10 +600,11 @@ class DAPOTrainer:
 
     def save_checkpoint(self) -> None:
         self._saving = True
-        # A save reads the actor's parameters and optimizer state; the engine sleeps meanwhile (and is woken and
-        # synced again by the next rollout or validation).
+        # A save reads the actor's parameters and optimizer state; the engine sleeps meanwhile (where it can; it is
+        # woken and synced again by the next rollout or validation).
         self.handoff.before_save(self.engine)
-        self._engine_ready_step = None
+        if self.engine.asleep:
+            self._engine_ready_step = None
         self.ckpt.save(
             step=self.global_step,
             model_chunks=self.actor.chunks,

@@ -12,8 +12,12 @@ layer). It checks, and prints a line per phase with tokens/s and the allocator's
 3. ``update``: ``MegatronActor.update`` (forward/backward with the DAPO loss hook + optimizer step) on a batch of
    prompt 512 + response 1536 tokens; tokens/s.
 4. ``handoff``: ``training.offload.MemoryHandoff`` with every component offloaded (params too) around a stand-in
-   engine (no vLLM here): device memory after each boundary, bytes moved, and bit-exactness of every parameter, grad
-   buffer and optimizer tensor after the round trip (checksums against host copies).
+   engine that holds real device memory (no vLLM here), through start-up, a step and a save: at each boundary the
+   allocator's bytes against the device-memory ledger's accounting of the same objects
+   (``testing/device_ledger.state_holders``), each phase's peak, bit-exactness of every parameter, grad buffer and
+   optimizer tensor after the round trip, and the pinned host buffers (one per component, exactly sized, against
+   what the caching host allocator would reserve for one pinned buffer per storage).
+   ``bf16_fused`` / ``bf16_unfused``: forward/backward tokens/s with the platform's fused kernels and with none.
 5. ``logprobs_8k``: ``MegatronActor.compute_log_probs`` on 8192-token responses (chunked log-probs from
    ``algo.logprobs.response_log_probs``), and ``response_log_probs`` forward+backward on [8704, 151936] bf16 logits
    against a float32 ``log_softmax`` reference; peak memory of each.
@@ -101,6 +105,139 @@ def phase_peak(platform, fn):
     return result, time.perf_counter() - t, round(platform.peak_memory_gb(), 3)
 
 
+class StandInEngine:
+    """No vLLM on the lent machine: an engine that holds ``nbytes`` of real device memory while awake (half for its
+    weights, half for its KV cache) and frees it when it sleeps, as vLLM's sleep level 2 does."""
+
+    def __init__(self, nbytes: int, device) -> None:
+        self.nbytes, self.device = nbytes, device
+        self.held: dict[str, torch.Tensor] = {}
+        self.calls: list = []
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake", tuple(tags or ())))
+        for tag in tags or ("weights", "kv_cache"):
+            self.held.setdefault(tag, torch.empty(self.nbytes // 2, dtype=torch.uint8, device=self.device))
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+        self.held.clear()
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() for t in self.held.values())
+
+
+def handoff_sequence(res, check, cfg, arch, platform, actor, ref, tiny: bool) -> None:
+    """Start-up, one step's phase boundaries and a save with the CUDA plan (grads, optimizer and reference
+    offloaded) plus params, around a stand-in engine that holds real device memory. At every boundary the device's
+    allocated bytes must equal the ledger's accounting of the same objects (``testing/device_ledger.state_holders``
+    + the engine) up to the constant rest (the batch, RNG states); the peak of each phase is printed beside it.
+    Every tensor must be bit-identical after the round trip, and each offloaded component's pinned host buffer must
+    be exactly its storages' size."""
+    from dataclasses import replace
+
+    from megatron_dapo.testing.device_ledger import state_holders
+    from megatron_dapo.training.offload import (
+        MemoryHandoff,
+        grad_tensors,
+        optimizer_tensors,
+        param_tensors,
+        resolve_handoff_plan,
+    )
+
+    def host_state():
+        tensors = param_tensors(actor.chunks) + grad_tensors(actor.chunks, actor.optimizer)
+        tensors += optimizer_tensors(actor.optimizer, exclude=param_tensors(actor.chunks))
+        return [t.detach().cpu().clone() for t in tensors]
+
+    plan = replace(resolve_handoff_plan(cfg, platform), params=True, keep_grad_values=True)
+    handoff = MemoryHandoff(platform, plan, actor.chunks, actor.optimizer)
+    engine = StandInEngine(2**20 if tiny else 8 * 2**30, platform.device())
+    before = host_state()
+    rows: dict = {}
+
+    def boundary(name: str) -> None:
+        platform.synchronize()
+        predicted = sum(state_holders(handoff).values()) + engine.held_bytes()
+        real = torch.cuda.memory_allocated() if torch.cuda.is_available() else predicted
+        rows[name] = {"real_gb": real / 2**30, "ledger_gb": predicted / 2**30, "rest_mb": (real - predicted) / 2**20}
+        rows[name]["peak_gb"] = platform.peak_memory_gb()
+        platform.reset_peak_memory()
+
+    platform.reset_peak_memory()
+    boundary("built")
+    handoff.before_engine_start()
+    boundary("startup")
+    engine.wake_up()
+    boundary("engine_start")
+    handoff.after_engine_start(engine)
+    handoff.attach_reference(ref)
+    boundary("reference_built")
+    handoff.before_rollout(engine, lambda: boundary("weight_sync"))
+    boundary("rollout")
+    handoff.after_rollout(engine)
+    boundary("old_log_probs")
+    handoff.before_reference()
+    boundary("reference")
+    handoff.after_reference()
+    handoff.before_update()
+    boundary("update")
+    handoff.before_save(engine)
+    boundary("save")
+    handoff.after_save()
+    rest = [r["rest_mb"] for r in rows.values()]
+    res["handoff"] = {"boundaries": rows, "moved_gb": {k: v / 2**30 for k, v in handoff.offloader.stats.bytes.items()}}
+    for name, r in rows.items():
+        log(f"handoff:{name}", **{k: round(v, 3) for k, v in r.items()})
+    check("ledger_matches_allocator", max(rest) - min(rest) <= 16, f"rest varies by {max(rest) - min(rest):.1f} MiB")
+    check("handoff_bit_exact", all(torch.equal(a, b) for a, b in zip(before, host_state())), "a tensor changed")
+    pinned_buffers(res, check, handoff)
+
+
+def pinned_buffers(res, check, handoff) -> None:
+    """One exactly sized pinned buffer per component, against what the caching host allocator reserves for one
+    pinned buffer per storage of the same sizes (its power-of-two rounding)."""
+    buffers = handoff.offloader.host_buffers()
+    exact = sum(b.numel() for b in buffers.values())
+    res["pinned"] = {"exact_bytes": exact, "per_component": {k: b.numel() for k, b in buffers.items()}}
+    if not torch.cuda.is_available():
+        return
+    check("pinned_buffers_are_pinned", all(b.is_pinned() for b in buffers.values()), "a host buffer is not pinned")
+    sizes = [h.nbytes for held in handoff.offloader._held.values() for h in held.values() if h.host is not None]
+    stats0 = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0)
+    caching = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
+    reserved = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0) - stats0
+    res["pinned"].update(caching_allocator_bytes=reserved, caching_vs_exact=round(reserved / max(exact, 1), 3))
+    ratio = res["pinned"]["caching_vs_exact"]
+    log("pinned", exact_gb=round(exact / 2**30, 3), caching_gb=round(reserved / 2**30, 3), caching_vs_exact=ratio)
+    del caching
+
+
+def fusion_speed(res, check, base, arch, platform, batch, tokens) -> None:
+    """bf16 forward/backward tokens/s with the platform's fused kernels and with every fusion off."""
+    from megatron_dapo.config import load_config
+
+    own = platform.transformer_config_overrides
+    off = {k: False for k in ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion")}
+    speeds = {}
+    for name, overrides in (("fused", own), ("unfused", lambda impl="local": {**own(impl), **off})):
+        platform.transformer_config_overrides = overrides
+        cfg = load_config(None, base + ["actor.recompute=none"])
+        actor, ref = build(cfg, arch, platform)
+        times = []
+        for _ in range(3):  # the first includes torch.compile of the fused functions
+            _, secs, peak = phase_peak(platform, lambda a=actor: a.compute_gradients(batch, temperature=1.0))
+            times.append(secs)
+        speeds[name] = {"tokens_per_s": round(tokens / min(times[1:]), 1), "peak_gb": peak, "first_s": times[0]}
+        log(f"bf16_{name}", **speeds[name])
+        del actor, ref
+        platform.empty_cache()
+    platform.transformer_config_overrides = own
+    res["fusions"] = speeds
+    res["fusions"]["fused_vs_unfused"] = round(speeds["fused"]["tokens_per_s"] / speeds["unfused"]["tokens_per_s"], 3)
+    check("fused_not_slower", speeds["fused"]["tokens_per_s"] >= 0.9 * speeds["unfused"]["tokens_per_s"], str(speeds))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_check.json")
@@ -186,66 +323,18 @@ def main() -> int:
     res["update"] = {"peak_gb": peak, "tokens_per_s": round(tokens / min(times), 1), "seconds": times}
     log("update", peak_gb=peak, tokens_per_s=res["update"]["tokens_per_s"], params=res["params"])
 
-    # 4. memory hand-off: every component off the GPU and back, bit-exactly
-    from dataclasses import replace
-
-    from megatron_dapo.training.offload import MemoryHandoff, resolve_handoff_plan
-
-    class StandInEngine:  # no vLLM on this machine: record the calls
-        calls: list = []
-
-        def wake_up(self, tags=None):
-            self.calls.append(("wake", tuple(tags or ())))
-
-        def sleep(self, level=1):
-            self.calls.append(("sleep", level))
-
-    def host_state():
-        from megatron_dapo.training.offload import grad_tensors, optimizer_tensors, param_tensors
-
-        return [
-            t.detach().cpu().clone()
-            for t in param_tensors(actor.chunks)
-            + grad_tensors(actor.chunks, actor.optimizer)
-            + optimizer_tensors(actor.optimizer, exclude=param_tensors(actor.chunks))
-        ]
-
-    plan = replace(
-        resolve_handoff_plan(cfg, platform),
-        params=True,
-        grads=True,
-        optimizer=True,
-        reference=True,
-        keep_grad_values=True,
-    )
-    handoff = MemoryHandoff(platform, plan, actor.chunks, actor.optimizer, ref)
-    before = host_state()
-    mem = {"start": platform.memory_allocated_gb()}
-    engine = StandInEngine()
-
-    def sync():
-        mem["at_sync"] = platform.memory_allocated_gb()
-
-    _, secs_off, _ = phase_peak(platform, lambda: handoff.before_rollout(engine, sync))
-    mem["rollout"] = platform.memory_allocated_gb()
-    handoff.after_rollout(engine)
-    mem["old_log_probs"] = platform.memory_allocated_gb()
-    handoff.before_reference()
-    mem["reference"] = platform.memory_allocated_gb()
-    handoff.after_reference()
-    _, secs_on, _ = phase_peak(platform, handoff.before_update)
-    mem["update"] = platform.memory_allocated_gb()
-    after = host_state()
-    exact = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
-    moved = {k: round(v / 2**30, 3) for k, v in handoff.offloader.stats.bytes.items()}
-    res["handoff"] = {"memory_allocated_gb": mem, "moved_gb": moved, "offload_s": secs_off, "onload_s": secs_on}
-    check("handoff_bit_exact", exact, "a tensor changed across the offload/onload round trip")
-    if args.platform == "cuda":  # CPU: the "device" is host memory, nothing is freed
-        check("handoff_frees", mem["rollout"] < mem["start"] - 0.9 * sum(moved.values()), str(mem))
-    log("handoff", **{f"mem_{k}_gb": round(v, 2) for k, v in mem.items()}, moved_gb=moved, offload_s=round(secs_off, 2))
+    # 4. memory hand-off under real device memory: start-up, a step and a save, against the ledger's accounting
+    handoff_sequence(res, check, cfg, arch, platform, actor, ref, args.tiny)
     # one more update after the hand-off must still work
     metrics, _, _ = phase_peak(platform, lambda: actor.update(batch, temperature=1.0))
     check("update_after_handoff", metrics.get("actor/update_ok", 1.0) == 1.0, str(metrics.get("nonfinite")))
+    del actor, ref
+    platform.empty_cache()
+
+    # 4b. bf16 forward/backward with the platform's fused kernels and with none
+    fusion_speed(res, check, base, arch, platform, batch, tokens)
+    cfg = load_config(None, base + ["actor.recompute=full", "actor.recompute_num_layers=1"])
+    actor, ref = build(cfg, arch, platform)
 
     # 5. chunked log-probs at 8k-token responses
     long_batch = make_batch(arch, 1, PROMPT, LONG_RESPONSE, seed=1)

@@ -163,3 +163,28 @@ def test_fused_kernels_per_platform():
     for p in (cpu, npu):
         assert not any(p.transformer_config_overrides("transformer_engine")[k] for k in fusions)
     assert cpu.transformer_config_overrides()["use_cpu_initialization"]
+
+
+def test_device_generator_state_travels_with_the_rng_state():
+    """Checkpoints hold ``Platform.rng_state``: on a device platform that includes the device's default generator
+    (dropout and unseeded sampling draw from it); a checkpoint without it (written before) still restores."""
+    import torch
+
+    from megatron_dapo.platform.cpu import CpuPlatform
+
+    class DeviceLike(CpuPlatform):
+        restored: list = []
+
+        def device_rng_state(self):
+            return torch.tensor([7, 8], dtype=torch.uint8)
+
+        def set_device_rng_state(self, state):
+            self.restored.append(state.tolist())
+
+    platform = DeviceLike()
+    state = platform.rng_state()
+    assert state["device"].tolist() == [7, 8]
+    platform.set_rng_state(state)
+    platform.set_rng_state({k: v for k, v in state.items() if k != "device"})
+    assert platform.restored == [[7, 8]]
+    assert "device" not in make_platform("cpu").rng_state()

@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
 import megatron_dapo.training.actor as actor_module
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.training.actor import MegatronActor
