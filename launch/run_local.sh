@@ -1,5 +1,12 @@
 #!/usr/bin/env bash
 # Single machine: launch/run_local.sh CONFIG [overrides...]  (NPROC_PER_NODE defaults to 2 on CPU)
+# The demo configs (configs/tiny_cpu.yaml, configs/tiny_moe_cpu.yaml) get their model, tokenizer and data made first
+# when they are missing (launch/prepare_demo.py), so that they run on a fresh clone without launch/quickstart.sh.
 set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PYTHON="${PYTHON:-$( [ -x "$HERE/../.venv/bin/python" ] && echo "$HERE/../.venv/bin/python" || echo python3)}"
+if [ $# -ge 1 ] && [ "$1" != "--print-nproc" ]; then
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" "$HERE/prepare_demo.py" "$@"
+fi
 export NNODES=1 NODE_RANK=0 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}" MASTER_PORT="${MASTER_PORT:-29500}"
-exec "$(dirname "${BASH_SOURCE[0]}")/run_node.sh" "$@"
+exec "$HERE/run_node.sh" "$@"

@@ -115,7 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint", required=True, help="checkpoint directory (checkpoint.save_dir) or a step dir")
     export.add_argument("--save-dir", required=True, help="where to write the HF checkpoint")
     export.add_argument("--step", type=int, default=None, help="step to export (default: latest)")
-    export.add_argument("--config", default=None, help="experiment YAML (default: the config saved with the step)")
+    export.add_argument(
+        "--config",
+        default=None,
+        help="experiment YAML (default: the config saved with the step); its eval settings are written to"
+        " megatron_dapo_eval.json in the export",
+    )
     export.set_defaults(func=_export)
 
     ev = sub.add_parser(
@@ -135,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-response-length", type=int, default=None, help="default: data.max_response_length")
     ev.add_argument("--tokenizer", default=None, help="tokenizer dir (default: model.tokenizer_dir, else the model)")
     ev.add_argument(
-        "--config", default=None, help="experiment YAML (default: the one saved with a training checkpoint)"
+        "--config",
+        default=None,
+        help="experiment YAML (default: the one saved with a training checkpoint, else the settings megatron-dapo"
+        " export recorded in the model dir, else defaults fitted to the model)",
     )
     ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.tensor_model_parallel_size=2")
     ev.set_defaults(func=_eval)

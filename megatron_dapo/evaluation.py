@@ -9,9 +9,14 @@ Flow (every process runs it; one process, or ``torchrun`` with rollout TP/DP as 
    ``global_step_<n>`` directory or a ``checkpoint.save_dir`` holding them). The last two are exported once, by
    rank 0, to an HF directory under the output directory (``convert_mcore_to_hf`` / ``export_step``, in a child
    process for the latter since it creates process groups of its own) and removed at the end.
-2. **Config.** ``--config`` (default: the config saved with a training checkpoint, else the built-in defaults) plus
-   dotted overrides; ``--n/--temperature/--top-p`` override ``rollout.val_kwargs``, ``--max-response-length``
-   ``data.max_response_length``. ``--data`` files replace ``data.val_files``.
+2. **Config.** ``--config``, else the config saved with a training checkpoint, else the settings ``megatron-dapo
+   export`` recorded next to an exported HF model (``megatron_dapo_eval.json``: the run's prompt/response lengths,
+   prompt preparation, validation sampling, rollout seed and dtype, reward functions and tokenizer; see
+   ``training/export.py``), else the built-in defaults with ``data.max_prompt_length`` /
+   ``data.max_response_length`` fitted to the model's ``max_position_embeddings`` (the last two say so in one
+   console line); then the dotted overrides. ``--n/--temperature/--top-p`` override ``rollout.val_kwargs``,
+   ``--max-response-length`` ``data.max_response_length``, ``--tokenizer`` ``model.tokenizer_dir``. ``--data``
+   files replace ``data.val_files``.
 3. **Generation.** The training ``RolloutEngine`` (``rollout/engine.py``) with ``SamplingSpec.for_validation``, all
    prompts in one ``generate`` call with ``seed_offset=0``, exactly as ``DAPOTrainer.validate`` does: per-request
    seeds make the samples independent of the rollout layout, so the numbers match the trainer's ``val-core``
@@ -235,11 +240,13 @@ def build_eval_config(
     temperature: Optional[float] = None,
     top_p: Optional[float] = None,
     max_response_length: Optional[int] = None,
+    tokenizer_dir: Optional[PathLike] = None,
 ) -> ExperimentConfig:
     """The experiment config the eval runs with (see the module docstring, step 2)."""
     from megatron_dapo.training.checkpoint import CONFIG_FILE
 
     overrides = list(overrides)
+    headline = None  # said once the flags below are applied too
     if config_path is not None:
         cfg = load_config(config_path, overrides)
     elif source.kind == "training_checkpoint":
@@ -249,7 +256,7 @@ def build_eval_config(
             apply_override(raw, item)
         cfg = from_dict(ExperimentConfig, raw)
     else:
-        cfg = load_config(None, overrides)
+        cfg, headline = _config_without_yaml(source, overrides, max_response_length)
     if not data_files:
         raise ConfigError("--data: give at least one verl-format parquet/jsonl file")
     cfg.data.val_files = [str(f) for f in data_files]
@@ -272,7 +279,102 @@ def build_eval_config(
         if max_response_length < 1:
             raise ConfigError(f"--max-response-length {max_response_length}: expected >= 1")
         cfg.data.max_response_length = max_response_length
+    if tokenizer_dir is not None:
+        cfg.model.tokenizer_dir = str(tokenizer_dir)
+    if headline is not None:
+        _announce(headline + _describe_settings(cfg))
     return cfg
+
+
+def _config_without_yaml(
+    source: ModelSource, overrides: Sequence[str], max_response_length: Optional[int]
+) -> tuple[ExperimentConfig, str]:
+    """No ``--config`` and no saved training config: the settings ``megatron-dapo export`` recorded next to the
+    model, else the built-in defaults with the sequence lengths fitted to the model; the overrides on top. Also
+    the start of the console line that says which it was."""
+    from megatron_dapo.config import check_values
+    from megatron_dapo.training.export import EVAL_SETTINGS_FILE, read_eval_settings
+
+    recorded = read_eval_settings(source.path) if source.kind == "hf" else None
+    raw: dict = recorded if recorded is not None else {}
+    for item in overrides:
+        apply_override(raw, item)
+    cfg = from_dict(ExperimentConfig, raw)
+    if recorded is not None:
+        headline = f"eval: using the settings recorded with the model ({source.path / EVAL_SETTINGS_FILE}): "
+    else:
+        given = {item.split("=", 1)[0].strip() for item in overrides}
+        if max_response_length is not None and max_response_length >= 1:  # set here too: the prompt fits around it
+            given.add("data.max_response_length")
+            cfg.data.max_response_length = max_response_length
+        max_positions = _max_position_embeddings(source)
+        fitted = ""
+        if max_positions is not None:
+            fit_sequence_lengths(cfg, max_positions, given)
+            fitted = f", lengths fitted to the model's max_position_embeddings={max_positions}"
+        headline = (
+            f"eval: --model {source.path} has no recorded settings ({EVAL_SETTINGS_FILE}, written by megatron-dapo"
+            f" export) and no --config was given; pass --config or section.key=value overrides to change these"
+            f" defaults{fitted}: "
+        )
+    check_values(cfg)
+    return cfg, headline
+
+
+def fit_sequence_lengths(cfg: ExperimentConfig, max_positions: int, given: set[str]) -> None:
+    """Shorten the default ``data.max_prompt_length`` / ``data.max_response_length`` (those not in ``given``) so
+    that prompt + response fits ``max_positions``: half each when both are defaults, else the rest of the room.
+    Given values are kept; if they alone do not fit, the engine's check names them."""
+    d = cfg.data
+    if d.max_prompt_length + d.max_response_length <= max_positions:
+        return
+    prompt_given, response_given = "data.max_prompt_length" in given, "data.max_response_length" in given
+    if not prompt_given and not response_given:
+        d.max_prompt_length = max(1, max_positions // 2)
+        d.max_response_length = max(1, max_positions - d.max_prompt_length)
+    elif not prompt_given:
+        d.max_prompt_length = max(1, max_positions - d.max_response_length)
+    elif not response_given:
+        d.max_response_length = max(1, max_positions - d.max_prompt_length)
+
+
+def _max_position_embeddings(source: ModelSource) -> Optional[int]:
+    """The model's ``max_position_embeddings`` from its HF ``config.json`` (a converter output's ``hf_config/``),
+    or None when there is none to read (the export that follows names the problem)."""
+    from megatron_dapo.weights.dist_format import find_checkpoint
+
+    try:
+        hf_dir = source.path if source.kind == "hf" else find_checkpoint(source.path).hf_config_dir
+        if hf_dir is None:
+            return None
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+    except (OSError, ValueError):  # CheckpointError is a ValueError, json's decode error too
+        return None
+    value = config.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def _describe_settings(cfg: ExperimentConfig) -> str:
+    """The settings that decide an eval's numbers, in one line."""
+    d, v, cf = cfg.data, cfg.rollout.val_kwargs, cfg.reward.custom_function
+    sampling = f"n={v.n}, " + (
+        f"temperature={v.temperature}, top_p={v.top_p}, top_k={v.top_k}"
+        if v.do_sample and v.temperature > 0
+        else "greedy"
+    )
+    reward = f"{cf.path}:{cf.name}" if cf.path else "built-in scorers by data_source only"
+    return (
+        f"data.max_prompt_length={d.max_prompt_length}, data.max_response_length={d.max_response_length},"
+        f" chat template {'on' if d.apply_chat_template else 'off'}, rollout.val_kwargs {sampling},"
+        f" rollout.seed={cfg.rollout.seed}, tokenizer {cfg.model.tokenizer_dir or 'from the model directory'},"
+        f" reward {reward}"
+    )
+
+
+def _announce(message: str) -> None:
+    """One console line from the first process (``torchrun`` runs every rank through the config)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
 
 
 # ====================================================================================================== export
@@ -376,7 +478,16 @@ def run_eval(
     source = identify_model(model)
     output_dir = Path(output_dir)
     cfg = build_eval_config(
-        source, config_path, overrides, data_files, output_dir, n, temperature, top_p, max_response_length
+        source,
+        config_path,
+        overrides,
+        data_files,
+        output_dir,
+        n,
+        temperature,
+        top_p,
+        max_response_length,
+        tokenizer_dir,
     )
     _default_single_process_env()
     info, platform = init_distributed(cfg.parallel)
@@ -388,7 +499,7 @@ def run_eval(
 
         from transformers import AutoTokenizer
 
-        tok_dir = tokenizer_dir or cfg.model.tokenizer_dir or hf_dir
+        tok_dir = cfg.model.tokenizer_dir or hf_dir  # --tokenizer is in the config by now
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         eos_ids = _eos_ids(tokenizer)

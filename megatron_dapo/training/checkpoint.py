@@ -8,7 +8,8 @@ A checkpoint is one directory ``<save_dir>/global_step_<n>``::
                           on load). The model part is the format of ``megatron_dapo/weights/dist_format.py``: a
                           step directory is also a ``checkpoint.load_dir`` and an ``mcore-to-hf`` input
     rng/rank_<r>.pt       every rank's generators (python, numpy, torch, megatron's tensor-parallel tracker)
-    trainer_state.json    step, data position, lr-scheduler state, the parallel layout it was saved with
+    trainer_state.json    step, lr-scheduler state, the parallel layout it was saved with, and the registered
+                          components' states: data position, the trainer's counters, the KL controller
     config.yaml           the resolved experiment config
 
 Atomicity: everything is written into ``<save_dir>/.tmp-step_<n>``, which is renamed to ``global_step_<n>`` only
@@ -32,7 +33,7 @@ nor keeps it per parameter on load; ``_restore_torch_adam_steps`` sets it from `
 
 Integrity: ``manifest.json`` in the step directory lists every file with its size and CRC-32
 (``megatron_dapo/weights/integrity.py``), hashed as the bytes are written: megatron-core's tensor files through our
-writer helpers (``_write_buckets_bounded``), rng/trainer_state/config as we write them; only megatron-core's three small
+writer helpers (``_run_request_bounded``), rng/trainer_state/config as we write them; only megatron-core's three small
 bookkeeping files (``common.pt``, ``.metadata``, ``metadata.json``), written inside megatron-core, are hashed by rank 0
 right after they are written (page cache). ``load``/``resolve_resume`` verify sizes and checksums first (the ranks
 split the files, one collective agrees) and raise ``CheckpointIntegrityError`` naming the step directory, the file
@@ -42,12 +43,23 @@ with a warning. A checkpoint without a manifest (written before manifests existe
 No non-finite weight: ``save`` refuses (before any rank writes anything) a state whose floating model or optimizer
 tensors hold NaN/inf, naming the first such tensor.
 
-Bounded writes: megatron-core's writer forks one helper process per file and waits for them without a time limit
+Bounded writes, through megatron-core's public API: ``dist_checkpointing.save(..., async_sharded_save=True)`` with its
+``TorchDistSaveShardedStrategy`` plans the save and returns the file writing as an ``AsyncRequest`` for its caller to
+execute (the write buckets, one per file; the queue its finalisation reads the write results from; the finalize
+functions). megatron-core's own executor forks one helper process per file and waits for them without a time limit
 (``count_queue.join()`` in ``FileSystemWriterAsync.write_preloaded_data_multiproc``: a killed helper hangs the save
-forever). We keep its planner, file layout and finalisation but run the helpers ourselves
-(``_BoundedTorchDistSaveStrategy``): the rank polls each helper's liveness and gives up after ``timeout_s`` with a
-``CheckpointError`` naming the helper's pid, its file and the step; the temporary directory is never published.
-megatron-core's spawn-started results-queue server is not started (our queue is in-process).
+forever). We execute the request ourselves (``_run_request_bounded``): our forked helpers write and hash the buckets,
+the rank polls each helper's liveness and gives up after ``timeout_s`` with a ``CheckpointError`` naming the helper's
+pid, its file and the step (the temporary directory is never published); otherwise the results go into the request's
+queue and megatron-core's finalize functions write ``.metadata`` and ``metadata.json``. That queue is megatron-core's
+process-wide ``multiprocessing`` manager, started with ``spawn`` at a process's first save (a few seconds, once): it
+re-imports the launching script, so scripts run under torchrun keep their work under ``if __name__ == "__main__"``.
+
+Components (``Stateful``: ``state_dict``/``load_state_dict``, torchtitan's pattern) registered with the manager are
+saved in ``trainer_state.json`` under their names and restored in place by ``load``; the trainer registers itself
+(``trainer``: its counters), its KL controller (``kl_ctrl``) and its prompt sampler (``data_state``, the entry's name
+since format 1). A checkpoint without a component's entry (saved before it was registered) loads with a warning and
+leaves that component as constructed.
 """
 
 from __future__ import annotations
@@ -60,9 +72,9 @@ import re
 import shutil
 import signal
 import time
-from functools import partial
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
 
@@ -281,58 +293,70 @@ class _HelperPool:
         return done, error
 
 
-def _write_buckets_bounded(
-    transform_list: list,
-    timeout_s: float,
-    label: str,
-    records: list,
-    errors: list,
-    rank: int,
-    write_buckets: list,
-    results_queue: Any,
-) -> None:
-    """Replaces ``FileSystemWriterAsync.write_preloaded_data_multiproc``: one forked helper per file (as megatron-core
-    does), but every wait is bounded. A helper that dies without a result or does not finish within ``timeout_s`` is
-    reported in ``errors`` (the rank raises after agreeing with the others); nothing raises here, so no rank leaves
-    the others waiting in a collective."""
-    done, error = _HelperPool(transform_list, write_buckets, label).run(timeout_s, records)
-    if error is not None:
-        errors.append(error)
-        results_queue.put(RuntimeError(error))
-    else:
-        results_queue.put(done)
+def _write_transforms() -> list:
+    """``_write_item``'s leading arguments: torch >= 2.6 takes the writer's stream transforms. megatron-core builds its
+    writer without extensions (the default: no transform); the write results we hand back record what was applied,
+    so the ``.metadata`` megatron-core writes from them describes the files as written either way."""
+    import inspect
+
+    from torch.distributed.checkpoint import filesystem
+
+    if "transforms" not in inspect.signature(filesystem._write_item).parameters:
+        return []
+    return [filesystem._StorageWriterTransforms()]
 
 
-def _bounded_save_strategy(timeout_s: float, label: str):
-    """megatron-core's torch_dist save strategy with its file writing replaced by ``_write_buckets_bounded``."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+def _hand_back_results(results_queue: Any, done: dict[int, Any]) -> None:
+    """Give megatron-core's finalisation (``FileSystemWriterAsync.retrieve_write_results``) this rank's write results
+    through the queue the request names. The queue lives as long as the process (megatron-core's, shared by every
+    save): an entry a failed save left behind is dropped first, or the next save would read it as its own."""
+    while True:
+        try:
+            results_queue.get_nowait()
+        except queue.Empty:
+            break
+    results_queue.put(done)
 
-    class _BoundedTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
-        def __init__(self) -> None:
-            super().__init__("torch_dist", 1)
-            self.records: list[FileRecord] = []
-            self.errors: list[str] = []
 
-        def async_save(self, sharded_state_dict, checkpoint_dir):
-            # The writer takes megatron-core's module-level results queue, which would start a spawn-method
-            # server process; we write synchronously, so an in-process queue suffices (swapped only for this call).
-            saved = filesystem_async._results_queue
-            filesystem_async._results_queue = queue.Queue()
-            try:
-                return super().async_save(sharded_state_dict, checkpoint_dir)
-            finally:
-                filesystem_async._results_queue = saved
+def _run_request_bounded(request: Any, timeout_s: float, label: str, records: list[FileRecord]) -> Optional[str]:
+    """This rank's file writing of megatron-core's ``AsyncRequest`` (``dist_checkpointing.save(...,
+    async_sharded_save=True)``), run by us the way megatron-core's own callers run it (``AsyncRequest.execute_sync``:
+    preload, ``async_fn(*async_fn_args)``, then the finalize functions), except that the files are written by our
+    forked helpers (``_HelperPool``, hashed into ``records``) with every wait bounded by ``timeout_s``, where
+    megatron-core's ``write_preloaded_data_multiproc`` waits for its helpers without a limit.
 
-        def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
-            request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
-            if request.async_fn is None:
-                return request
-            transforms = [writer.transforms] if hasattr(writer, "transforms") else []
-            fn = partial(_write_buckets_bounded, transforms, timeout_s, label, self.records, self.errors)
-            return request._replace(async_fn=fn)
+    Returns the error (a helper died, failed or did not finish in time) or None. Nothing raises here, so no rank
+    leaves the others waiting in a collective; the caller agrees on the outcome and then runs the (collective)
+    finalize functions."""
+    if request.async_fn is None:  # nothing to write on this rank
+        return None
+    args = list(request.async_fn_args)
+    # The request's arguments as megatron-core documents them (AsyncRequest.execute_sync, get_save_function_and_args):
+    # this rank, the write buckets (one per file), the queue its finalisation reads the write results from.
+    if len(args) != 3:
+        return (
+            f"megatron-core's AsyncRequest has {len(args)} write arguments, expected 3 (rank, write buckets, results "
+            "queue): this megatron-core version's checkpoint writer is not supported"
+        )
+    buckets = request.preload_fn() if request.preload_fn is not None else args[1]
+    done, error = _HelperPool(_write_transforms(), buckets, label).run(timeout_s, records)
+    if error is None:
+        _hand_back_results(args[2], done)
+    return error
 
-    return _BoundedTorchDistSaveStrategy()
+
+def _async_save_kwargs(save_fn: Any) -> dict[str, Any]:
+    """``dist_checkpointing.save`` arguments that return the file writing as megatron-core's ``AsyncRequest``."""
+    import inspect
+
+    kwargs: dict[str, Any] = {"async_sharded_save": True}
+    try:
+        params = inspect.signature(save_fn).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if "async_strategy" in params:  # newer megatron-core defaults to nvidia-resiliency-ext's request type
+        kwargs["async_strategy"] = "mcore"
+    return kwargs
 
 
 def _uses_distributed_optimizer(optimizer) -> bool:
@@ -522,21 +546,80 @@ def resolve_resume(resume_mode: str, save_dir: Optional[Union[str, Path]]) -> Op
 # --------------------------------------------------------------------------------------------------- manager
 
 
+class Stateful(Protocol):
+    """A component whose state a checkpoint carries in ``trainer_state.json`` (torchtitan's ``Stateful``): the trainer's
+    counters, the KL controller, the prompt sampler. ``state_dict`` returns JSON-serialisable data; ``load_state_dict``
+    gets what ``state_dict`` returned in the run that saved, and leaves a field the state lacks as it is (so a
+    checkpoint written before a field existed still loads, with the constructed default)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# trainer_state.json's own entries; a component cannot be registered under one of them.
+_RESERVED_STATE_KEYS = frozenset(
+    {
+        "format_version",
+        "step",
+        "scheduler",
+        "has_optimizer",
+        "distributed_optimizer",
+        "torch_adam_steps",
+        "num_model_chunks",
+        "layout",
+        "saved_at",
+    }
+)
+
+
 class CheckpointManager:
-    """Save/load training checkpoints under ``save_dir``; keep at most ``max_ckpt_to_keep`` (None/<=0: all)."""
+    """Save/load training checkpoints under ``save_dir``; keep at most ``max_ckpt_to_keep`` (None/<=0: all).
+
+    Besides the model, optimizer and scheduler given to ``save``/``load``, a checkpoint carries the state of every
+    registered component (``register`` or ``states=``): ``save`` stores each one's ``state_dict()`` in
+    ``trainer_state.json`` under its name, ``load`` restores each one in place.
+    """
 
     def __init__(
         self,
         save_dir: Union[str, Path],
         max_ckpt_to_keep: Optional[int] = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        states: Optional[Mapping[str, Stateful]] = None,
     ) -> None:
-        """``timeout_s`` bounds every wait on megatron-core's checkpoint-writer helper processes during ``save``."""
+        """``timeout_s`` bounds every wait on the checkpoint-writer helper processes during ``save``."""
         if not timeout_s or timeout_s <= 0:
             raise ValueError(f"CheckpointManager(timeout_s={timeout_s!r}): expected a positive number of seconds")
         self.save_dir = Path(save_dir)
         self.max_ckpt_to_keep = max_ckpt_to_keep
         self.timeout_s = float(timeout_s)
+        self.states: dict[str, Stateful] = {}
+        for name, component in (states or {}).items():
+            self.register(name, component)
+
+    def register(self, name: str, component: Stateful) -> None:
+        """Checkpoint ``component`` as ``trainer_state.json``'s entry ``name``."""
+        if name in _RESERVED_STATE_KEYS or name in self.states:
+            taken = "reserved by trainer_state.json" if name in _RESERVED_STATE_KEYS else "registered already"
+            raise ValueError(f"CheckpointManager.register({name!r}): the name is {taken}")
+        self.states[name] = component
+
+    def component_states(self) -> dict[str, dict[str, Any]]:
+        """Every registered component's ``state_dict()``, by name: what ``save`` stores (and what a trainer keeps as
+        its step-boundary snapshot)."""
+        return {name: component.state_dict() for name, component in self.states.items()}
+
+    def load_component_states(self, states: Mapping[str, Any]) -> list[str]:
+        """Restore every registered component from ``states`` (by name); returns the names ``states`` lacks (an older
+        checkpoint): those components keep their current state."""
+        missing = []
+        for name, component in self.states.items():
+            if states.get(name) is None:
+                missing.append(name)
+            else:
+                component.load_state_dict(states[name])
+        return missing
 
     # ------------------------------------------------------------------------------------------------ save
 
@@ -550,7 +633,8 @@ class CheckpointManager:
         config: Optional[dict] = None,
         save_optimizer: bool = True,
     ) -> Path:
-        """Collective (every rank calls it). Returns the final step directory.
+        """Collective (every rank calls it). Returns the final step directory. ``data_state`` is the data position for
+        a caller without a component registered as ``data_state``.
 
         Raises ``CheckpointIntegrityError`` (every rank, nothing written) when a floating model/optimizer tensor is
         non-finite, and ``CheckpointError`` (every rank, temporary directory unpublished, ``latest`` unchanged) when
@@ -567,7 +651,12 @@ class CheckpointManager:
         if saved_optimizer is not None:
             _prime_torch_adams(saved_optimizer)
         # Fail before any rank writes anything if the rank-0-only payload cannot be serialised.
-        state_text = _trainer_state_text(step, model_chunks, optimizer, scheduler, data_state, save_optimizer)
+        states = self.component_states()
+        if data_state is not None:
+            if "data_state" in states:
+                raise ValueError("CheckpointManager.save: data_state given, but a component is registered under it")
+            states["data_state"] = data_state
+        state_text = _trainer_state_text(step, model_chunks, optimizer, scheduler, states, save_optimizer)
         sharded = _sharded_state_dict(model_chunks, saved_optimizer, is_loading=False, step=step)
         self._refuse_non_finite(model_chunks, sharded, final)
         self._make_tmp(tmp)
@@ -620,22 +709,22 @@ class CheckpointManager:
         barrier()
 
     def _write_dist(self, sharded: dict, tmp: Path, final: Path) -> list[FileRecord]:
-        """megatron-core's dist checkpoint of ``sharded`` into ``tmp``, through the bounded writer; the records of
-        this rank's files. Collective: a failure on any rank raises ``CheckpointError`` on every rank."""
+        """megatron-core's dist checkpoint of ``sharded`` into ``tmp``, its files written by the bounded writer; the
+        records of this rank's files. Collective: a failure on any rank raises ``CheckpointError`` on every rank."""
         from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-        strategy = _bounded_save_strategy(self.timeout_s, f"{final.name} (being written in {tmp})")
+        # megatron-core plans the save (rank 0 also writes common.pt) and hands the tensor files back as a request.
         request = dist_checkpointing.save(
-            sharded, str(tmp / DIST_DIR), sharded_strategy=strategy, async_sharded_save=True
+            sharded,
+            str(tmp / DIST_DIR),
+            sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
+            **_async_save_kwargs(dist_checkpointing.save),
         )
-        local_error = None
+        records: list[FileRecord] = []
         try:
-            args = list(request.async_fn_args)
-            if request.preload_fn is not None:
-                args[1] = request.preload_fn()
-            if request.async_fn is not None:
-                request.async_fn(*args, **request.async_fn_kwargs)
-            local_error = strategy.errors[0] if strategy.errors else None
+            label = f"{final.name} (being written in {tmp})"
+            local_error = _run_request_bounded(request, self.timeout_s, label, records)
         except Exception as e:  # noqa: BLE001 - agreed below so that no rank waits for a failed one
             local_error = f"{type(e).__name__}: {e}"
         error = agree_error(local_error)
@@ -646,7 +735,7 @@ class CheckpointManager:
             )
         for finalize in request.finalize_fns:  # megatron-core's .metadata and metadata.json (collective)
             finalize()
-        return list(strategy.records)
+        return records
 
     def _commit(self, tmp: Path, final: Path) -> None:
         # Re-saving a step (e.g. after resuming from it): swap, then delete the old copy.
@@ -674,9 +763,11 @@ class CheckpointManager:
         load_optimizer: bool = True,
         load_rng: bool = True,
     ) -> dict[str, Any]:
-        """Collective. Restores model chunks, optimizer (when saved and requested), scheduler and RNG in place.
+        """Collective. Restores model chunks, optimizer (when saved and requested), scheduler, RNG and the registered
+        components in place. A component the checkpoint has no entry for (saved before it was registered) keeps its
+        state, with a warning.
 
-        Returns ``{"step", "data_state", "config", "path", "optimizer_restored", "rng_restored"}``.
+        Returns ``{"step", "data_state", "config", "path", "optimizer_restored", "rng_restored", "missing_states"}``.
         """
         step_dir = Path(step_dir)
         state = _read_trainer_state(step_dir, len(model_chunks))
@@ -689,6 +780,13 @@ class CheckpointManager:
             scheduler.num_steps = 0
             scheduler.load_state_dict(state["scheduler"])
         rng_restored = load_rng and _restore_rng(step_dir, state["layout"])
+        missing = self.load_component_states(state)
+        if missing and rank() == 0:
+            log.warning(
+                "checkpoint %s has no state for %s (saved before it was checkpointed): kept as initialised",
+                step_dir,
+                ", ".join(missing),
+            )
         config = None
         if (step_dir / CONFIG_FILE).is_file():
             import yaml
@@ -697,11 +795,12 @@ class CheckpointManager:
         barrier()
         return {
             "step": int(state["step"]),
-            "data_state": state["data_state"],
+            "data_state": state.get("data_state"),
             "config": config,
             "path": step_dir,
             "optimizer_restored": restore_optimizer,
             "rng_restored": rng_restored,
+            "missing_states": missing,
         }
 
 
@@ -709,14 +808,16 @@ class CheckpointManager:
 
 
 def _trainer_state_text(
-    step: int, model_chunks: list, optimizer, scheduler, data_state: Optional[dict], save_optimizer: bool
+    step: int, model_chunks: list, optimizer, scheduler, states: dict[str, Any], save_optimizer: bool
 ) -> str:
-    """``trainer_state.json``."""
+    """``trainer_state.json``: the checkpoint's own entries, then the components' states by name (``data_state``: the
+    data position, present since format 1; ``trainer``, ``kl_ctrl``: added later, absent from older checkpoints)."""
     return json.dumps(
         {
             "format_version": FORMAT_VERSION,
             "step": int(step),
-            "data_state": data_state,
+            "data_state": None,
+            **states,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "has_optimizer": bool(save_optimizer and optimizer is not None),
             "distributed_optimizer": optimizer is not None and _uses_distributed_optimizer(optimizer),

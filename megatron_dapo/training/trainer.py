@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -165,10 +166,13 @@ class DAPOTrainer:
         """Checkpoints, metrics loggers, the progress bar and the rollout dump (rank 0 logs)."""
         cfg = self.cfg
         out = Path(cfg.trainer.output_dir)
+        # What a checkpoint holds besides the actor, its optimizer and lr schedule (and every rank's RNG): the state
+        # of each component that has one, saved and restored by the manager.
         self.ckpt = CheckpointManager(
             cfg.checkpoint.save_dir or str(out / "checkpoints"),
             cfg.checkpoint.max_ckpt_to_keep,
             timeout_s=cfg.trainer.collective_timeout_s,
+            states={"trainer": self, "kl_ctrl": self.kl_ctrl, "data_state": self.sampler},
         )
         main = self.info.is_main
         self.progress = ProgressBar(self.total_steps, 0, enabled=main and cfg.trainer.progress_bar)
@@ -598,6 +602,18 @@ class DAPOTrainer:
 
     # ================================================================================================ state
 
+    # The run's counters, checkpointed as the ``trainer`` component (the step itself is the checkpoint's ``step``). A
+    # checkpoint saved before they were leaves them at 0.
+    STATE_FIELDS = ("num_skipped_updates", "consecutive_skipped_updates", "num_partial_batches", "num_empty_steps")
+
+    def state_dict(self) -> dict[str, int]:
+        return {name: int(getattr(self, name)) for name in self.STATE_FIELDS}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for name in self.STATE_FIELDS:
+            if name in state:
+                setattr(self, name, int(state[name]))
+
     def save_checkpoint(self) -> None:
         self._saving = True
         # A save reads the actor's parameters and optimizer state; the engine sleeps meanwhile (where it can; it is
@@ -610,7 +626,6 @@ class DAPOTrainer:
             model_chunks=self.actor.chunks,
             optimizer=self.actor.optimizer,
             scheduler=self.scheduler,
-            data_state=self.sampler.state_dict(),
             config=to_dict(self.cfg),
             save_optimizer=self.cfg.checkpoint.save_optimizer,
         )
@@ -619,8 +634,9 @@ class DAPOTrainer:
         self.saved_step = self.global_step
 
     def _snapshot(self) -> dict:
-        """Data position and RNG at a step boundary (what a checkpoint of that step must hold)."""
-        return {"data": self.sampler.state_dict(), "rng": self.platform.rng_state()}
+        """The registered components' states (counters, KL controller, data position) and the RNG at a step boundary:
+        what a checkpoint of that step must hold, though the next step may already have moved them."""
+        return {"states": self.ckpt.component_states(), "rng": self.platform.rng_state()}
 
     def _save_after_failure(self, exc: BaseException) -> None:
         """Keep the last completed step when the loop fails, if that is safe and not done already."""
@@ -647,7 +663,7 @@ class DAPOTrainer:
                 )
             return
         try:
-            self.sampler.load_state_dict(self._boundary["data"])
+            self.ckpt.load_component_states(self._boundary["states"])
             self.platform.set_rng_state(self._boundary["rng"])
             self.save_checkpoint()
             if main:
@@ -663,9 +679,9 @@ class DAPOTrainer:
         if step_dir is None:
             return
         self.handoff.restore_actor()  # the engine sleeps since start-up: the optimizer state can come back
+        # Restores the registered components too: the counters, the KL controller, the data position.
         state = self.ckpt.load(step_dir, self.actor.chunks, self.actor.optimizer, self.scheduler)
         self.global_step = self.saved_step = int(state["step"])
-        self.sampler.load_state_dict(state["data_state"])
         self._boundary = self._snapshot()
         if self.info.is_main:
             log.info("resumed from %s at step %d", step_dir, self.global_step)

@@ -138,8 +138,15 @@ def copy_hf_side_files(src_dir: PathLike, dst_dir: PathLike) -> list[str]:
 # ------------------------------------------------------------------------------------------------ HF → Megatron
 
 
-def check_hf_tensors(reader: SafetensorsDir, arch: ModelArch, mappings: Sequence[ParamMapping]) -> None:
-    """Every expected HF tensor present with its expected shape, nothing unexpected; errors list all problems."""
+def check_hf_tensors(
+    reader: SafetensorsDir, arch: ModelArch, mappings: Sequence[ParamMapping], unexpected_ok: bool = False
+) -> None:
+    """Every HF tensor of ``mappings`` present with the shape ``arch`` gives it and, unless ``unexpected_ok``,
+    nothing else; from the headers alone. The error lists all problems: missing names (with the files searched),
+    then shape mismatches, each with the file that holds the tensor.
+
+    The converter and the loader's HF-direct start (``weights/loading.py``) both check with this, before any data
+    is read, so a wrong checkpoint is reported the same way by both."""
     expected: dict[str, tuple[int, ...]] = {}
     for m in mappings:
         for name, shape in zip(m.hf, hf_shapes(m, arch)):
@@ -147,19 +154,19 @@ def check_hf_tensors(reader: SafetensorsDir, arch: ModelArch, mappings: Sequence
     found = set(reader.keys())
     ignorable = {n for n in found if _IGNORABLE_HF.match(n)} | (ignorable_hf_names(arch) & found)
     missing = sorted(set(expected) - found)
-    unexpected = sorted(found - set(expected) - ignorable)
+    unexpected = [] if unexpected_ok else sorted(found - set(expected) - ignorable)
     problems = []
     if missing:
         problems.append(
             f"missing HF tensors ({len(missing)}): {_fmt_list(missing)};"
-            f" found ({len(found)}): {_fmt_list(sorted(found))}"
+            f" found ({len(found)}) in {_fmt_list(sorted(reader.files), 5)}: {_fmt_list(sorted(found))}"
         )
     if unexpected:
         problems.append(f"unexpected HF tensors for {arch.family.name} ({len(unexpected)}): {_fmt_list(unexpected)}")
     if problems:
         raise CheckpointError(f"{reader.directory}: " + "; ".join(problems))
     bad = [
-        f"{name}: expected {shape}, got {reader.info(name).shape}"
+        f"{name}: expected {shape}, got {reader.info(name).shape} in {reader.file_of(name)}"
         for name, shape in expected.items()
         if reader.info(name).shape != shape
     ]

@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 import torch
 
 from megatron_dapo.models.builder import unwrap
-from megatron_dapo.models.families import ModelArch, model_arch_from_hf
+from megatron_dapo.models.families import ModelArch, model_arch_from_hf, param_mappings
 from megatron_dapo.parallel import all_gather_object, rank, world_size
 from megatron_dapo.weights.dist_format import (
     CheckpointSource,
@@ -146,16 +146,18 @@ def load_hf_into_chunks(chunks: Sequence, arch: ModelArch, hf_dir: PathLike) -> 
     """Fill this rank's chunks from an HF directory; returns the HF tensor names this rank read. Not collective."""
     from megatron.core import parallel_state as ps
 
+    from megatron_dapo.weights.convert import check_hf_tensors
     from megatron_dapo.weights.model_io import load_full_tensors, local_param_table
     from megatron_dapo.weights.safetensors_io import SafetensorsDir
 
     tp = ps.get_tensor_model_parallel_world_size()
     read: list[str] = []
     with SafetensorsDir(hf_dir) as reader:
+        # The converter's check, on the whole model (headers only), so that every rank stops with the same message
+        # naming each missing or misshapen tensor and its file. Tensors no mapping reads (other heads, extra
+        # modules) are left alone, as before.
+        check_hf_tensors(reader, arch, param_mappings(arch), unexpected_ok=True)
         table = local_param_table(list(chunks), arch)
-        missing = sorted({n for lp in table for n in lp.mapping.hf} - set(reader.keys()))
-        if missing:
-            raise CheckpointError(f"{hf_dir}: HF tensors this model needs are missing: {missing[:20]}")
         vocab_rows = {lp.mapping.mcore: lp.param.shape[0] * tp for lp in table if lp.mapping.kind == "vocab"}
 
         def full_tensor(mapping):

@@ -300,6 +300,12 @@ class SafetensorsDir:
             raise KeyError(f"no tensor {name!r} in {self.directory}")
         return self._where[name].info(name)
 
+    def file_of(self, name: str) -> str:
+        """The name of the file (in ``directory``) that holds tensor ``name``."""
+        if name not in self._where:
+            raise KeyError(f"no tensor {name!r} in {self.directory}")
+        return self._where[name].path.name
+
     def get(self, name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"no tensor {name!r} in {self.directory}")

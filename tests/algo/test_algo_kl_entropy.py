@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -83,6 +84,35 @@ def test_controllers() -> None:
         get_kl_controller("adaptive", 0.1, 0.2, 0)
     with pytest.raises(ValueError, match="kl_ctrl.type"):
         get_kl_controller("pid", 0.1)
+
+
+def test_controller_state_round_trip() -> None:
+    # Adaptive: the coefficient reached so far survives JSON (trainer_state.json) bit for bit, and the restored
+    # controller continues exactly like the original.
+    ctl = AdaptiveKLController(init_kl_coef=0.1, target_kl=0.2, horizon=1000)
+    for kl in (0.3, 0.19, 0.05):
+        ctl.update(current_kl=kl, n_steps=96)
+    state = json.loads(json.dumps(ctl.state_dict()))
+    assert state == {"type": "adaptive", "value": ctl.value} and ctl.value != 0.1
+    resumed = AdaptiveKLController(init_kl_coef=0.1, target_kl=0.2, horizon=1000)
+    resumed.load_state_dict(state)
+    assert resumed.value == ctl.value
+    ctl.update(current_kl=0.4, n_steps=96)
+    resumed.update(current_kl=0.4, n_steps=96)
+    assert resumed.value == ctl.value
+    # A state without the coefficient's history (saved by a fixed controller) leaves the configured initial value.
+    switched = AdaptiveKLController(init_kl_coef=0.1, target_kl=0.2, horizon=1000)
+    switched.load_state_dict(FixedKLController(0.3).state_dict())
+    assert switched.value == 0.1
+    # Fixed: the coefficient is configuration, so a resumed run keeps the one it is configured with.
+    fixed = FixedKLController(0.05)
+    assert fixed.state_dict() == {"type": "fixed", "value": 0.05}
+    fixed.load_state_dict(state)
+    fixed.load_state_dict({"type": "fixed", "value": 0.3})
+    assert fixed.value == 0.05
+    for bad in ({}, {"type": "pid", "value": 1.0}, {"type": "adaptive"}, [0.1]):
+        with pytest.raises(ValueError, match="KL controller state"):
+            resumed.load_state_dict(bad)
 
 
 def test_apply_kl_penalty_to_rewards() -> None:

@@ -1,5 +1,6 @@
 """The README's main command, whole: ``bash launch/quickstart.sh`` makes the demo, converts it, trains 60 DAPO steps
-on 2 CPU processes, exports and plots — and the model learns the addition table.
+on 2 CPU processes, exports and plots — and the model learns the addition table, with no warning and no
+traceback on the console.
 
 The learning claim is checked twice: by the trainer's own validation (vLLM greedy, in metrics.jsonl and the script's
 last line) and independently, by HF transformers greedy decoding with the exported checkpoint.
@@ -21,6 +22,10 @@ from megatron_dapo.data import load_rows
 
 REPO = Path(__file__).resolve().parents[2]
 LAST_LINE = re.compile(r"first_val_acc=([0-9.]+) final_val_acc=([0-9.]+) steps=(\d+) wall_s=(\d+)")
+# A console line that raises an alarm: a logged warning, a C++ one ("[W... file.cpp:N] Warning: ..."), a Python
+# warning ("UserWarning: ..."), a traceback. Known-benign library messages are kept off the console
+# (megatron_dapo/training/console.py, BENIGN_MESSAGES); a healthy run shows none.
+ALARM = re.compile(r"\bWARNING\b|\bWarning:|\w+Warning\b|Traceback \(most recent call last\)")
 
 
 @pytest.mark.slow
@@ -32,6 +37,8 @@ def test_quickstart_learns_the_table(tmp_path: Path) -> None:
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
+    alarms = [line for line in log.splitlines() if ALARM.search(line)]
+    assert not alarms, f"{len(alarms)} warning/traceback line(s) on a healthy run's console:\n" + "\n".join(alarms[:40])
     last = proc.stdout.strip().splitlines()[-1]
     match = LAST_LINE.fullmatch(last)
     assert match, f"last line {last!r}"

@@ -7,7 +7,12 @@ temperature 1) and saves a checkpoint. Then, on that checkpoint:
   with it supplies the sampling settings, tokenizer and reward function) reports exactly the trainer's
   ``val-core/arithmetic/acc/mean@4``, and its samples file recomputes to its summary;
 * the same under ``torchrun`` with 2 processes (rollout DP 2; rank 0 exports, rank 1 waits for it), given the step
-  directory, gives the identical summary and samples: per-request seeds make samples independent of the layout.
+  directory, gives the identical summary and samples: per-request seeds make samples independent of the layout;
+* ``megatron-dapo export`` of the checkpoint, evaluated with no ``--config`` from another working directory, gives
+  the identical summary and samples too: the export carries the run's settings (``megatron_dapo_eval.json``) and
+  tokenizer;
+* an HF model without recorded settings (the demo's, ``max_position_embeddings`` 64) runs with defaults fitted to
+  it, and one console line names them.
 
 The converter-output path (``mcore`` → HF) is checked without an engine in ``test_eval_metrics.py``.
 """
@@ -34,14 +39,14 @@ WORKER = Path(__file__).with_name("eval_worker.py")
 TRAIN_PORT, EVAL_PORT = 29970, 29971
 
 
-def run(cmd: list[str], env: dict | None = None, timeout: float = 400) -> str:
+def run(cmd: list[str], env: dict | None = None, timeout: float = 400, cwd: Path = REPO) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         full_env.pop(key, None)
     full_env.update(env or {})
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return proc.stdout
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +95,7 @@ def single_eval(trained) -> dict:
     stdout = run(
         [sys.executable, "-m", "megatron_dapo.cli", "eval", "--model", str(trained["checkpoints"])]
         + ["--data", trained["demo"]["val"], "--output-dir", str(out)]
-    )
+    ).stdout
     return {"out": out, "stdout": stdout}
 
 
@@ -139,3 +144,47 @@ def test_eval_under_torchrun_on_a_step_directory(trained, single_eval, tmp_path)
     assert json.loads((out / "summary.json").read_text()) == json.loads((single / "summary.json").read_text())
     assert read_samples(out / "samples.jsonl") == read_samples(single / "samples.jsonl")
     assert not (out / ".eval_hf_model").exists()
+
+
+def eval_lines(stderr: str) -> list[str]:
+    """The eval's own console lines about its settings."""
+    return [line for line in stderr.splitlines() if line.startswith("eval: ")]
+
+
+def test_eval_on_an_export_without_config_matches_the_training_config(trained, single_eval, tmp_path):
+    export = tmp_path / "hf_export"
+    cli = [sys.executable, "-m", "megatron_dapo.cli"]
+    run(cli + ["export", "--checkpoint", str(trained["checkpoints"]), "--save-dir", str(export)])
+    assert (export / "megatron_dapo_eval.json").is_file() and (export / "tokenizer" / "tokenizer.json").is_file()
+    out = tmp_path / "eval_export"
+    # Another working directory: nothing may rely on the run's relative paths (tokenizer, reward file).
+    proc = run(
+        cli + ["eval", "--model", str(export), "--data", trained["demo"]["val"], "--output-dir", str(out)], cwd=tmp_path
+    )
+    single = single_eval["out"]  # the eval with the training run's own config
+    got = json.loads((out / "summary.json").read_text())
+    assert got == json.loads((single / "summary.json").read_text())
+    assert got["arithmetic"]["mean@4"] == trained["metrics"]["val-core/arithmetic/acc/mean@4"]
+    assert read_samples(out / "samples.jsonl") == read_samples(single / "samples.jsonl")
+    lines = eval_lines(proc.stderr)
+    assert len(lines) == 1 and "using the settings recorded with the model" in lines[0], lines
+    assert "rollout.val_kwargs n=4, temperature=1.0" in lines[0] and "compute_score" in lines[0]
+
+
+def test_eval_on_an_hf_model_without_settings_fits_its_defaults(trained, tmp_path):
+    demo = trained["demo"]
+    out = tmp_path / "eval_hf"
+    reward = f"reward.custom_function.path={REPO / 'megatron_dapo' / 'tasks' / 'arithmetic.py'}"
+    proc = run(
+        [sys.executable, "-m", "megatron_dapo.cli", "eval", "--model", demo["hf_model"], "--data", demo["val"]]
+        + ["--output-dir", str(out), "--tokenizer", demo["tokenizer"], reward]
+    )
+    lines = eval_lines(proc.stderr)
+    assert len(lines) == 1, lines
+    assert "has no recorded settings" in lines[0] and "max_position_embeddings=64" in lines[0]
+    assert "data.max_prompt_length=32, data.max_response_length=32" in lines[0] and "n=1, greedy" in lines[0]
+    got = json.loads((out / "summary.json").read_text())["arithmetic"]
+    assert got["num_prompts"] == 25 and got["num_responses"] == 25
+    samples = read_samples(out / "samples.jsonl")
+    assert got["mean@1"] == sum(s["acc"] for s in samples) / 25
+    assert all(s["response_length"] <= 32 for s in samples)

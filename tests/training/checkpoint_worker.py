@@ -14,7 +14,10 @@ Phase ``main`` (TP=1, DP=2), for two actors — ``fp32-plain`` (non-distributed 
   the temporary directory exists), the state afterwards, and a successful re-save. Then at TP=2 (DP=1) in the same
   processes: the ``fp32-plain`` checkpoint loaded into a TP=2 actor (model and non-distributed optimizer reshard);
   the ``bf16-distopt`` checkpoint into a TP=2 distributed-optimizer actor (must refuse with a clear error).
-Phase ``dp1``: the ``bf16-distopt`` checkpoint (saved at DP=2) loaded at DP=1, then the zero-gradient step.
+Phase ``dp1``: the ``bf16-distopt`` checkpoint (saved at DP=2) loaded at DP=1, then the zero-gradient step. Then the
+registered components (``CheckpointManager(states=...)``: trainer-like counters, an adaptive KL controller moved to a
+known value, a prompt sampler part-way through its epoch): saved, loaded into fresh ones; and a copy of that
+checkpoint rewritten as before components were registered (no ``trainer``/``kl_ctrl`` entries) loaded into fresh ones.
 Rank r writes ``<out>/<phase>_rank<r>.json``; the test asserts. Imports stay inside functions: megatron-core's
 checkpoint writer spawns a helper that re-imports this file.
 """
@@ -29,6 +32,22 @@ from typing import Any
 TOTAL_STEPS = 20
 DATA_STATE = {"epoch": 1, "position": 3, "seed": 7}
 CASES = {"fp32-plain": ("fp32", False), "bf16-distopt": ("bf16", True)}
+# Adaptive KL controller: initial coefficient, target, horizon, and the (current_kl, n_steps) updates before the save.
+KL_SETUP = (0.05, 0.1, 100)
+KL_UPDATES = ((0.13, 8), (0.5, 8), (0.02, 16))
+# Entries of trainer_state.json before components were registered (format 1 as first written).
+OLD_STATE_KEYS = (
+    "format_version",
+    "step",
+    "data_state",
+    "scheduler",
+    "has_optimizer",
+    "distributed_optimizer",
+    "torch_adam_steps",
+    "num_model_chunks",
+    "layout",
+    "saved_at",
+)
 
 
 def optim_config():
@@ -332,6 +351,100 @@ def reshard_dp1(out: Path) -> dict[str, Any]:
     }
 
 
+class Counters:
+    """A trainer-like component: run counters, a field missing from the loaded state keeps its value."""
+
+    def __init__(self) -> None:
+        self.num_skipped_updates = 0
+        self.num_partial_batches = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"num_skipped_updates": self.num_skipped_updates, "num_partial_batches": self.num_partial_batches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("num_skipped_updates", "num_partial_batches"):
+            if key in state:
+                setattr(self, key, int(state[key]))
+
+
+def components() -> dict[str, Any]:
+    from megatron_dapo.algo.kl import AdaptiveKLController
+    from megatron_dapo.data import PromptSampler
+
+    return {
+        "trainer": Counters(),
+        "kl_ctrl": AdaptiveKLController(*KL_SETUP),
+        "data_state": PromptSampler(10, 2, shuffle=True, seed=3),
+    }
+
+
+def states_of(parts: dict[str, Any]) -> dict[str, Any]:
+    return {name: part.state_dict() for name, part in parts.items()}
+
+
+def as_old_checkpoint(step_dir: Path, dest: Path) -> Path:
+    """A copy of ``step_dir`` whose trainer_state.json has only the entries written before components were
+    registered (its manifest record updated, so that the copy is intact)."""
+    import shutil
+
+    from megatron_dapo.weights.integrity import FileRecord, file_crc32, read_manifest, write_manifest
+
+    shutil.copytree(step_dir, dest)
+    path = dest / "trainer_state.json"
+    state = json.loads(path.read_text())
+    path.write_text(json.dumps({k: state[k] for k in OLD_STATE_KEYS}, indent=2))
+    records = read_manifest(dest)
+    records["trainer_state.json"] = FileRecord("trainer_state.json", *file_crc32(path))
+    write_manifest(dest, records.values())
+    return dest
+
+
+def registered_states(out: Path) -> dict[str, Any]:
+    """World 1: components saved with a checkpoint and restored in place; an older checkpoint keeps the defaults."""
+    import logging
+
+    from megatron_dapo.training.checkpoint import CheckpointManager
+
+    warnings: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("megatron_dapo.checkpoint").addHandler(Capture())
+    _, chunks, optimizer, scheduler = build("fp32", False)
+    train_step(chunks, optimizer, scheduler, seed=1)  # an optimizer with state to save
+    saved = components()
+    saved["trainer"].num_skipped_updates, saved["trainer"].num_partial_batches = 3, 1
+    for current_kl, n_steps in KL_UPDATES:
+        saved["kl_ctrl"].update(current_kl, n_steps)
+    for _ in range(3):
+        saved["data_state"].next_batch()
+    path = CheckpointManager(out / "states", states=saved).save(5, chunks, optimizer, scheduler)
+    fresh = components()
+    info = CheckpointManager(out / "states", states=fresh).load(path, chunks, optimizer, scheduler)
+    result: dict[str, Any] = {
+        "saved": states_of(saved),
+        "loaded": states_of(fresh),
+        "missing": info["missing_states"],
+        "data_state": info["data_state"],
+        "file": json.loads((path / "trainer_state.json").read_text()),
+        "warnings": list(warnings),
+    }
+    old = as_old_checkpoint(path, out / "states-old" / path.name)
+    fresh = components()
+    warnings.clear()
+    info = CheckpointManager(old.parent, states=fresh).load(old, chunks, optimizer, scheduler)
+    result["old"] = {
+        "step": info["step"],
+        "loaded": states_of(fresh),
+        "missing": info["missing_states"],
+        "warnings": list(warnings),
+    }
+    return result
+
+
 def main() -> None:
     import time
 
@@ -350,7 +463,7 @@ def main() -> None:
         result["rotation"] = rotation_and_crash(out)
         result["tp2"] = reshard_tp2(out)
     else:
-        result = {"dp1": reshard_dp1(out)}
+        result = {"dp1": reshard_dp1(out), "states": registered_states(out)}
     result["seconds"] = time.perf_counter() - started
     (out / f"{args.phase}_rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
     destroy_model_parallel()

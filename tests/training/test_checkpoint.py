@@ -1,7 +1,9 @@
 """``training.checkpoint``: save → perturb → load restores parameters, Adam state, scheduler, every rank's RNG and
 the data position exactly; the ``latest`` marker and rotation; a crash mid-save leaves the previous checkpoint in
-charge; loading at DP=1 (distributed optimizer) and TP=2 (non-distributed optimizer) from a TP=1/DP=2 save; and
-``resolve_resume``'s choices and errors on real checkpoint directories.
+charge; loading at DP=1 (distributed optimizer) and TP=2 (non-distributed optimizer) from a TP=1/DP=2 save;
+``resolve_resume``'s choices and errors on real checkpoint directories; registered components (counters, an adaptive
+KL controller, the prompt sampler) restored exactly, and a checkpoint saved before they were registered loading with
+their defaults.
 
 ``checkpoint_worker.py`` runs the distributed parts (one torchrun at world 2, one at world 1); see its docstring.
 """
@@ -17,7 +19,7 @@ import yaml
 
 from megatron_dapo.training.checkpoint import CheckpointError, resolve_resume
 from tests.helpers import run_torchrun
-from tests.training.checkpoint_worker import CASES, DATA_STATE
+from tests.training.checkpoint_worker import CASES, DATA_STATE, KL_SETUP, KL_UPDATES
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 PORTS = {"main": 29860, "dp1": 29861}
@@ -29,7 +31,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     run_torchrun(WORKER, nproc=2, args=["--phase", "main", "--out", str(out)], port=PORTS["main"], timeout=400)
     run_torchrun(WORKER, nproc=1, args=["--phase", "dp1", "--out", str(out)], port=PORTS["dp1"], timeout=300)
     ranks = [json.loads((out / f"main_rank{r}.json").read_text()) for r in range(2)]
-    return {"out": out, "ranks": ranks, "dp1": json.loads((out / "dp1_rank0.json").read_text())["dp1"]}
+    dp1 = json.loads((out / "dp1_rank0.json").read_text())
+    return {"out": out, "ranks": ranks, "dp1": dp1["dp1"], "states": dp1["states"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -165,3 +168,40 @@ def test_resolve_resume(run: dict, tmp_path: Path) -> None:
         resolve_resume("auto", save_dir)  # step 4 gone, step 3 incomplete, tmp ignored
     shutil.rmtree(save_dir / "global_step_3")
     assert resolve_resume("auto", save_dir) is None  # no checkpoint at all: a fresh start
+
+
+def adaptive_kl_after_updates() -> float:
+    """The adaptive controller's coefficient after ``KL_UPDATES``, computed here from its formula."""
+    value, target, horizon = KL_SETUP
+    for current_kl, n_steps in KL_UPDATES:
+        value *= 1 + min(max(current_kl / target - 1, -0.2), 0.2) * n_steps / horizon
+    return value
+
+
+def test_registered_components_are_restored_exactly(run: dict) -> None:
+    res = run["states"]
+    saved = res["saved"]
+    # The controller moved away from its initial coefficient; the sampler is part-way through epoch 0.
+    assert saved["kl_ctrl"] == {"type": "adaptive", "value": pytest.approx(adaptive_kl_after_updates(), rel=1e-12)}
+    assert saved["kl_ctrl"]["value"] != KL_SETUP[0]
+    assert saved["trainer"] == {"num_skipped_updates": 3, "num_partial_batches": 1}
+    assert (saved["data_state"]["epoch"], saved["data_state"]["position"]) == (0, 3)
+    # Fresh components (initial coefficient, zero counters, position 0) got every value back, the float bit for bit.
+    assert res["loaded"] == saved
+    assert res["missing"] == [] and res["warnings"] == []
+    assert res["data_state"] == saved["data_state"]
+    # trainer_state.json holds each component under its name, next to the checkpoint's own entries.
+    assert {k: res["file"][k] for k in saved} == saved
+    assert res["file"]["step"] == 5
+
+
+def test_checkpoint_without_component_states_loads_with_defaults(run: dict) -> None:
+    old = run["states"]["old"]
+    assert old["step"] == 5
+    assert old["missing"] == ["trainer", "kl_ctrl"]
+    # No saved coefficient: the controller starts from the configured one, the counters from zero ...
+    assert old["loaded"]["kl_ctrl"] == {"type": "adaptive", "value": KL_SETUP[0]}
+    assert old["loaded"]["trainer"] == {"num_skipped_updates": 0, "num_partial_batches": 0}
+    # ... and the data position, which checkpoints always held, is restored.
+    assert old["loaded"]["data_state"] == run["states"]["saved"]["data_state"]
+    assert any("has no state for trainer, kl_ctrl" in w and "global_step_5" in w for w in old["warnings"])

@@ -42,7 +42,7 @@ def test_missing_tensor_is_named_with_what_was_found(tiny_hf, tmp_path):
         convert_hf_to_mcore(hf, tmp_path / "m")
     msg = str(err.value)
     assert "missing HF tensors (1): model.layers.1.mlp.up_proj.weight;" in msg
-    assert "found (" in msg and "model.layers.1.mlp.gate_proj.weight" in msg
+    assert "found (" in msg and ") in model.safetensors: " in msg and "model.layers.1.mlp.gate_proj.weight" in msg
     assert not (tmp_path / "m").exists()
 
 
@@ -65,7 +65,7 @@ def test_shape_mismatch_names_tensor_expected_and_got(tiny_hf, tmp_path):
     with pytest.raises(
         CheckpointError,
         match=r"shape mismatches \(1\): model.layers.0.self_attn.k_proj.weight: expected \(32, 64\),"
-        r" got \(16, 64\)",
+        r" got \(16, 64\) in model.safetensors$",
     ):
         convert_hf_to_mcore(hf, tmp_path / "m")
 

@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""Make the inputs of a demo config when they are missing (``launch/run_local.sh`` runs this before torchrun).
+
+    python launch/prepare_demo.py CONFIG [dotted.overrides ...]
+
+``configs/tiny_cpu.yaml`` and ``configs/tiny_moe_cpu.yaml`` train a tiny model on a tokenizer and data that are made
+locally by ``megatron_dapo.tasks.demo`` (``launch/quickstart.sh`` makes them under ``outputs/quickstart`` first).
+So that ``launch/run_local.sh configs/tiny_cpu.yaml`` also runs on a fresh clone, this makes whatever of them is
+missing the way the quickstart does: the demo (seed 0) when the model, tokenizer or data are missing, then the
+Megatron conversion of the model when it is missing or was just remade.
+
+It acts only for those two configs, and only while the config (after the overrides) still points at the demo's
+layout under one directory ``D``: ``D/hf_model``, ``D/tokenizer``, ``D/mcore``, ``D/data/train.parquet``,
+``D/data/val.parquet``. Paths overridden to anything else are the user's own, and a config that does not load is
+left for the trainer to report: this script then does nothing and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # the config module imports torch: only when a demo config is seen (see prepare_inputs)
+    from megatron_dapo.config import ExperimentConfig
+
+# config file name → demo family (megatron_dapo.tasks.demo --family)
+DEMO_CONFIGS = {"tiny_cpu.yaml": "qwen2", "tiny_moe_cpu.yaml": "qwen3_moe"}
+PREFIX = "[run_local]"
+
+
+def _same(path: Optional[str], want: Path) -> bool:
+    return path is not None and os.path.normpath(path) == os.path.normpath(want)
+
+
+def demo_root(cfg: ExperimentConfig) -> Optional[Path]:
+    """The directory ``D`` when every input of ``cfg`` is at its place in the demo layout, else None."""
+    if not cfg.model.hf_config_dir:
+        return None
+    root = Path(cfg.model.hf_config_dir).parent
+    layout_holds = (
+        _same(cfg.model.hf_config_dir, root / "hf_model")
+        and _same(cfg.model.tokenizer_dir, root / "tokenizer")
+        and _same(cfg.checkpoint.load_dir, root / "mcore")
+        and len(cfg.data.train_files) == 1
+        and _same(cfg.data.train_files[0], root / "data" / "train.parquet")
+        and len(cfg.data.val_files) == 1
+        and _same(cfg.data.val_files[0], root / "data" / "val.parquet")
+    )
+    return root if layout_holds else None
+
+
+def missing_inputs(root: Path) -> list[str]:
+    """The demo files under ``root`` that are not there (the converted checkpoint excluded)."""
+    wanted = [root / "hf_model" / "config.json", root / "tokenizer" / "tokenizer_config.json"]
+    wanted += [root / "data" / "train.parquet", root / "data" / "val.parquet"]
+    return [str(p) for p in wanted if not p.is_file()]
+
+
+def prepare_inputs(config: str, overrides: list[str]) -> Optional[Path]:
+    """Make the missing demo inputs of ``config`` (see the module docstring); the demo directory, or None when the
+    config is not a demo config pointing at the demo layout."""
+    family = DEMO_CONFIGS.get(Path(config).name)
+    if family is None or not Path(config).is_file():
+        return None
+    from megatron_dapo.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError:
+        return None  # the trainer reports it, with the whole message
+    root = demo_root(cfg)
+    if root is None:
+        return None
+    from megatron_dapo.weights.dist_format import TRACKER_FILE
+
+    remade = False
+    missing = missing_inputs(root)
+    if missing:
+        from megatron_dapo.tasks.demo import prepare
+
+        print(
+            f"{PREFIX} {config}: {missing[0]} is missing; making the demo model, tokenizer and data under {root}"
+            " (as launch/quickstart.sh does)",
+            flush=True,
+        )
+        prepare(root, family=family)
+        remade = True
+    if remade or not (root / "mcore" / TRACKER_FILE).is_file():
+        from megatron_dapo.weights.convert import convert_hf_to_mcore
+
+        print(f"{PREFIX} converting {root / 'hf_model'} to Megatron layout in {root / 'mcore'}", flush=True)
+        convert_hf_to_mcore(root / "hf_model", root / "mcore", overwrite=True)
+    return root
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print("usage: python launch/prepare_demo.py CONFIG [dotted.overrides ...]", file=sys.stderr)
+        return 2
+    prepare_inputs(argv[0], argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

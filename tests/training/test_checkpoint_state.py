@@ -1,0 +1,73 @@
+"""The trainer's checkpointed state without a model or process group: ``DAPOTrainer``'s own ``state_dict`` (its
+counters) through JSON, ``CheckpointManager``'s registration and the in-place restore of registered components
+(what ``load`` and the trainer's failure save use). The save/load of these states with a real checkpoint is in
+``test_checkpoint.py``; a resumed adaptive-KL run in ``tests/e2e/test_train_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_dapo.algo.kl import AdaptiveKLController
+from megatron_dapo.data import PromptSampler
+from megatron_dapo.training.checkpoint import CheckpointManager
+from megatron_dapo.training.trainer import DAPOTrainer
+
+
+def bare_trainer(**counters: int) -> DAPOTrainer:
+    """A trainer with only its run counters set (its state methods need nothing else; building one needs a model,
+    an engine and a process group)."""
+    trainer = DAPOTrainer.__new__(DAPOTrainer)
+    for name in DAPOTrainer.STATE_FIELDS:
+        setattr(trainer, name, counters.get(name, 0))
+    return trainer
+
+
+def test_trainer_counters_round_trip() -> None:
+    counts = {
+        "num_skipped_updates": 4,
+        "consecutive_skipped_updates": 1,
+        "num_partial_batches": 2,
+        "num_empty_steps": 3,
+    }
+    state = json.loads(json.dumps(bare_trainer(**counts).state_dict()))
+    assert state == counts
+    resumed = bare_trainer()
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == counts
+    # A state written before a counter existed leaves it as the trainer has it.
+    partial = bare_trainer(num_empty_steps=7)
+    partial.load_state_dict({"num_skipped_updates": 5})
+    assert partial.state_dict() == {
+        "num_skipped_updates": 5,
+        "consecutive_skipped_updates": 0,
+        "num_partial_batches": 0,
+        "num_empty_steps": 7,
+    }
+
+
+def test_registration_and_in_place_restore(tmp_path) -> None:
+    trainer, kl, sampler = bare_trainer(num_partial_batches=2), AdaptiveKLController(0.01, 0.1, 50), PromptSampler(8, 2)
+    manager = CheckpointManager(tmp_path, states={"trainer": trainer, "kl_ctrl": kl, "data_state": sampler})
+    with pytest.raises(ValueError, match="'kl_ctrl'.*registered already"):
+        manager.register("kl_ctrl", kl)
+    with pytest.raises(ValueError, match="'step'.*reserved by trainer_state.json"):
+        manager.register("step", kl)
+
+    kl.update(0.5, 16)
+    sampler.next_batch()
+    boundary = json.loads(json.dumps(manager.component_states()))  # a step boundary, as trainer_state.json has it
+    assert boundary["kl_ctrl"] == {"type": "adaptive", "value": kl.value}
+    # The next step moves every component; restoring the boundary brings each back.
+    kl.update(0.5, 16)
+    sampler.next_batch()
+    trainer.num_partial_batches += 1
+    assert manager.load_component_states(boundary) == []
+    assert manager.component_states() == boundary
+    # Entries an older checkpoint lacks (or holds as null) are reported and leave those components as they are.
+    kl.update(0.5, 16)
+    moved = kl.value
+    assert manager.load_component_states({"data_state": None, "trainer": {}}) == ["kl_ctrl", "data_state"]
+    assert kl.value == moved and sampler.position == 1 and trainer.num_partial_batches == 2
