@@ -659,7 +659,7 @@ class _Checker:
     def check_layout(self) -> None:
         """Actor and rollout layouts against the world size and the model, and mini-batches against data
         parallelism: the trainer's own checks (``megatron_dapo/config_checks.py``); every problem, not the first."""
-        from megatron_dapo.config_checks import parallel_layout_problems, rollout_layout_problems
+        from megatron_dapo.config.run_rules import parallel_layout_problems, rollout_layout_problems
 
         cfg, arch, world = self.cfg, self.arch, self.world_size
         p, rtp = cfg.parallel, cfg.rollout.tensor_model_parallel_size
@@ -688,7 +688,7 @@ class _Checker:
             self._check_batches()
 
     def _check_batches(self) -> None:
-        from megatron_dapo.config_checks import batch_layout_problems
+        from megatron_dapo.config.run_rules import batch_layout_problems
 
         cfg = self.cfg
         found = batch_layout_problems(cfg, self.dp)
@@ -1016,8 +1016,8 @@ class _Checker:
     def _handoff(self, on_device: bool) -> tuple[str, Any, bool]:
         """The platform whose defaults apply, the resolved hand-off plan (``resolve_handoff_plan``, as the trainer
         resolves it) and whether vLLM sleeps between rollouts (its sleep mode and ``rollout.free_cache_engine``)."""
+        from megatron_dapo.config.plan import resolve_handoff_plan
         from megatron_dapo.platform import make_platform
-        from megatron_dapo.training.offload import resolve_handoff_plan
 
         p = self.cfg.parallel
         name = p.platform if p.platform != "auto" else ("cuda" if on_device else "cpu")
@@ -1068,7 +1068,7 @@ class _Checker:
         return f"checkpoint save: {vllm}; params, grads and optimizer state on the device"
 
     def memory_plan(self) -> list[str]:
-        from megatron_dapo.rollout.engine import rollout_dtype
+        from megatron_dapo.config.plan import rollout_dtype
         from megatron_dapo.weights.layout import padded_vocab_size
 
         cfg, arch = self.cfg, self.arch

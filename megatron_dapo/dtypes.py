@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CONFIG_NAMES", "config_name", "from_config_name", "hf_name"]
+__all__ = ["CONFIG_NAMES", "config_name", "dtype_bytes", "from_config_name", "hf_name"]
 
 _BY_CONFIG_NAME: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HF_NAMES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -18,6 +18,11 @@ def from_config_name(name: str, key: str = "dtype") -> torch.dtype:
     if name not in _BY_CONFIG_NAME:
         raise ValueError(f"{key}={name!r}: expected one of {', '.join(CONFIG_NAMES)}")
     return _BY_CONFIG_NAME[name]
+
+
+def dtype_bytes(name: str, key: str = "dtype") -> int:
+    """Bytes per element of a config dtype name (``fp32`` 4, ``bf16``/``fp16`` 2)."""
+    return from_config_name(name, key).itemsize
 
 
 def config_name(dtype: torch.dtype) -> str:

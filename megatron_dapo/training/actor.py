@@ -124,10 +124,20 @@ def _packed_seq_params(mb: MicroBatch):
 class MegatronActor:
     """Megatron-Core model chunks (actor or frozen reference) and, for the actor, its optimizer."""
 
-    def __init__(self, chunks: list, true_vocab_size: int, actor_cfg: ActorConfig, optimizer=None):
+    def __init__(
+        self,
+        chunks: list,
+        true_vocab_size: int,
+        actor_cfg: ActorConfig,
+        optimizer=None,
+        packed: Optional[bool] = None,
+    ):
+        """``packed``: packed (THD) micro-batches, the run's ``RunPlan.use_remove_padding``; None = as
+        ``actor.use_remove_padding`` says (off when unset: tests and tools outside a training run)."""
         from megatron.core.distributed import finalize_model_grads
 
         self.chunks = chunks
+        self.packed = bool(actor_cfg.use_remove_padding) if packed is None else packed
         self.true_vocab_size = true_vocab_size
         self.cfg = actor_cfg
         self.optimizer = optimizer
@@ -250,7 +260,7 @@ class MegatronActor:
             row_lengths = [lengths[i] for i in rows]
             groups = split_micro_batches(row_lengths, micro_batch_size, budget)
             for g in groups:
-                if self.cfg.use_remove_padding:
+                if self.packed:
                     padded += padded_seq_len(sum(row_lengths[i] for i in g), self._seq_multiple)
                 else:
                     padded += len(g) * padded_seq_len(max(row_lengths[i] for i in g), self._seq_multiple)
@@ -267,7 +277,7 @@ class MegatronActor:
 
         ranks, groups, padding_ratio = self._plan(batch, micro_batch_size)
         local = batch.select(ranks[ps.get_data_parallel_rank()])
-        if self.cfg.use_remove_padding:  # packed (THD), the whole padded to the SP multiple; CP is refused by config
+        if self.packed:  # packed (THD), the whole padded to the SP multiple; CP is refused by config
             micro_batches = [pack_micro_batch(make_micro_batch(local, rows), 1, self._seq_multiple) for rows in groups]
         else:
             cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()

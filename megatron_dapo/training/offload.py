@@ -65,41 +65,12 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_dapo.config.plan import HandoffPlan, resolve_handoff_plan
 from megatron_dapo.platform import Platform
-from megatron_dapo.platform.base import HandoffDefaults
 
 COMPONENTS = ("params", "grads", "optimizer", "reference")
 ACTOR = ("params", "grads", "optimizer")
 HOST_ALIGN = 512  # bytes: each storage's slice of a component's host buffer starts at a multiple of this
-
-
-@dataclass(frozen=True)
-class HandoffPlan:
-    """The resolved plan: the platform's defaults with the config's explicit choices applied."""
-
-    params: bool
-    grads: bool
-    optimizer: bool
-    reference: bool
-    sleep_level: int
-    keep_grad_values: bool
-
-
-def resolve_handoff_plan(cfg: Any, platform: Platform) -> HandoffPlan:
-    """``actor.offload_params/grads/optimizer``, ``ref.offload``, ``rollout.sleep_level``: None = the platform's."""
-    d: HandoffDefaults = platform.memory_handoff_defaults()
-
-    def pick(value: Optional[Any], default: Any) -> Any:
-        return default if value is None else value
-
-    return HandoffPlan(
-        params=bool(pick(cfg.actor.offload_params, d.params)),
-        grads=bool(pick(cfg.actor.offload_grads, d.grads)),
-        optimizer=bool(pick(cfg.actor.offload_optimizer, d.optimizer)),
-        reference=bool(pick(cfg.ref.offload, d.reference)),
-        sleep_level=int(pick(cfg.rollout.sleep_level, d.sleep_level)),
-        keep_grad_values=d.grad_values,
-    )
 
 
 # ----------------------------------------------------------------------------------------------- tensor discovery

@@ -12,17 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_dapo.config import ConfigError, OptimConfig, lr_schedule_problems, warmup_steps
-
-
-def resolve_warmup_steps(optim: OptimConfig, total_steps: int) -> int:
-    """Checked warm-up length: ``lr_warmup_steps`` when positive, else ``int(lr_warmup_steps_ratio × total_steps)``
-    (verl's rule); the other schedule fields are validated on the way (``config.lr_schedule_problems``, the check
-    ``validate_run`` makes up front when it knows the number of steps)."""
-    problems = lr_schedule_problems(optim, total_steps)
-    if problems:
-        raise ConfigError.of(problems)
-    return warmup_steps(optim, total_steps)
+from megatron_dapo.config import OptimConfig, resolve_warmup_steps
 
 
 def build_optimizer(actor_chunks: list, optim: OptimConfig, total_steps: int) -> tuple[Any, Any]:

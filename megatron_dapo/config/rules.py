@@ -1,0 +1,381 @@
+"""What the config alone decides, as pure functions returning problem lines: each value's range, settings that
+cannot work together, the learning-rate schedule and the algorithm names. ``run_rules.py`` adds what needs the
+model and the world; ``plan.resolve`` calls both.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import megatron_dapo.algo.advantages  # noqa: F401  (the built-in estimators register themselves on import)
+import megatron_dapo.algo.policy_loss  # noqa: F401  (so do the built-in policy losses)
+from megatron_dapo.algo.registry import ADV_ESTIMATORS, POLICY_LOSSES, load_user_algorithms
+from megatron_dapo.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    ExperimentConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
+
+# --------------------------------------------------------------------------------------------------- value checks
+
+
+class _Problems(list):
+    """Problem lines, one per bad value, each naming the key, the value and what is valid."""
+
+    def need(self, key: str, value: Any, ok: bool, expected: str, fix: str = "") -> None:
+        if not ok:
+            self.append(f"{key}={value!r}: expected {expected}" + (f"; {fix}" if fix else ""))
+
+    def positive_int(self, key: str, value: Any, allow_none: bool = False) -> None:
+        ok = (allow_none and value is None) or (isinstance(value, int) and value >= 1)
+        self.need(key, value, ok, "an integer >= 1")
+
+    def in_unit(self, key: str, value: float, low_open: bool = False, high_open: bool = True) -> None:
+        lo_ok = value > 0 if low_open else value >= 0
+        hi_ok = value < 1 if high_open else value <= 1
+        interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
+        self.need(key, value, lo_ok and hi_ok, f"a value in {interval}")
+
+    def finite(self, key: str, value: float) -> None:
+        self.need(key, value, math.isfinite(value), "a finite number")
+
+
+def _model_parallel_ranges(out: _Problems, m: ModelConfig, p: ParallelConfig) -> None:
+    out.positive_int("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
+    out.in_unit("model.attention_dropout", m.attention_dropout)
+    out.in_unit("model.hidden_dropout", m.hidden_dropout)
+    out.positive_int("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size)
+    out.positive_int("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size)
+    out.positive_int("parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size, True)
+    out.positive_int("parallel.context_parallel_size", p.context_parallel_size)
+    out.positive_int("parallel.expert_model_parallel_size", p.expert_model_parallel_size)
+    out.positive_int("parallel.expert_tensor_parallel_size", p.expert_tensor_parallel_size, True)
+
+
+def _checkpoint_data_ranges(out: _Problems, c: CheckpointConfig, d: DataConfig) -> None:
+    out.need(
+        "checkpoint.save_freq",
+        c.save_freq,
+        c.save_freq == -1 or c.save_freq >= 1,
+        "-1 (save at the end only) or a number of steps >= 1",
+    )
+    out.positive_int("data.max_prompt_length", d.max_prompt_length)
+    out.positive_int("data.max_response_length", d.max_response_length)
+    out.positive_int("data.train_batch_size", d.train_batch_size)
+    out.positive_int("data.gen_batch_size", d.gen_batch_size, True)
+    out.positive_int("data.val_batch_size", d.val_batch_size, True)
+
+
+def _optim_ranges(out: _Problems, o: OptimConfig) -> None:
+    out.need("actor.optim.lr", o.lr, o.lr > 0 and math.isfinite(o.lr), "a finite value > 0")
+    out.need("actor.optim.min_lr", o.min_lr, 0 <= o.min_lr <= o.lr, f"a value in [0, actor.optim.lr={o.lr}]")
+    out.need("actor.optim.lr_warmup_steps", o.lr_warmup_steps, o.lr_warmup_steps >= 0, "an integer >= 0")
+    out.in_unit("actor.optim.lr_warmup_steps_ratio", o.lr_warmup_steps_ratio, high_open=False)
+    out.need("actor.optim.weight_decay", o.weight_decay, 0 <= o.weight_decay < 1, "a value in [0, 1)")
+    out.in_unit("actor.optim.adam_beta1", o.adam_beta1)
+    out.in_unit("actor.optim.adam_beta2", o.adam_beta2)
+    out.need("actor.optim.adam_eps", o.adam_eps, o.adam_eps > 0, "a value > 0")
+    out.need("actor.optim.clip_grad", o.clip_grad, o.clip_grad >= 0, "a value >= 0 (0 = no clipping)")
+
+
+def _actor_ranges(out: _Problems, a: ActorConfig) -> None:
+    out.positive_int("actor.ppo_mini_batch_size", a.ppo_mini_batch_size)
+    out.positive_int("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu)
+    out.positive_int("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu)
+    out.positive_int("actor.ppo_epochs", a.ppo_epochs)
+    out.positive_int("actor.log_prob_micro_batch_size_per_gpu", a.log_prob_micro_batch_size_per_gpu)
+    out.positive_int("actor.recompute_num_layers", a.recompute_num_layers)
+    out.need(
+        "actor.clip_ratio_low",
+        a.clip_ratio_low,
+        0 <= a.clip_ratio_low < 1,
+        "a value in [0, 1): the lower clip bound is 1 - clip_ratio_low and must stay positive",
+    )
+    out.need("actor.clip_ratio_high", a.clip_ratio_high, a.clip_ratio_high >= 0, "a value >= 0")
+    out.need("actor.clip_ratio_c", a.clip_ratio_c, a.clip_ratio_c > 1, "a value > 1 (the dual-clip bound, verl's rule)")
+    out.finite("actor.entropy_coeff", a.entropy_coeff)
+    out.need("actor.kl_loss_coef", a.kl_loss_coef, a.kl_loss_coef >= 0, "a value >= 0")
+    aux = a.moe_aux_loss_coeff
+    out.need(
+        "actor.moe_aux_loss_coeff",
+        aux,
+        aux is None or (math.isfinite(aux) and aux >= 0),
+        "null (from the HF config's router_aux_loss_coef) or a finite value >= 0 (0 = off)",
+    )
+    z = a.moe_z_loss_coeff
+    out.need("actor.moe_z_loss_coeff", z, math.isfinite(z) and z >= 0, "a finite value >= 0 (0 = off)")
+
+
+def _sampling_ranges(out: _Problems, prefix: str, temperature: float, top_p: float, top_k: int) -> None:
+    out.need(f"{prefix}.temperature", temperature, temperature >= 0, "a value >= 0 (0 = greedy)")
+    out.need(f"{prefix}.top_p", top_p, 0 < top_p <= 1, "a value in (0, 1]")
+    out.need(f"{prefix}.top_k", top_k, top_k == -1 or top_k >= 1, "-1 (off) or an integer >= 1")
+
+
+def _rollout_ranges(out: _Problems, r: RolloutConfig) -> None:
+    out.positive_int("rollout.tensor_model_parallel_size", r.tensor_model_parallel_size)
+    out.positive_int("rollout.n", r.n)
+    _sampling_ranges(out, "rollout", r.temperature, r.top_p, r.top_k)
+    out.in_unit("rollout.gpu_memory_utilization", r.gpu_memory_utilization, low_open=True, high_open=False)
+    out.positive_int("rollout.kv_cache_memory_mb", r.kv_cache_memory_mb)
+    out.positive_int("rollout.max_num_seqs", r.max_num_seqs)
+    out.positive_int("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb)
+    out.positive_int("rollout.max_num_batched_tokens", r.max_num_batched_tokens, True)
+    out.need("rollout.sleep_level", r.sleep_level, r.sleep_level in (None, 1, 2), "null (platform default), 1 or 2")
+    v = r.val_kwargs
+    _sampling_ranges(out, "rollout.val_kwargs", v.temperature, v.top_p, v.top_k)
+    out.positive_int("rollout.val_kwargs.n", v.n)
+
+
+def _algorithm_ranges(out: _Problems, al: AlgorithmConfig) -> None:
+    out.in_unit("algorithm.gamma", al.gamma, high_open=False)
+    out.need("algorithm.kl_ctrl.kl_coef", al.kl_ctrl.kl_coef, al.kl_ctrl.kl_coef >= 0, "a value >= 0")
+    out.need("algorithm.kl_ctrl.target_kl", al.kl_ctrl.target_kl, al.kl_ctrl.target_kl > 0, "a value > 0")
+    out.need("algorithm.kl_ctrl.horizon", al.kl_ctrl.horizon, al.kl_ctrl.horizon >= 1, "an integer >= 1")
+    out.need(
+        "algorithm.filter_groups.max_num_gen_batches",
+        al.filter_groups.max_num_gen_batches,
+        al.filter_groups.max_num_gen_batches >= 0,
+        "an integer >= 0 (0 = one pass over the training prompts)",
+    )
+    out.need(
+        "algorithm.rollout_is_threshold",
+        al.rollout_is_threshold,
+        al.rollout_is_threshold is None or al.rollout_is_threshold > 0,
+        "null (off) or a value > 0",
+    )
+
+
+def reward_value_problems(rw: RewardConfig) -> list[str]:
+    """The ``reward`` section's ranges (also for a ``RewardConfig`` built directly, as the reward manager takes)."""
+    out = _Problems()
+    ob = rw.overlong_buffer
+    out.positive_int("reward.overlong_buffer.len", ob.len)
+    out.need(
+        "reward.overlong_buffer.penalty_factor",
+        ob.penalty_factor,
+        0 <= ob.penalty_factor < math.inf,
+        "a finite value >= 0",
+    )
+    out.need("reward.num_workers", rw.num_workers, rw.num_workers >= 0, "an integer >= 0 (0 = score in-process)")
+    out.need(
+        "reward.timeout_s",
+        rw.timeout_s,
+        0 < rw.timeout_s < math.inf,
+        "a value > 0 (seconds per scorer call)",
+        "use a large value, e.g. 3600, to debug a slow scorer",
+    )
+    out.finite("reward.error_score", rw.error_score)
+    out.need("reward.max_logged_errors", rw.max_logged_errors, rw.max_logged_errors >= 0, "an integer >= 0")
+    out.finite("reward.custom_function.weight", rw.custom_function.weight)
+    return out
+
+
+def _trainer_ranges(out: _Problems, t: TrainerConfig) -> None:
+    out.positive_int("trainer.total_epochs", t.total_epochs)
+    out.positive_int("trainer.total_training_steps", t.total_training_steps, True)
+    out.need(
+        "trainer.test_freq",
+        t.test_freq,
+        t.test_freq == -1 or t.test_freq >= 1,
+        "-1 (validate at the end only) or a number of steps >= 1",
+    )
+    out.need(
+        "trainer.collective_timeout_s",
+        t.collective_timeout_s,
+        0 < t.collective_timeout_s < math.inf,
+        "a finite value > 0 (seconds)",
+    )
+    out.positive_int("trainer.max_consecutive_skipped_updates", t.max_consecutive_skipped_updates)
+    out.positive_int("trainer.console_every", t.console_every)
+
+
+def range_problems(cfg: ExperimentConfig) -> list[str]:
+    """Every value against its valid range, section by section; one line per problem."""
+    out = _Problems()
+    _model_parallel_ranges(out, cfg.model, cfg.parallel)
+    _checkpoint_data_ranges(out, cfg.checkpoint, cfg.data)
+    _optim_ranges(out, cfg.actor.optim)
+    _actor_ranges(out, cfg.actor)
+    _rollout_ranges(out, cfg.rollout)
+    _algorithm_ranges(out, cfg.algorithm)
+    out.extend(reward_value_problems(cfg.reward))
+    _trainer_ranges(out, cfg.trainer)
+    return list(out)
+
+
+# --------------------------------------------------------------------------------------------------- lr schedule
+
+DECAY_STYLES = ("constant", "cosine", "linear")
+
+
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """``lr_warmup_steps`` when positive, else ``int(lr_warmup_steps_ratio × total_steps)`` (verl's rule)."""
+    return optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * total_steps)
+
+
+def lr_schedule_problems(optim: OptimConfig, total_steps: int, steps_key: Optional[str] = None) -> list[str]:
+    """The learning-rate schedule over ``total_steps`` training steps: its fields, and a warm-up shorter than the run
+    (megatron-core's scheduler asserts warm-up < decay steps). ``steps_key`` names where the step count comes from
+    in the messages (e.g. ``trainer.total_training_steps``)."""
+    steps = f"{steps_key}={total_steps}" if steps_key else f"the {total_steps} training steps"
+    if total_steps < 1:
+        where = f" ({steps_key})" if steps_key else ""
+        return [f"the number of training steps{where} must be >= 1 to build the lr schedule, got {total_steps}"]
+    problems = []
+    if optim.lr_decay_style not in DECAY_STYLES:
+        problems.append(f"actor.optim.lr_decay_style={optim.lr_decay_style!r}: expected one of {DECAY_STYLES}")
+    if not (optim.lr > 0 and 0 <= optim.min_lr <= optim.lr):
+        problems.append(
+            f"actor.optim: need lr > 0 and 0 <= min_lr <= lr, got lr={optim.lr}, min_lr={optim.min_lr}; set "
+            "actor.optim.lr > 0 and actor.optim.min_lr between 0 and it"
+        )
+    if not 0.0 <= optim.lr_warmup_steps_ratio <= 1.0:
+        problems.append(f"actor.optim.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio}: expected a value in [0, 1]")
+    warmup = warmup_steps(optim, total_steps)
+    if warmup >= total_steps:
+        problems.append(
+            f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps} (lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio}"
+            f") gives {warmup} warm-up steps, not fewer than {steps}: the warm-up must be shorter than the "
+            f"{total_steps} training steps, or the learning rate would never reach actor.optim.lr; set "
+            f"actor.optim.lr_warmup_steps to at most {max(total_steps - 1, 0)} (or train for more steps)"
+        )
+    return problems
+
+
+# --------------------------------------------------------------------------------------------------- cross-field
+
+
+def _batch_and_sampling_problems(cfg: ExperimentConfig) -> list[str]:
+    problems: list[str] = []
+    a, d, r, fg = cfg.actor, cfg.data, cfg.rollout, cfg.algorithm.filter_groups
+    if a.ppo_mini_batch_size > d.train_batch_size or d.train_batch_size % a.ppo_mini_batch_size:
+        problems.append(
+            f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide data.train_batch_size="
+            f"{d.train_batch_size}: set actor.ppo_mini_batch_size to a divisor of it (e.g. {d.train_batch_size})"
+        )
+    if fg.enable and r.n < 2:
+        problems.append(
+            f"algorithm.filter_groups.enable=true needs rollout.n >= 2 (got {r.n}): a group of one is never filtered; "
+            "raise rollout.n or disable algorithm.filter_groups.enable"
+        )
+    if fg.enable and r.temperature == 0:
+        problems.append(
+            "algorithm.filter_groups.enable=true with rollout.temperature=0: greedy sampling gives all rollout.n "
+            "responses of a prompt the same text, so every group has equal rewards and dynamic sampling can never "
+            "fill a batch; set rollout.temperature > 0 (e.g. 1.0) or disable algorithm.filter_groups.enable"
+        )
+    if r.n > 1 and r.temperature == 0 and cfg.algorithm.adv_estimator in ("grpo", "rloo"):
+        problems.append(
+            f"rollout.n={r.n} with rollout.temperature=0: the n greedy responses of a prompt are identical, so every "
+            f"group-relative advantage ({cfg.algorithm.adv_estimator}) is zero and nothing trains; set "
+            "rollout.temperature > 0"
+        )
+    return problems
+
+
+def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
+    """Settings that are each valid but cannot work together; each line says how to fix it."""
+    problems = _batch_and_sampling_problems(cfg)
+    if cfg.actor.use_remove_padding and cfg.parallel.context_parallel_size > 1:
+        problems.append(
+            f"actor.use_remove_padding=true with parallel.context_parallel_size={cfg.parallel.context_parallel_size}: "
+            "packed (THD) micro-batches are not split over context-parallel ranks; set actor.use_remove_padding=false "
+            "(padded micro-batches, split as megatron-core expects) or parallel.context_parallel_size=1"
+        )
+    ob, d = cfg.reward.overlong_buffer, cfg.data
+    if ob.enable and ob.len >= d.max_response_length:
+        problems.append(
+            f"reward.overlong_buffer.len={ob.len} must be shorter than data.max_response_length="
+            f"{d.max_response_length}: the buffer is the tail of the response budget; lower it (DAPO uses 4096 of "
+            "20480)"
+        )
+    steps = cfg.trainer.total_training_steps
+    if steps is not None:
+        problems += lr_schedule_problems(cfg.actor.optim, steps, "trainer.total_training_steps")
+    return problems
+
+
+def algorithm_name_problems(cfg: ExperimentConfig) -> list[str]:
+    """``algorithm.adv_estimator`` and ``actor.policy_loss`` name registered entries (built-ins, plus those of
+    ``algorithm.user_algorithms_file``, which is imported here)."""
+    path = cfg.algorithm.user_algorithms_file
+    try:
+        load_user_algorithms(path)
+    except (FileNotFoundError, ImportError, ValueError) as exc:
+        return [
+            f"algorithm.user_algorithms_file={path!r}: {exc}; fix the file or set algorithm.user_algorithms_file "
+            "to null"
+        ]
+    problems = []
+    for registry, name in ((ADV_ESTIMATORS, cfg.algorithm.adv_estimator), (POLICY_LOSSES, cfg.actor.policy_loss)):
+        if name not in registry:
+            problems.append(registry.unknown(name))
+    return problems
+
+
+def extra_function_spec(item: Any, where: str) -> tuple[Optional[tuple[str, str, Any]], list[str]]:
+    """One ``reward.extra_functions`` entry → (path, name, weight), or the problems with its shape (the reward
+    manager's ``_custom_specs`` can use it for a ``RewardConfig`` built in code)."""
+    if not isinstance(item, dict):
+        return None, [f"{where}: expected a mapping with keys path, name, weight; got {item!r}"]
+    unknown = set(item) - {"path", "name", "weight"}
+    if unknown:
+        return None, [f"{where}: unknown keys {sorted(unknown)}; valid keys are path, name, weight"]
+    if not item.get("path"):
+        return None, [f"{where}: 'path' (a Python file defining the reward function) is required"]
+    return (str(item["path"]), str(item.get("name", "compute_score")), item.get("weight", 1.0)), []
+
+
+def resolve_warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """Checked warm-up length: ``lr_warmup_steps`` when positive, else ``int(lr_warmup_steps_ratio × total_steps)``
+    (verl's rule); the other schedule fields are validated on the way (``config.lr_schedule_problems``, the check
+    ``plan.resolve`` makes up front when it knows the number of steps)."""
+    problems = lr_schedule_problems(optim, total_steps)
+    if problems:
+        raise ConfigError.of(problems)
+    return warmup_steps(optim, total_steps)
+
+
+def config_problems(cfg: ExperimentConfig) -> list[str]:
+    """Every problem ``check_values`` reports (ranges, then cross-field ones, algorithm names), as a list."""
+    problems = range_problems(cfg)
+    if not problems:  # cross-field messages assume each value is in range
+        problems = _cross_field_problems(cfg)
+    return problems + algorithm_name_problems(cfg)
+
+
+def check_values(cfg: ExperimentConfig) -> None:
+    """Range and cross-field checks that need no model; all problems are reported at once. The only file read is
+    ``algorithm.user_algorithms_file`` (imported so that the algorithm names can be checked)."""
+    problems = config_problems(cfg)
+    if problems:
+        raise ConfigError.of(problems)
+
+
+def required_input_problems(cfg: ExperimentConfig) -> list[str]:
+    """What a training run needs and a config for other commands may leave out."""
+    problems = []
+    if not cfg.checkpoint.load_dir:
+        problems.append("checkpoint.load_dir is required: the converter's output (megatron-dapo convert hf-to-mcore)")
+    if not cfg.data.train_files:
+        problems.append("data.train_files is required: one or more parquet/jsonl files of prompts")
+    return problems
+
+
+def validate_config(cfg: ExperimentConfig) -> None:
+    """Everything a training run needs that can be checked before the model architecture is known. With the
+    architecture and the world size, ``plan.resolve`` checks this and the rest."""
+    problems = required_input_problems(cfg) + config_problems(cfg)
+    if problems:
+        raise ConfigError.of(problems)

