@@ -77,7 +77,7 @@ def timed_min(fn, repeats: int) -> float:
 
 def main() -> None:
     args = parse()
-    from megatron_dapo.rollout.engine import teardown
+    from megatron_dapo.parallel import teardown
     from megatron_dapo.rollout.sync import WeightSync
 
     cfg, arch, chunks, engine, log = setup(args)

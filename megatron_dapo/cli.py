@@ -1,4 +1,7 @@
-"""``megatron-dapo`` command line: train | check | convert | export | eval."""
+"""``megatron-dapo`` command line: train | check | convert | export | eval.
+
+Each subcommand imports its modules when it runs, so ``megatron-dapo --help`` loads no torch.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Optional
 
 
 def _train(args: argparse.Namespace) -> int:
+    # heavy: torch, megatron-core, vLLM (loaded by the subcommand that needs them, never for --help)
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from megatron_dapo.config import load_config
@@ -31,19 +35,19 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from megatron_dapo.check import main as check_main
+    from megatron_dapo.check import main as check_main  # heavy: torch
 
     return check_main(args.check_argv)
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from megatron_dapo.weights.convert import main as convert_main
+    from megatron_dapo.weights.convert import main as convert_main  # heavy: torch
 
     return convert_main(args.convert_argv)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from megatron_dapo.training.export import export_step
+    from megatron_dapo.training.export import export_step  # heavy: torch
 
     path = export_step(args.checkpoint, args.save_dir, step=args.step, config_path=args.config)
     print(f"exported HF checkpoint to {path}")
@@ -56,6 +60,7 @@ _OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+=")
 
 
 def _eval(args: argparse.Namespace) -> int:
+    # heavy: torch, vLLM (not for --help)
     from megatron_dapo.config import ConfigError
     from megatron_dapo.data import DataError
     from megatron_dapo.evaluation import ModelInputError, run_eval

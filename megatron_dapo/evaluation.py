@@ -56,11 +56,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch.distributed as dist
 import yaml
 
-from megatron_dapo.config import ConfigError, ExperimentConfig, apply_override, from_dict, load_config
+from megatron_dapo import dtypes
+from megatron_dapo.config import (
+    ExperimentConfig,
+    apply_override,
+    check_eval_options,
+    check_values,
+    from_dict,
+    load_config,
+)
+from megatron_dapo.data import build_dataset
+from megatron_dapo.data.tokens import decode_responses, load_tokenizer, token_ids
+from megatron_dapo.parallel import broadcast_object, init_distributed, teardown
+from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.reward.math_dapo import INVALID_ANSWER
+from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.sync import load_hf_weights_into_engine
+from megatron_dapo.rollout.types import SamplingSpec
+from megatron_dapo.training.checkpoint import CONFIG_FILE, LATEST, CheckpointError, resolve_resume
+from megatron_dapo.training.export import EVAL_SETTINGS_FILE, read_eval_settings
+from megatron_dapo.training.scoring import RolloutScorer
+from megatron_dapo.weights.convert import convert_mcore_to_hf
+from megatron_dapo.weights.dist_format import TRACKER_FILE, find_checkpoint, is_dist_checkpoint_dir
 
 log = logging.getLogger("megatron_dapo.eval")
 
@@ -182,8 +202,6 @@ def _has_hf_weights(path: Path) -> bool:
 
 def identify_model(path: PathLike) -> ModelSource:
     """Which of the three accepted kinds ``path`` is; :class:`ModelInputError` naming what was found otherwise."""
-    from megatron_dapo.training.checkpoint import CONFIG_FILE, LATEST
-    from megatron_dapo.weights.dist_format import TRACKER_FILE, is_dist_checkpoint_dir
 
     path = Path(path)
     if path.is_dir():
@@ -216,7 +234,6 @@ def identify_model(path: PathLike) -> ModelSource:
 
 def training_step_dir(path: PathLike) -> Path:
     """The step directory a training-checkpoint ``--model`` means: itself, or the latest step of a save_dir."""
-    from megatron_dapo.training.checkpoint import CONFIG_FILE, CheckpointError, resolve_resume
 
     path = Path(path)
     if (path / CONFIG_FILE).is_file():
@@ -243,7 +260,6 @@ def build_eval_config(
     tokenizer_dir: Optional[PathLike] = None,
 ) -> ExperimentConfig:
     """The experiment config the eval runs with (see the module docstring, step 2)."""
-    from megatron_dapo.training.checkpoint import CONFIG_FILE
 
     overrides = list(overrides)
     headline = None  # said once the flags below are applied too
@@ -257,27 +273,18 @@ def build_eval_config(
         cfg = from_dict(ExperimentConfig, raw)
     else:
         cfg, headline = _config_without_yaml(source, overrides, max_response_length)
-    if not data_files:
-        raise ConfigError("--data: give at least one verl-format parquet/jsonl file")
+    check_eval_options(data_files, n, temperature, top_p, max_response_length)
     cfg.data.val_files = [str(f) for f in data_files]
     cfg.trainer.output_dir = str(output_dir)
     v = cfg.rollout.val_kwargs
     if n is not None:
-        if n < 1:
-            raise ConfigError(f"--n {n}: expected >= 1 responses per prompt")
         v.n = n
     if temperature is not None:
-        if temperature < 0:
-            raise ConfigError(f"--temperature {temperature}: expected >= 0 (0 = greedy)")
         v.temperature = temperature
         v.do_sample = temperature > 0
     if top_p is not None:
-        if not 0 < top_p <= 1:
-            raise ConfigError(f"--top-p {top_p}: expected a value in (0, 1]")
         v.top_p = top_p
     if max_response_length is not None:
-        if max_response_length < 1:
-            raise ConfigError(f"--max-response-length {max_response_length}: expected >= 1")
         cfg.data.max_response_length = max_response_length
     if tokenizer_dir is not None:
         cfg.model.tokenizer_dir = str(tokenizer_dir)
@@ -292,8 +299,6 @@ def _config_without_yaml(
     """No ``--config`` and no saved training config: the settings ``megatron-dapo export`` recorded next to the
     model, else the built-in defaults with the sequence lengths fitted to the model; the overrides on top. Also
     the start of the console line that says which it was."""
-    from megatron_dapo.config import check_values
-    from megatron_dapo.training.export import EVAL_SETTINGS_FILE, read_eval_settings
 
     recorded = read_eval_settings(source.path) if source.kind == "hf" else None
     raw: dict = recorded if recorded is not None else {}
@@ -341,7 +346,6 @@ def fit_sequence_lengths(cfg: ExperimentConfig, max_positions: int, given: set[s
 def _max_position_embeddings(source: ModelSource) -> Optional[int]:
     """The model's ``max_position_embeddings`` from its HF ``config.json`` (a converter output's ``hf_config/``),
     or None when there is none to read (the export that follows names the problem)."""
-    from megatron_dapo.weights.dist_format import find_checkpoint
 
     try:
         hf_dir = source.path if source.kind == "hf" else find_checkpoint(source.path).hf_config_dir
@@ -392,7 +396,6 @@ def _child_env() -> dict[str, str]:
 
 def export_to_hf(source: ModelSource, dest: PathLike) -> Path:
     """Write the HF checkpoint of a ``mcore`` or ``training_checkpoint`` source to ``dest`` (call on one rank)."""
-    from megatron_dapo.weights.convert import convert_mcore_to_hf
 
     dest = Path(dest)
     if source.kind == "mcore":
@@ -419,12 +422,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _eos_ids(tokenizer: Any) -> list[int]:
-    # As the trainer: the tokenizer's EOS id(s) are the stop tokens.
-    eos = tokenizer.eos_token_id
-    return [eos] if isinstance(eos, int) else list(eos or [])
-
-
 def _default_single_process_env() -> None:
     """A plain (non-torchrun) run is rank 0 of 1; vLLM's external_launcher reads these variables itself."""
     if "RANK" not in os.environ:
@@ -436,7 +433,6 @@ def _default_single_process_env() -> None:
 def _engine_hf_dir(source: ModelSource, output_dir: Path, export_dir: Path, is_main: bool) -> Path:
     """The HF directory the engine loads: ``source.path`` itself, or its export to ``export_dir``, written by rank 0;
     the other ranks learn the outcome (and fail with it)."""
-    from megatron_dapo.parallel import broadcast_object
 
     if source.kind == "hf":
         return source.path
@@ -467,14 +463,6 @@ def run_eval(
     max_response_length: Optional[int] = None,
 ) -> dict[str, dict[str, float]]:
     """Evaluate ``model`` on ``data_files``; returns the summary (on every rank) and writes the report (rank 0)."""
-    import torch.distributed as dist
-
-    from megatron_dapo import dtypes
-    from megatron_dapo.config.plan import rollout_dtype
-    from megatron_dapo.data import build_dataset
-    from megatron_dapo.parallel import broadcast_object, init_distributed
-    from megatron_dapo.rollout.engine import RolloutEngine, teardown
-    from megatron_dapo.rollout.types import SamplingSpec
 
     source = identify_model(model)
     output_dir = Path(output_dir)
@@ -498,22 +486,18 @@ def run_eval(
         # 1. An HF directory for the engine.
         hf_dir = _engine_hf_dir(source, output_dir, export_dir, info.is_main)
 
-        from transformers import AutoTokenizer
-
-        tok_dir = cfg.model.tokenizer_dir or hf_dir  # --tokenizer is in the config by now
-        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        eos_ids = _eos_ids(tokenizer)
+        tokenizer = load_tokenizer(cfg.model.tokenizer_dir, hf_dir)  # --tokenizer is in the config by now
+        ids = token_ids(tokenizer)
         dataset = build_dataset(cfg.data.val_files, tokenizer, cfg.data, name="eval")
         items = [dataset[i] for i in range(len(dataset))]
-        sampling = SamplingSpec.for_validation(cfg, eos_ids)
+        sampling = SamplingSpec.for_validation(cfg, ids.eos)
 
         # 2. Generation, exactly as DAPOTrainer.validate: one call, seed_offset 0.
-        engine = RolloutEngine(cfg, str(hf_dir), platform, pad_token_id=pad_id, eos_token_ids=eos_ids)
+        engine = RolloutEngine(cfg, str(hf_dir), platform, pad_token_id=ids.pad, eos_token_ids=ids.eos)
         load_hf_weights_into_engine(
             engine,
             hf_dir,
-            dtypes.from_config_name(rollout_dtype(cfg), "rollout.dtype"),
+            dtypes.from_config_name(engine.rollout_plan.dtype, "rollout.dtype"),
             cfg.rollout.weight_sync_bucket_mb,
         )
         rollout = engine.generate([it["input_ids"] for it in items], sampling, seed_offset=0)
@@ -521,7 +505,7 @@ def run_eval(
         # 3. Scoring and the report, on rank 0.
         summary: Optional[dict] = None
         if info.is_main:
-            summary = _score_and_write(cfg, tokenizer, eos_ids, items, rollout, sampling.n, output_dir)
+            summary = _score_and_write(cfg, tokenizer, list(ids.eos), items, rollout, sampling.n, output_dir)
         summary = broadcast_object(summary)
         if dist.is_initialized():
             dist.barrier()
@@ -534,21 +518,12 @@ def run_eval(
 
 def _score_and_write(cfg, tokenizer, eos_ids, items, rollout, n: int, output_dir: Path) -> dict:
     """Score the rollout with the ``reward`` config, write ``samples.jsonl`` and ``summary.json``; the summary."""
-    from megatron_dapo.reward.manager import RewardManager
 
     rows = rollout.prompt_index.tolist()
     with RewardManager(tokenizer, cfg.reward, cfg.data.max_response_length, eos_ids) as reward:
-        result = reward(
-            rollout.responses,
-            rollout.response_mask,
-            [items[i]["data_source"] for i in rows],
-            [items[i]["ground_truth"] for i in rows],
-            [items[i]["extra_info"] for i in rows],
-        )
+        result = RolloutScorer(reward, world_size=1, rank=0)(rollout, items)  # as the trainer scores, on this rank
     lengths = rollout.response_lengths.tolist()
-    texts = tokenizer.batch_decode(
-        [r[: int(k)] for r, k in zip(rollout.responses.tolist(), lengths)], skip_special_tokens=True
-    )
+    texts = decode_responses(tokenizer, rollout.responses, lengths)
     accs = result.extra.get("acc", [None] * len(rows))
     preds = result.extra.get("pred", [None] * len(rows))
     records: list[SampleRecord] = []

@@ -1,4 +1,5 @@
-"""torch.distributed and megatron-core ``parallel_state`` initialisation from torchrun's environment + config."""
+"""torch.distributed and megatron-core ``parallel_state`` from torchrun's environment + config: initialisation, the
+CPU control group, small collectives, and ``teardown`` at the end of the process."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import datetime
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from megatron_dapo.config import ParallelConfig
-from megatron_dapo.platform import Platform, init_platform
+from megatron_dapo.platform import Platform, get_platform, init_platform
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def any_rank(flag: bool) -> bool:
 def init_model_parallel(parallel: ParallelConfig, seed: int = 1, timeout_s: float = 600.0) -> None:
     """Create megatron-core's TP/PP/DP groups, the expert EP/ETP groups (gloo groups too, for CPU-side collectives)
     and seed RNG streams."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # heavy: megatron-core, imported once the platform has patched it
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -95,16 +96,37 @@ def init_model_parallel(parallel: ParallelConfig, seed: int = 1, timeout_s: floa
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
-    from megatron_dapo.platform import get_platform
-
     get_platform().seed(seed)
 
 
 def destroy_model_parallel() -> None:
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # heavy: megatron-core, imported once the platform has patched it
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+
+
+class Stoppable(Protocol):
+    """What ``teardown`` stops between megatron-core's groups and the default group (the rollout engine)."""
+
+    def shutdown(self) -> None: ...
+
+
+def teardown(engine: Optional[Stoppable]) -> None:
+    """End of run, in the only order that works: megatron-core's groups, the engine, then the default group.
+
+    The colocated vLLM engine (``rollout.engine.RolloutEngine``) shares the default process group with megatron-core,
+    and shutting it down destroys that group: megatron-core's groups must go before it, the default group after.
+    Every rank must call it (the first step is a barrier, so no rank destroys the default group while another still
+    uses it). ``engine`` is anything with ``shutdown()``; None when no engine was started.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+    destroy_model_parallel()
+    if engine is not None:
+        engine.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------ collectives (no-ops alone)
@@ -157,7 +179,7 @@ def agree_error(local: Optional[str]) -> Optional[str]:
 def parallel_layout() -> dict[str, Any]:
     """The parallel layout this rank runs under (world size, TP, PP, VPP, DP; EP/ETP when set): what a checkpoint
     records, and what decides whether its per-rank state (RNG) can be restored."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # heavy: megatron-core, imported once the platform has patched it
 
     layout = {
         "world_size": world_size(),

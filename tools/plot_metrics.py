@@ -70,10 +70,11 @@ def _line_with_band(ax, rows: list[dict], prefix: str, label: str, color: str) -
 
 def plot(rows: list[dict], out: Path, title: Optional[str] = None) -> list[str]:
     """Write the PNG; returns the panels that had no data."""
+    # optional: matplotlib (the [logging] extra); the Agg backend is chosen before pyplot is imported
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: as above
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
     (ax_reward, ax_val), (ax_len, ax_ent) = axes
@@ -141,7 +142,7 @@ def _entropy_panel(ax, rows: list[dict]) -> bool:
 
 def _decorate(fig, axes, rows: list[dict], title: Optional[str]) -> None:
     """Grids, legends, integer step ticks and the figure title (with the step range)."""
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # optional: matplotlib (the [logging] extra)
 
     for ax in axes.flat:
         ax.grid(True, alpha=0.3)

@@ -5,10 +5,11 @@ device-memory model of a plan). This package re-exports the schema, loading and 
 ``plan`` and ``memory`` import the model and platform layers, so callers import them by their module path.
 """
 
-from megatron_dapo.config.load import apply_override, from_dict, load_config, to_dict
+from megatron_dapo.config.load import apply_override, from_dict, load_config, read_config_file, to_dict
 from megatron_dapo.config.rules import (
     DECAY_STYLES,
     algorithm_name_problems,
+    check_eval_options,
     check_values,
     config_problems,
     extra_function_spec,
@@ -63,6 +64,7 @@ __all__ = [
     "ValKwargs",
     "algorithm_name_problems",
     "apply_override",
+    "check_eval_options",
     "check_values",
     "config_problems",
     "extra_function_spec",
@@ -70,6 +72,7 @@ __all__ = [
     "load_config",
     "lr_schedule_problems",
     "range_problems",
+    "read_config_file",
     "required_input_problems",
     "resolve_warmup_steps",
     "reward_value_problems",

@@ -19,21 +19,26 @@ from megatron_dapo.config.schema import ConfigError, ExperimentConfig
 
 def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> ExperimentConfig:
     """Read a YAML file (optional), apply ``a.b.c=value`` overrides and build a checked ``ExperimentConfig``."""
-    raw: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        with open(path) as f:
-            loaded = yaml.safe_load(f)
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}")
-        raw = loaded or {}
+    raw = read_config_file(path) if path is not None else {}
     for item in overrides or []:
         apply_override(raw, item)
     cfg = from_dict(ExperimentConfig, raw)
     check_values(cfg)
     return cfg
+
+
+def read_config_file(path: Union[str, Path]) -> dict:
+    """The raw mapping of an experiment YAML; ``ConfigError`` for a missing file, bad YAML or a non-mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass the path of an experiment YAML")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: not valid YAML: {exc}") from exc
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}")
+    return loaded or {}
 
 
 def apply_override(raw: dict, item: str) -> None:

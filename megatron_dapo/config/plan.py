@@ -31,6 +31,7 @@ __all__ = [
     "HandoffPlan",
     "RolloutPlan",
     "RunPlan",
+    "build_plan",
     "plan_problems",
     "resolve",
     "resolve_handoff_plan",
@@ -272,6 +273,19 @@ def resolve(
     problems = plan_problems(cfg, arch, world_size, platform, total_steps, probe_imports)
     if problems:
         raise ConfigError.of(problems)
+    return build_plan(cfg, arch, world_size, platform, total_steps, probe_imports)
+
+
+def build_plan(
+    cfg: ExperimentConfig,
+    arch: ModelArch,
+    world_size: int,
+    platform: Platform,
+    total_steps: Optional[int] = None,
+    probe_imports: bool = True,
+) -> RunPlan:
+    """The ``RunPlan`` without the rules: for ``check``, which reports a config's problems *and* its plan. Needs
+    sizes in range and a parallel layout that divides the world (``check`` makes sure of both first)."""
     p = cfg.parallel
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, max(1, p.context_parallel_size)
     ep = p.expert_model_parallel_size if arch.is_moe else 1

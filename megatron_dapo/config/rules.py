@@ -6,6 +6,7 @@ model and the world; ``plan.resolve`` calls both.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import megatron_dapo.algo.advantages  # noqa: F401  (the built-in estimators register themselves on import)
@@ -325,8 +326,9 @@ def algorithm_name_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def extra_function_spec(item: Any, where: str) -> tuple[Optional[tuple[str, str, Any]], list[str]]:
-    """One ``reward.extra_functions`` entry → (path, name, weight), or the problems with its shape (the reward
-    manager's ``_custom_specs`` can use it for a ``RewardConfig`` built in code)."""
+    """One ``reward.extra_functions`` entry → ``((path, name, weight), problems)``. The spec is None when the
+    entry's shape is wrong; a weight that is not a finite number is a problem returned with the spec (so that the
+    file can still be checked)."""
     if not isinstance(item, dict):
         return None, [f"{where}: expected a mapping with keys path, name, weight; got {item!r}"]
     unknown = set(item) - {"path", "name", "weight"}
@@ -334,7 +336,34 @@ def extra_function_spec(item: Any, where: str) -> tuple[Optional[tuple[str, str,
         return None, [f"{where}: unknown keys {sorted(unknown)}; valid keys are path, name, weight"]
     if not item.get("path"):
         return None, [f"{where}: 'path' (a Python file defining the reward function) is required"]
-    return (str(item["path"]), str(item.get("name", "compute_score")), item.get("weight", 1.0)), []
+    weight = item.get("weight", 1.0)
+    spec = (str(item["path"]), str(item.get("name", "compute_score")), weight)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        return spec, [f"{where}.weight={weight!r}: expected a finite number"]
+    return spec, []
+
+
+def reward_config_problems(rw: RewardConfig, max_response_length: Optional[int] = None) -> list[str]:
+    """What the reward manager needs of a ``reward`` section, which may be built in code rather than loaded: its
+    ranges (:func:`reward_value_problems`), every ``reward.extra_functions`` entry's shape and weight, and, given
+    ``data.max_response_length``, an enabled overlong buffer no longer than it (the manager's bound; a training run's
+    config must keep the buffer strictly shorter, see ``_cross_field_problems``). Imports no reward file."""
+    problems = reward_value_problems(rw)
+    for i, item in enumerate(rw.extra_functions):
+        problems += extra_function_spec(item, f"reward.extra_functions[{i}]")[1]
+    ob = rw.overlong_buffer
+    if max_response_length is not None and ob.enable and isinstance(ob.len, int) and ob.len > max_response_length:
+        problems.append(
+            f"reward.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={max_response_length}]"
+        )
+    return problems
+
+
+def check_reward_config(rw: RewardConfig, max_response_length: Optional[int] = None) -> None:
+    """:func:`reward_config_problems`, raised as one ``ConfigError`` (the reward manager's only config check)."""
+    problems = reward_config_problems(rw, max_response_length)
+    if problems:
+        raise ConfigError.of(problems)
 
 
 def resolve_warmup_steps(optim: OptimConfig, total_steps: int) -> int:
@@ -345,6 +374,34 @@ def resolve_warmup_steps(optim: OptimConfig, total_steps: int) -> int:
     if problems:
         raise ConfigError.of(problems)
     return warmup_steps(optim, total_steps)
+
+
+def eval_option_problems(
+    data_files: Sequence[str],
+    n: Optional[int],
+    temperature: Optional[float],
+    top_p: Optional[float],
+    max_response_length: Optional[int],
+) -> list[str]:
+    """``megatron-dapo eval``'s own options (each sets a config value: ``rollout.val_kwargs.*``,
+    ``data.max_response_length``), named as the user typed them."""
+    problems = [] if data_files else ["--data: give at least one verl-format parquet/jsonl file"]
+    if n is not None and n < 1:
+        problems.append(f"--n {n}: expected >= 1 responses per prompt")
+    if temperature is not None and temperature < 0:
+        problems.append(f"--temperature {temperature}: expected >= 0 (0 = greedy)")
+    if top_p is not None and not 0 < top_p <= 1:
+        problems.append(f"--top-p {top_p}: expected a value in (0, 1]")
+    if max_response_length is not None and max_response_length < 1:
+        problems.append(f"--max-response-length {max_response_length}: expected >= 1")
+    return problems
+
+
+def check_eval_options(*args: Any) -> None:
+    """``eval_option_problems``, raised as one ``ConfigError``."""
+    problems = eval_option_problems(*args)
+    if problems:
+        raise ConfigError.of(problems)
 
 
 def config_problems(cfg: ExperimentConfig) -> list[str]:

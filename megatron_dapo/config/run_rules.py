@@ -5,7 +5,6 @@ functions returning problem lines; ``plan.resolve`` collects them and ``megatron
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from megatron_dapo.config.rules import (
@@ -18,7 +17,7 @@ from megatron_dapo.config.rules import (
 from megatron_dapo.config.schema import ConfigError, ExperimentConfig, ParallelConfig, RewardConfig
 from megatron_dapo.dtypes import dtype_bytes
 from megatron_dapo.models.families import ModelArch
-from megatron_dapo.platform import Platform, get_platform, make_platform
+from megatron_dapo.platform import Platform, make_platform, select_platform_name
 from megatron_dapo.reward.custom import load_reward_function
 
 DEFAULT_MIN_BATCHED_TOKENS = 8192
@@ -27,9 +26,9 @@ MIB = 2**20
 
 def config_platform(cfg: ExperimentConfig) -> Platform:
     """The platform ``parallel.platform`` names, for its answers only (not set up: ``check`` asks a CUDA config's
-    questions on a CPU machine); auto = this process's."""
+    questions on a CPU machine); auto = this machine's (detected, not set up: nothing of megatron-core imported)."""
     name = cfg.parallel.platform
-    return get_platform() if name == "auto" else make_platform(name)
+    return make_platform(select_platform_name(name) if name == "auto" else name)
 
 
 # ----------------------------------------------------------------------------------------------- actor layout
@@ -269,8 +268,8 @@ def resolve_max_num_batched_tokens(cfg: ExperimentConfig, max_model_len: int) ->
 
 def reward_function_problems(rw: RewardConfig) -> list[str]:
     """The reward functions the config names: each ``reward.extra_functions`` entry well-formed with a finite
-    weight, and every file importable and defining its function (imported here, once per process, as the reward
-    manager will)."""
+    weight (:func:`~megatron_dapo.config.rules.extra_function_spec`), and every file importable and defining its
+    function (imported here, once per process, as the reward manager will)."""
     specs: list[tuple[str, str, str]] = []  # (config key, path, name)
     problems: list[str] = []
     cf = rw.custom_function
@@ -280,12 +279,8 @@ def reward_function_problems(rw: RewardConfig) -> list[str]:
         where = f"reward.extra_functions[{i}]"
         spec, found = extra_function_spec(item, where)
         problems += found
-        if spec is None:
-            continue
-        path, name, weight = spec
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            problems.append(f"{where}.weight={weight!r}: expected a finite number")
-        specs.append((where, path, name))
+        if spec is not None:
+            specs.append((where, spec[0], spec[1]))
     for key, path, name in specs:
         try:
             load_reward_function(path, name)

@@ -20,6 +20,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 # Rows read by ``load_rows`` carry their origin under this key so that errors raised later (chat template,
 # truncation) can still name the file and row. ``write_rows`` drops it.
 SOURCE_KEY = "_source"
@@ -57,8 +60,6 @@ def read_records(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise DataError(f"{path}: not a file")
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         try:
             return pq.read_table(path).to_pylist()
         except Exception as exc:  # pyarrow raises several types; all mean "not a readable parquet file"
@@ -185,9 +186,6 @@ def write_rows(path: str | Path, rows: Iterable[dict], prompt_key: str = "prompt
         clean.append({k: v for k, v in row.items() if k != SOURCE_KEY})
     path.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         try:
             table = pa.Table.from_pylist(clean)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:

@@ -69,7 +69,7 @@ def transformer_config(
     """``TransformerConfig`` for ``arch`` under ``parallel`` (+ the actor's recompute settings and the platform's
     ``transformer_config_overrides``: initialisation, p2p sync and fused kernels) for the resolved
     ``model.transformer_impl`` (the TE spec's grouped-GEMM experts come with TE)."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import TransformerConfig  # heavy: megatron-core, once the platform has patched it
 
     dtype = dtypes.from_config_name(model.params_dtype, "model.params_dtype")
     return TransformerConfig(
@@ -184,6 +184,7 @@ def resolve_transformer_impl(model: ModelConfig, parallel: ParallelConfig) -> st
 def layer_spec(arch: ModelArch, config, vp_stage: Optional[int] = None, impl: Optional[str] = None):
     """TransformerEngine spec (``impl="transformer_engine"``; on NPU MindSpeed implements it); otherwise
     megatron-core's local spec with SP-aware RMSNorms. ``impl=None``: the platform's default."""
+    # heavy: megatron-core, once the platform has patched it
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -212,6 +213,7 @@ def moe_layer_specs(config, vp_stage: Optional[int], impl: str):
 
     megatron-core's ``get_gpt_decoder_layer_specs``; on the local spec the norms are the project's HF-exact
     ``RMSNorm``/``QKRMSNorm``. The TE spec returns a block spec (megatron-core slices it for PP/VPP itself)."""
+    # heavy: megatron-core, once the platform has patched it
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -258,6 +260,7 @@ def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig, transformer_impl: O
     """One ``GPTModel`` per virtual pipeline stage on this rank (a single chunk without VPP). ``transformer_impl`` is
     the run's resolved one (``RunPlan.transformer_impl``); None = resolve ``model.transformer_impl`` here (tools and
     tests that build a model outside a training run)."""
+    # heavy: megatron-core, once the platform has patched it
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -295,6 +298,7 @@ def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig, transformer_impl: O
 
 def wrap_for_training(chunks: list, cfg: ExperimentConfig) -> list:
     """Float16Module (bf16/fp16) + megatron-core DDP, as Megatron-LM's ``get_model`` does."""
+    # heavy: megatron-core, once the platform has patched it
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 

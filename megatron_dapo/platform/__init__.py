@@ -6,23 +6,25 @@ import importlib.util
 from collections.abc import Callable
 from typing import Optional
 
+import torch
+
 from megatron_dapo.platform.base import Platform
+from megatron_dapo.platform.cpu import CpuPlatform
+from megatron_dapo.platform.cuda import CudaPlatform
+from megatron_dapo.platform.npu import NpuPlatform
 
 _SUPPORTED = ("cpu", "cuda", "npu")
 _current: Optional[Platform] = None
 
 
 def _cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
 def _npu_available() -> bool:
     if importlib.util.find_spec("torch_npu") is None:
         return False
-    import torch
-    import torch_npu  # noqa: F401  (registers torch.npu)
+    import torch_npu  # noqa: F401  # optional: the [npu] extra; importing it registers torch.npu
 
     return bool(getattr(torch, "npu", None) and torch.npu.is_available())
 
@@ -50,16 +52,10 @@ def select_platform_name(
 
 def make_platform(name: str) -> Platform:
     if name == "cpu":
-        from megatron_dapo.platform.cpu import CpuPlatform
-
         return CpuPlatform()
     if name == "cuda":
-        from megatron_dapo.platform.cuda import CudaPlatform
-
         return CudaPlatform()
     if name == "npu":
-        from megatron_dapo.platform.npu import NpuPlatform
-
         return NpuPlatform()
     raise ValueError(f"unknown platform {name!r}; expected one of {', '.join(_SUPPORTED)}")
 

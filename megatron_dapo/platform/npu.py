@@ -79,7 +79,7 @@ class NpuPlatform(Platform):
 
     def configure_model_features(self, cfg: Any) -> None:
         """Turn on MindSpeed's fused kernels for this config (``repatch``, as verl does), before building models."""
-        from mindspeed.megatron_adaptor import repatch
+        from mindspeed.megatron_adaptor import repatch  # optional: MindSpeed exists on Ascend only
 
         repatch(mindspeed_features(cfg))
 

@@ -1,5 +1,10 @@
 """Rule-based rewards: DAPO math, multiple choice, custom functions, overlong shaping and the reward manager.
 
+Modules: ``math_dapo`` and ``choice`` (built-in scorers), ``custom`` (user functions, result checks, time limits, the
+worker-side entry), ``overlong`` (DAPO shaping), ``scoring`` (the manager's rules: routing, rows, results),
+``workers`` (the supervisor: worker pool, timeouts, crashes, failure counts) and ``manager`` (``RewardManager``,
+composing the last two).
+
 Imports are lazy so that reward worker processes (which import ``megatron_dapo.reward.custom``) do not load torch.
 """
 
@@ -21,5 +26,6 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
+        # heavy: the manager and overlong modules import torch, which reward worker processes must not load
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

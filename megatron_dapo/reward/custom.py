@@ -46,6 +46,7 @@ __all__ = [
     "ALARM_REPEAT_S",
     "CombinedRewardFunction",
     "InvalidRewardError",
+    "Outcome",
     "RewardFunction",
     "RewardSpec",
     "ScorerTimeout",
@@ -66,6 +67,8 @@ __all__ = [
 
 RewardFunction = Callable[..., Any]
 RewardSpec = tuple[str, str, float]  # (path, function name, weight)
+# what scoring one response gave (score_response): ("ok", (row, note)), ("error", message) or ("timeout", message)
+Outcome = tuple[str, Any]
 T = TypeVar("T")
 
 MATH_DAPO_LABEL = "math_dapo"
@@ -397,7 +400,7 @@ def score_response(
     extra_info: dict | None,
     timeout_s: float,
     on_unenforced: Callable[[], None] | None = None,
-) -> tuple[str, Any]:
+) -> Outcome:
     """Score one response with the built-in scorer (``kind="math_dapo"``) or ``custom_fn`` (``kind="custom"``).
 
     Returns:
@@ -459,7 +462,7 @@ def run_scorer(
     ground_truth: Any,
     extra_info: dict | None,
     timeout_s: float,
-) -> tuple[str, Any]:
+) -> Outcome:
     """Worker entry: :func:`score_response` with this worker's custom functions; never raises.
 
     Pool workers run tasks in their main thread, so the SIGALRM limit applies (soft timeout); the reward manager

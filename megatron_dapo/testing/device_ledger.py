@@ -33,6 +33,7 @@ import torch
 
 from megatron_dapo.platform.base import HandoffDefaults
 from megatron_dapo.platform.cpu import CpuPlatform
+from megatron_dapo.training.offload import grad_tensors, optimizer_tensors, param_tensors, reference_tensors
 
 CUDA_PLAN = HandoffDefaults(params=False, grads=True, optimizer=True, reference=True, sleep_level=2)
 GIB = 2**30
@@ -75,8 +76,6 @@ def state_holders(handoff: Any) -> dict[str, int]:
     """Bytes the memory hand-off's components hold now: the distinct live storages of the actor's params, grads and
     optimizer state and of the reference (a storage shared by two components counts for the first). On a GPU this is
     what ``torch.cuda.memory_allocated`` counts for them (``tests/gpu/gpu_check.py`` compares the two)."""
-    from megatron_dapo.training.offload import grad_tensors, optimizer_tensors, param_tensors, reference_tensors
-
     h = handoff
     params = param_tensors(h.actor_chunks)
     groups = {

@@ -56,6 +56,7 @@ def tiny_hf_config(
     **extra,
 ):
     """A ``transformers`` config object of ``family`` (qwen2 | qwen3 | llama | qwen3_moe | qwen2_moe)."""
+    # heavy: transformers
     from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     cls = {
@@ -84,7 +85,7 @@ def make_tiny_hf_model(family: str, seed: int = 0, dtype: torch.dtype = torch.fl
     """A randomly initialised ``*ForCausalLM`` (eval mode). MoE routers get std 0.5 (instead of the default
     0.02, which routes nearly at random by tiny margins) so that every expert gets tokens and the top-k choice is
     not decided by rounding; expert weights std 0.1."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: transformers
 
     torch.manual_seed(seed)
     config = tiny_hf_config(family, **config_kwargs)

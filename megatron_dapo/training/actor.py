@@ -31,6 +31,8 @@ from megatron_dapo.batch import (
 )
 from megatron_dapo.config import ActorConfig
 from megatron_dapo.models.builder import unwrap
+from megatron_dapo.parallel import control_group
+from megatron_dapo.platform import get_platform
 from megatron_dapo.training.moe import MoEMeter
 from megatron_dapo.training.router_replay import RouterReplayer
 
@@ -77,6 +79,71 @@ def split_micro_batches(lengths: list[int], micro_batch_size: int, max_tokens: O
     return groups
 
 
+def plan_micro_batches(
+    lengths: list[int],
+    dp: int,
+    dp_rank: int,
+    micro_batch_size: int,
+    max_tokens: Optional[int],
+    packed: bool,
+    seq_multiple: int,
+) -> tuple[list[list[int]], list[list[int]], float]:
+    """Every DP rank's rows (``balance_rows``), rank ``dp_rank``'s micro-batches as positions in its rows, and the
+    padding ratio (padded ÷ real tokens) of the whole batch over all ranks — the same on every rank."""
+    ranks = balance_rows(lengths, dp)
+    padded = 0
+    mine: list[list[int]] = []
+    for r, rows in enumerate(ranks):
+        row_lengths = [lengths[i] for i in rows]
+        groups = split_micro_batches(row_lengths, micro_batch_size, max_tokens)
+        for g in groups:
+            if packed:
+                padded += padded_seq_len(sum(row_lengths[i] for i in g), seq_multiple)
+            else:
+                padded += len(g) * padded_seq_len(max(row_lengths[i] for i in g), seq_multiple)
+        if r == dp_rank:
+            mine = groups
+    return ranks, mine, padded / max(sum(lengths), 1)
+
+
+def guarded_step(optimizer, loss_ok: bool, inputs_ok: bool) -> tuple[bool, float, list[str]]:
+    """megatron-core's ``optimizer.step()`` split at its seams so that a non-finite value skips the update.
+
+    ``prepare_grads`` (fp16 loss-scale check included), ``get_grad_norm`` (reduced over the model-parallel
+    group, and DP for the distributed optimizer), one agreement over all ranks, then clipping and
+    ``step_with_ready_grads`` only when everything was finite. bf16/fp32 have no loss scaler, so without this a
+    NaN update would be applied.
+    """
+    from megatron.core.optimizer.clip_grads import (
+        clip_grad_by_total_norm_fp32,
+    )  # heavy: megatron-core
+
+    found_inf = bool(optimizer.prepare_grads())
+    grad_norm = float("nan") if found_inf else float(optimizer.get_grad_norm())
+    flags = torch.tensor([not loss_ok, not math.isfinite(grad_norm), not inputs_ok, found_inf], dtype=torch.float32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control_group())
+    names = (
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "loss inputs (old/ref log-probs, advantages, IS weights)",
+        "fp16 gradients (loss scaler)",
+    )
+    nonfinite = [name for name, bad in zip(names, flags.tolist()) if bad]
+    if nonfinite:
+        return False, grad_norm, nonfinite
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = [] if getattr(inner, "is_stub_optimizer", False) else inner.get_parameters()
+        if params and inner.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(
+                params,
+                max_norm=inner.config.clip_grad,
+                total_norm=grad_norm,
+                use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    return bool(optimizer.step_with_ready_grads()), grad_norm, []
+
+
 def _loss_inputs_finite(local: TrainBatch) -> bool:
     """Whether this rank's loss inputs are finite wherever the loss mask lets them into the loss."""
     mask = local.loss_mask.bool()
@@ -94,7 +161,9 @@ def causal_mask(seq_len: int, device) -> torch.Tensor:
 
 def _wraps_float16_module(chunk) -> bool:
     """Whether ``chunk`` (DDP / Float16Module / GPTModel) runs through megatron-core's ``Float16Module``."""
-    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.module import (
+        Float16Module,
+    )  # heavy: megatron-core
 
     while chunk is not None:
         if isinstance(chunk, Float16Module):
@@ -105,7 +174,9 @@ def _wraps_float16_module(chunk) -> bool:
 
 def _packed_seq_params(mb: MicroBatch):
     """megatron-core's description of a THD micro-batch for the attention and rotary kernels."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.packed_seq_params import (
+        PackedSeqParams,
+    )  # heavy: megatron-core
 
     # Every row's padding counts as part of the row (verl does the same): causal attention keeps it out of the
     # real tokens, and FlashAttention writes every output row (with real lengths in cu_seqlens_q it leaves the pad
@@ -121,6 +192,44 @@ def _packed_seq_params(mb: MicroBatch):
     )
 
 
+def from_last_stage(t: torch.Tensor) -> torch.Tensor:
+    """Broadcast a tensor held by the last pipeline stage to every stage (same shape everywhere)."""
+    from megatron.core import (
+        parallel_state as ps,
+    )  # heavy: megatron-core
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return t
+
+
+# ------------------------------------------------------------------------------------------- log-probs
+
+
+@torch.no_grad()
+def reduce_update_metrics(results: list[dict], actor_cfg: ActorConfig, device: torch.device) -> dict[str, float]:
+    """verl's ``actor/*`` metrics of one mini-batch from the loss hook's per-micro-batch sums, reduced over
+    micro-batches, from the last pipeline stage and over data-parallel ranks (device tensors: NCCL/HCCL take
+    no CPU tensor)."""
+    from megatron.core import (
+        parallel_state as ps,
+    )  # heavy: megatron-core
+
+    sums = torch.zeros(len(LOSS_METRIC_SUMS) + 1, dtype=torch.float64, device=device)  # + the mismatch max
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        for res in results:
+            for i, key in enumerate(LOSS_METRIC_SUMS):
+                if key in res:
+                    sums[i] += float(res[key])
+            sums[-1] = max(float(sums[-1]), float(res.get("logprob_diff_max", 0.0)))
+    sums = from_last_stage(sums)
+    diff_max = sums[-1:].clone()
+    group = ps.get_data_parallel_group(with_context_parallel=True)  # CP ranks hold parts of the same rows
+    dist.all_reduce(sums, group=group)
+    dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=group)
+    return loss_metrics(dict(zip(LOSS_METRIC_SUMS, sums.tolist())), actor_cfg.use_kl_loss, float(diff_max.item()))
+
+
 class MegatronActor:
     """Megatron-Core model chunks (actor or frozen reference) and, for the actor, its optimizer."""
 
@@ -134,7 +243,7 @@ class MegatronActor:
     ):
         """``packed``: packed (THD) micro-batches, the run's ``RunPlan.use_remove_padding``; None = as
         ``actor.use_remove_padding`` says (off when unset: tests and tools outside a training run)."""
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import finalize_model_grads  # heavy: megatron-core
 
         self.chunks = chunks
         self.packed = bool(actor_cfg.use_remove_padding) if packed is None else packed
@@ -171,10 +280,9 @@ class MegatronActor:
     ) -> list[dict]:
         """``forward_backward_func`` over ``micro_batches``; the loss hook turns the last stage's logits into response
         log-probs and entropy at ``temperature`` and calls ``loss_fn(log_probs, entropy, micro_batch)``."""
+        # heavy: megatron-core
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from megatron_dapo.platform import get_platform
 
         device = self.device
         moe = bool(getattr(self.model_config, "num_moe_experts", None))
@@ -246,36 +354,25 @@ class MegatronActor:
         cp = config.context_parallel_size
         return tp * (2 * cp if cp > 1 else 1)
 
-    def _plan(self, batch: TrainBatch, micro_batch_size: int) -> tuple[list[list[int]], list[list[int]], float]:
-        """Every DP rank's rows (``balance_rows``), this rank's micro-batches as positions in its rows, and the
-        padding ratio (padded ÷ real tokens) of the whole batch over all ranks — the same on every rank."""
-        from megatron.core import parallel_state as ps
-
-        lengths = batch.sequence_lengths.tolist()
-        ranks = balance_rows(lengths, ps.get_data_parallel_world_size())
-        budget = self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None
-        padded = 0
-        mine: list[list[int]] = []
-        for r, rows in enumerate(ranks):
-            row_lengths = [lengths[i] for i in rows]
-            groups = split_micro_batches(row_lengths, micro_batch_size, budget)
-            for g in groups:
-                if self.packed:
-                    padded += padded_seq_len(sum(row_lengths[i] for i in g), self._seq_multiple)
-                else:
-                    padded += len(g) * padded_seq_len(max(row_lengths[i] for i in g), self._seq_multiple)
-            if r == ps.get_data_parallel_rank():
-                mine = groups
-        return ranks, mine, padded / max(sum(lengths), 1)
-
     def _local_micro_batches(
         self, batch: TrainBatch, micro_batch_size: int
     ) -> tuple[list[list[int]], TrainBatch, list[list[int]], list[MicroBatch], float]:
         """(every rank's rows, this rank's rows of ``batch``, its micro-batch positions, the micro-batches, the
         padding ratio)."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import (
+            parallel_state as ps,
+        )  # heavy: megatron-core
 
-        ranks, groups, padding_ratio = self._plan(batch, micro_batch_size)
+        budget = self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None
+        ranks, groups, padding_ratio = plan_micro_batches(
+            batch.sequence_lengths.tolist(),
+            ps.get_data_parallel_world_size(),
+            ps.get_data_parallel_rank(),
+            micro_batch_size,
+            budget,
+            self.packed,
+            self._seq_multiple,
+        )
         local = batch.select(ranks[ps.get_data_parallel_rank()])
         if self.packed:  # packed (THD), the whole padded to the SP multiple; CP is refused by config
             micro_batches = [pack_micro_batch(make_micro_batch(local, rows), 1, self._seq_multiple) for rows in groups]
@@ -287,24 +384,12 @@ class MegatronActor:
             ]
         return ranks, local, groups, micro_batches, padding_ratio
 
-    @staticmethod
-    def _from_last_stage(t: torch.Tensor) -> torch.Tensor:
-        """Broadcast a tensor held by the last pipeline stage to every stage (same shape everywhere)."""
-        from megatron.core import parallel_state as ps
-
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(
-                t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
-            )
-        return t
-
-    # ------------------------------------------------------------------------------------------- log-probs
-
-    @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, temperature: float, calculate_entropy: bool = False) -> dict:
         """Per-token log-probs (and entropy) of ``batch.responses`` on every rank (``[B, T]`` float32, 0 outside
         the response mask), plus ``padding_ratio`` (padded ÷ real tokens of the forward passes)."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import (
+            parallel_state as ps,
+        )  # heavy: megatron-core
 
         for c in self.chunks:
             c.eval()
@@ -326,7 +411,7 @@ class MegatronActor:
                 index = torch.as_tensor(positions, dtype=torch.long, device=device)
                 out[0, index] = res["log_probs"].float()
                 out[1, index] = res["entropy"].float()
-        out = self._from_last_stage(out)
+        out = from_last_stage(out)
         if ps.get_context_parallel_world_size() > 1:  # each CP rank holds the tokens predicted in its chunks
             dist.all_reduce(out, group=ps.get_context_parallel_group())
         gathered = [torch.empty_like(out) for _ in range(ps.get_data_parallel_world_size())]
@@ -364,8 +449,8 @@ class MegatronActor:
             mini_batch, temperature, rollout_is_threshold, max_response_length
         )
         loss_ok = all(math.isfinite(float(res["pg_loss"])) for res in results)  # empty off the last stage
-        applied, grad_norm, nonfinite = self._guarded_step(loss_ok, inputs_ok)
-        metrics = self.reduce_update_metrics(results)
+        applied, grad_norm, nonfinite = guarded_step(self.optimizer, loss_ok, inputs_ok)
+        metrics = reduce_update_metrics(results, self.cfg, self.device)
         metrics["actor/grad_norm"] = grad_norm
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["actor/update_ok"] = float(applied)
@@ -375,44 +460,6 @@ class MegatronActor:
         metrics["perf/update_guard_s"] = self._guard_s
         metrics["nonfinite"] = nonfinite  # type: ignore[assignment]  # popped by the trainer
         return metrics
-
-    def _guarded_step(self, loss_ok: bool, inputs_ok: bool) -> tuple[bool, float, list[str]]:
-        """megatron-core's ``optimizer.step()`` split at its seams so that a non-finite value skips the update.
-
-        ``prepare_grads`` (fp16 loss-scale check included), ``get_grad_norm`` (reduced over the model-parallel
-        group, and DP for the distributed optimizer), one agreement over all ranks, then clipping and
-        ``step_with_ready_grads`` only when everything was finite. bf16/fp32 have no loss scaler, so without this a
-        NaN update would be applied.
-        """
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-        from megatron_dapo.parallel import control_group
-
-        optimizer = self.optimizer
-        found_inf = bool(optimizer.prepare_grads())
-        grad_norm = float("nan") if found_inf else float(optimizer.get_grad_norm())
-        flags = torch.tensor([not loss_ok, not math.isfinite(grad_norm), not inputs_ok, found_inf], dtype=torch.float32)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control_group())
-        names = (
-            "actor/pg_loss",
-            "actor/grad_norm",
-            "loss inputs (old/ref log-probs, advantages, IS weights)",
-            "fp16 gradients (loss scaler)",
-        )
-        nonfinite = [name for name, bad in zip(names, flags.tolist()) if bad]
-        if nonfinite:
-            return False, grad_norm, nonfinite
-        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-            params = [] if getattr(inner, "is_stub_optimizer", False) else inner.get_parameters()
-            if params and inner.config.clip_grad > 0.0:
-                clip_grad_by_total_norm_fp32(
-                    params,
-                    max_norm=inner.config.clip_grad,
-                    total_norm=grad_norm,
-                    use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-                )
-        return bool(optimizer.step_with_ready_grads()), grad_norm, []
 
     def compute_gradients(
         self,
@@ -425,7 +472,9 @@ class MegatronActor:
 
         Returns the per-micro-batch metric sums, whether this rank's loss inputs were finite, and the padding ratio.
         """
-        from megatron.core import parallel_state as ps
+        from megatron.core import (
+            parallel_state as ps,
+        )  # heavy: megatron-core
 
         if self.optimizer is None:
             raise RuntimeError("update() needs an optimizer (this MegatronActor is a frozen reference)")
@@ -467,23 +516,3 @@ class MegatronActor:
         inputs_ok = _loss_inputs_finite(local)
         self._guard_s = time.perf_counter() - started
         return self._run(micro_batches, loss_hook, temperature, forward_only=False), inputs_ok, padding_ratio
-
-    def reduce_update_metrics(self, results: list[dict]) -> dict[str, float]:
-        """verl's ``actor/*`` metrics of one mini-batch from the loss hook's per-micro-batch sums, reduced over
-        micro-batches, from the last pipeline stage and over data-parallel ranks (device tensors: NCCL/HCCL take
-        no CPU tensor)."""
-        from megatron.core import parallel_state as ps
-
-        sums = torch.zeros(len(LOSS_METRIC_SUMS) + 1, dtype=torch.float64, device=self.device)  # + the mismatch max
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
-            for res in results:
-                for i, key in enumerate(LOSS_METRIC_SUMS):
-                    if key in res:
-                        sums[i] += float(res[key])
-                sums[-1] = max(float(sums[-1]), float(res.get("logprob_diff_max", 0.0)))
-        sums = self._from_last_stage(sums)
-        diff_max = sums[-1:].clone()
-        group = ps.get_data_parallel_group(with_context_parallel=True)  # CP ranks hold parts of the same rows
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=group)
-        return loss_metrics(dict(zip(LOSS_METRIC_SUMS, sums.tolist())), self.cfg.use_kl_loss, float(diff_max.item()))

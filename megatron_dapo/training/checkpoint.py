@@ -64,6 +64,7 @@ leaves that component as constructed.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -77,8 +78,12 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, Union
 
 import torch
+import torch.multiprocessing as mp
+import yaml
 
+from megatron_dapo.models.builder import unwrap
 from megatron_dapo.parallel import agree_error, all_gather_object, barrier, parallel_layout, rank, world_size
+from megatron_dapo.platform import get_platform
 from megatron_dapo.weights.atomic import publish_dir, write_text_atomic
 from megatron_dapo.weights.dist_format import (
     COMMON_FILE,
@@ -125,6 +130,7 @@ _MCORE_BOOKKEEPING = (COMMON_FILE, DCP_METADATA_FILE, MCORE_METADATA_FILE)
 def _named_state_tensors(tree: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """(name, local tensor) of every tensor in a megatron-core sharded state dict: ShardedTensor/factory data by
     their checkpoint key, tensors inside ShardedObjects and plain entries by key/path."""
+    # heavy: megatron-core, once the platform has patched it
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
     out: list[tuple[str, torch.Tensor]] = []
@@ -203,14 +209,14 @@ def _write_bucket_hashed(transform_list: list, proc_idx: int, bucket: Any, resul
 
     Puts ``(proc_idx, write_results, size, crc32)`` or ``(proc_idx, error text)`` on ``results``.
     """
-    import inspect
-
+    # heavy: torch.distributed.checkpoint (~1 s on top of torch)
     from torch.distributed.checkpoint.filesystem import _write_item
 
     try:
         file_name, storage_key, (bytes_data, tensor_data) = bucket
         extra = {}
         if "serialization_format" in inspect.signature(_write_item).parameters:
+            # heavy: torch.distributed.checkpoint (~1 s on top of torch)
             from torch.distributed.checkpoint.filesystem import SerializationFormat
 
             extra["serialization_format"] = SerializationFormat.TORCH_SAVE
@@ -237,8 +243,6 @@ class _HelperPool:
     """The forked writer helpers of one rank's save, one per file, and every bounded wait on them."""
 
     def __init__(self, transform_list: list, write_buckets: list, label: str) -> None:
-        import torch.multiprocessing as mp
-
         ctx = mp.get_context("fork")
         self.buckets, self.label = write_buckets, label
         self.results = ctx.Queue()
@@ -297,9 +301,7 @@ def _write_transforms() -> list:
     """``_write_item``'s leading arguments: torch >= 2.6 takes the writer's stream transforms. megatron-core builds its
     writer without extensions (the default: no transform); the write results we hand back record what was applied,
     so the ``.metadata`` megatron-core writes from them describes the files as written either way."""
-    import inspect
-
-    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint import filesystem  # heavy: torch.distributed.checkpoint (~1 s on top of torch)
 
     if "transforms" not in inspect.signature(filesystem._write_item).parameters:
         return []
@@ -347,8 +349,6 @@ def _run_request_bounded(request: Any, timeout_s: float, label: str, records: li
 
 def _async_save_kwargs(save_fn: Any) -> dict[str, Any]:
     """``dist_checkpointing.save`` arguments that return the file writing as megatron-core's ``AsyncRequest``."""
-    import inspect
-
     kwargs: dict[str, Any] = {"async_sharded_save": True}
     try:
         params = inspect.signature(save_fn).parameters
@@ -360,7 +360,7 @@ def _async_save_kwargs(save_fn: Any) -> dict[str, Any]:
 
 
 def _uses_distributed_optimizer(optimizer) -> bool:
-    from megatron.core.optimizer import DistributedOptimizer
+    from megatron.core.optimizer import DistributedOptimizer  # heavy: megatron-core, once the platform has patched it
 
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     return any(isinstance(o, DistributedOptimizer) for o in inner)
@@ -375,7 +375,7 @@ def _torch_adams(optimizer) -> list:
       * loading leaves ``step`` at its pre-load value and makes one tensor shared by all parameters, which torch
         then increments once per parameter per step — ``_restore_torch_adam_steps`` (from ``trainer_state.json``).
     """
-    from megatron.core.optimizer import DistributedOptimizer
+    from megatron.core.optimizer import DistributedOptimizer  # heavy: megatron-core, once the platform has patched it
 
     out = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -640,8 +640,6 @@ class CheckpointManager:
         non-finite, and ``CheckpointError`` (every rank, temporary directory unpublished, ``latest`` unchanged) when
         writing fails, e.g. a writer helper dies or does not finish within ``timeout_s``.
         """
-        from megatron_dapo.platform import get_platform
-
         started = time.perf_counter()
         tmp = self.save_dir / f"{TMP_PREFIX}{step}"
         final = self.save_dir / step_dir_name(step)
@@ -679,8 +677,6 @@ class CheckpointManager:
 
     def _refuse_non_finite(self, model_chunks: list, sharded: dict, final: Path) -> None:
         """``CheckpointIntegrityError`` on every rank when any rank's model or optimizer holds NaN/inf. Collective."""
-        from megatron_dapo.models.builder import unwrap
-
         # Model tensors by module name (layer index included), then the optimizer's state by checkpoint key.
         named = [
             (f"model{i}.{n}", t)
@@ -711,6 +707,7 @@ class CheckpointManager:
     def _write_dist(self, sharded: dict, tmp: Path, final: Path) -> list[FileRecord]:
         """megatron-core's dist checkpoint of ``sharded`` into ``tmp``, its files written by the bounded writer; the
         records of this rank's files. Collective: a failure on any rank raises ``CheckpointError`` on every rank."""
+        # heavy: megatron-core, once the platform has patched it
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -789,8 +786,6 @@ class CheckpointManager:
             )
         config = None
         if (step_dir / CONFIG_FILE).is_file():
-            import yaml
-
             config = yaml.safe_load((step_dir / CONFIG_FILE).read_text())
         barrier()
         return {
@@ -835,8 +830,6 @@ def _write_rank0_files(tmp: Path, state_text: str, config: Optional[dict]) -> li
     (written by megatron-core itself, hashed right after)."""
     records = [write_bytes_hashed(tmp / STATE_FILE, state_text.encode("utf-8"))]
     if config is not None:
-        import yaml
-
         text = yaml.safe_dump(config, sort_keys=False)
         records.append(write_bytes_hashed(tmp / CONFIG_FILE, text.encode("utf-8")))
     for name in _MCORE_BOOKKEEPING:
@@ -897,9 +890,7 @@ def _check_optimizer_fits(step_dir: Path, state: dict, optimizer) -> None:
 
 def _load_model_and_optimizer(step_dir: Path, state: dict, model_chunks: list, optimizer, restore: bool) -> None:
     """The dist checkpoint into the model chunks, and into ``optimizer`` when ``restore``. Collective."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_dapo.models.builder import unwrap
+    from megatron.core import dist_checkpointing  # heavy: megatron-core, once the platform has patched it
 
     if restore:
         _prime_torch_adams(optimizer)
@@ -921,8 +912,6 @@ def _load_model_and_optimizer(step_dir: Path, state: dict, model_chunks: list, o
 
 def _restore_rng(step_dir: Path, saved_layout: dict) -> bool:
     """This rank's generators, when the parallel layout is the one they were saved under."""
-    from megatron_dapo.platform import get_platform
-
     layout = parallel_layout()
     if saved_layout == layout:
         payload = torch.load(step_dir / RNG_DIR / _rng_name(rank()), weights_only=False)

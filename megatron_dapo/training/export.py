@@ -29,8 +29,9 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.config import ConfigError, ExperimentConfig, from_dict, load_config, to_dict
 from megatron_dapo.training.checkpoint import CONFIG_FILE, LATEST, STEP_PREFIX, resolve_resume
+from megatron_dapo.weights.convert import convert_mcore_to_hf, copy_hf_side_files
 from megatron_dapo.weights.dist_format import find_checkpoint
 from megatron_dapo.weights.errors import CheckpointError
 
@@ -69,8 +70,6 @@ def _training_step_dir(checkpoint: Path, step: Optional[int]) -> Optional[Path]:
 
 def _run_config(step_dir: Optional[Path], config_path: Optional[PathLike]) -> Optional[ExperimentConfig]:
     """The run's config: ``config_path``, else the one saved with ``step_dir``, else None."""
-    from megatron_dapo.config import from_dict, load_config
-
     if config_path is not None:
         return load_config(config_path)
     if step_dir is not None and (step_dir / CONFIG_FILE).is_file():
@@ -101,8 +100,6 @@ def export_step(
 ) -> Path:
     """Export ``checkpoint`` (see the module docstring; ``step``: which training step, default the newest) to an
     HF directory ``save_dir``, with the run's evaluation settings when its config is known; returns ``save_dir``."""
-    from megatron_dapo.weights.convert import convert_mcore_to_hf
-
     checkpoint = Path(checkpoint)
     source = checkpoint
     step_dir = _training_step_dir(checkpoint, step)
@@ -131,8 +128,6 @@ def _existing_path(path: Optional[str]) -> Optional[str]:
 def eval_settings(cfg: ExperimentConfig) -> dict[str, Any]:
     """The partial experiment config :data:`EVAL_SETTINGS_FILE` records (``model.tokenizer_dir`` is set by
     :func:`write_eval_settings`, which knows where the tokenizer went)."""
-    from megatron_dapo.config import to_dict
-
     full = to_dict(cfg)
     reward = full["reward"]
     reward["custom_function"]["path"] = _existing_path(reward["custom_function"]["path"])
@@ -150,8 +145,6 @@ def eval_settings(cfg: ExperimentConfig) -> dict[str, Any]:
 def write_eval_settings(cfg: ExperimentConfig, save_dir: PathLike, origin: str = "") -> Path:
     """Write :data:`EVAL_SETTINGS_FILE` into the HF directory ``save_dir`` (and the run's own tokenizer into its
     ``tokenizer/``); returns the file's path."""
-    from megatron_dapo.weights.convert import copy_hf_side_files
-
     save_dir = Path(save_dir)
     settings = eval_settings(cfg)
     tok = cfg.model.tokenizer_dir
@@ -180,8 +173,6 @@ def write_eval_settings(cfg: ExperimentConfig, save_dir: PathLike, origin: str =
 def read_eval_settings(hf_dir: PathLike) -> Optional[dict[str, Any]]:
     """The recorded settings of an exported HF directory as a raw partial config (``model.tokenizer_dir`` made
     absolute), or None when it has none. A file of another format is an error naming it."""
-    from megatron_dapo.config import ConfigError
-
     path = Path(hf_dir) / EVAL_SETTINGS_FILE
     if not path.is_file():
         return None

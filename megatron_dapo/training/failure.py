@@ -13,6 +13,7 @@ import signal
 import time
 from typing import Optional
 
+import psutil
 import torch.distributed as dist
 
 log = logging.getLogger("megatron_dapo.failure")
@@ -108,8 +109,6 @@ class StopRequest:
 def reap_children(grace_s: float = 5.0) -> list[int]:
     """Terminate (then kill) every process still descending from this one: vLLM, reward and checkpoint helpers
     left by a failure must not outlive the run. Returns the pids that had to be stopped."""
-    import psutil
-
     try:
         children = psutil.Process().children(recursive=True)
     except psutil.Error:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from megatron_dapo.training.console import format_header, format_row
+
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 
 log = logging.getLogger("megatron_dapo.metrics")
@@ -67,8 +69,6 @@ class _Console:
         if self.verbose:
             self._write(" | ".join([f"step {step}"] + [f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())]))
             return
-        from megatron_dapo.training.console import format_header, format_row
-
         validated = any(k.startswith("val-core/") for k in metrics)
         if not (validated or step <= 1 or step % self.every == 0 or step == self.total_steps):
             return
@@ -103,7 +103,7 @@ class _Jsonl:
 
 class _TensorBoard:
     def __init__(self, log_dir: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard (the [logging] extra)
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
@@ -119,7 +119,7 @@ class _TensorBoard:
 class _Wandb:
     def __init__(self, output_dir: Path, project: str, experiment: str, config: dict) -> None:
         try:
-            import wandb
+            import wandb  # optional: wandb (the [logging] extra)
         except ImportError as e:
             raise ImportError("trainer.logger includes 'wandb' but wandb is not installed: pip install wandb") from e
         self.wandb = wandb

@@ -56,7 +56,7 @@ _LOSSES = ("load_balancing_loss", "z_loss")  # megatron-core's tracker names
 def _router_tokens(padding_mask: torch.Tensor, config) -> int:
     """Non-padding tokens of a (CP-local) micro-batch that this rank's routers see: with sequence parallelism the
     model scatters the sequence-major ``[s, b]`` mask over TP (``GPTModel.forward``), so this TP rank's share."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # heavy: megatron-core, once the platform has patched it
 
     keep = ~padding_mask.bool()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -69,7 +69,7 @@ def router_loss_weights(micro_batches: list, config, device: torch.device) -> li
     """Per micro-batch of this rank: the factors on the base router-loss coefficients (``aux``, ``z``) and the
     metric weights (``aux_frac`` = n_mb / N, ``z_frac`` = n_rank / N); see the module docstring. Collective over
     DP x CP (and CP)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # heavy: megatron-core, once the platform has patched it
 
     dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -105,6 +105,7 @@ class MoEMeter:
     (``start_step`` / ``before_forward``)."""
 
     def __init__(self, chunks: list, config) -> None:
+        # heavy: megatron-core, once the platform has patched it
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.config = config
@@ -133,6 +134,7 @@ class MoEMeter:
         """An optimizer step over this rank's ``micro_batches`` begins: their router-loss weights (collective over
         DP x CP when a router loss is on); forget what earlier forwards left (an update that did not finish, or
         megatron-core's tracker)."""
+        # heavy: megatron-core, once the platform has patched it
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         self.num_micro_batches = len(micro_batches)
@@ -173,6 +175,7 @@ class MoEMeter:
 
     @staticmethod
     def _tracked(name: str, layer: int) -> Optional[torch.Tensor]:
+        # heavy: megatron-core, once the platform has patched it
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
         entry = get_moe_layer_wise_logging_tracker().get(name)
@@ -233,6 +236,7 @@ class MoEMeter:
     def metrics(self, device: torch.device) -> dict[str, float]:
         """The step's metrics (collective over the model: PP, DP×CP, TP); restores the base coefficients and resets
         the meter."""
+        # heavy: megatron-core, once the platform has patched it
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 

@@ -24,6 +24,7 @@ def build_optimizer(actor_chunks: list, optim: OptimConfig, total_steps: int) ->
     from 0 to ``lr`` over the warm-up steps, then ``constant`` at ``lr``, or ``cosine``/``linear`` decay from ``lr``
     to ``min_lr`` reached at ``total_steps``. Weight decay is constant.
     """
+    # heavy: megatron-core, once the platform has patched it
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

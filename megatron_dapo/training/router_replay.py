@@ -52,6 +52,7 @@ class RouterReplayer:
     """Replays ``MicroBatch.routed_experts`` in the routers of an actor's model chunks (see the module docstring)."""
 
     def __init__(self, chunks: list) -> None:
+        # heavy: megatron-core, once the platform has patched it
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -90,6 +91,7 @@ class RouterReplayer:
         return ids
 
     def _pre_hook(self, module, args) -> None:
+        # heavy: megatron-core, once the platform has patched it
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         replay = module.router_replay
@@ -107,7 +109,7 @@ class RouterReplayer:
         routed = mb.routed_experts[:, :, moe_layer]  # [b, S, K]
         padding = mb.padding_mask
         if self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1:
-            from megatron.core import parallel_state as ps
+            from megatron.core import parallel_state as ps  # heavy: megatron-core, once the platform has patched it
 
             tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
             share = routed.shape[1] // tp

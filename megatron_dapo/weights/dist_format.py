@@ -28,6 +28,7 @@ single-process tensor reader), loading into live model chunks in ``loading``.
 from __future__ import annotations
 
 import argparse
+import enum
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from megatron_dapo.models.builder import unwrap
 from megatron_dapo.weights.errors import CheckpointError
 
 PathLike = Union[str, Path]
@@ -72,8 +74,6 @@ def model_state_key(index: int, num_chunks: int) -> str:
 def model_sharded_state_dict(chunks: Sequence, metadata: Optional[dict] = None) -> dict[str, Any]:
     """The model part of a Megatron-LM state dict: each (unwrapped) chunk's ``sharded_state_dict(metadata=...)``
     (``metadata`` None: megatron-core's default, layer-stacked keys)."""
-    from megatron_dapo.models.builder import unwrap
-
     return {
         model_state_key(i, len(chunks)): unwrap(c).sharded_state_dict(metadata=metadata) for i, c in enumerate(chunks)
     }
@@ -88,9 +88,7 @@ def common_state(iteration: int) -> dict[str, Any]:
 def allow_megatron_lm_common_state() -> None:
     """Let ``torch.load(weights_only=True)`` (megatron-core's ``load_common``) read Megatron-LM's ``common.pt``,
     whose ``args`` is an ``argparse.Namespace`` holding megatron-core enums (as Megatron-LM itself allows them)."""
-    import enum
-
-    import megatron.core.transformer.enums as mcore_enums
+    import megatron.core.transformer.enums as mcore_enums  # heavy: megatron-core, once the platform has patched it
 
     safe: list = [argparse.Namespace]
     safe += [v for v in vars(mcore_enums).values() if isinstance(v, type) and issubclass(v, enum.Enum)]

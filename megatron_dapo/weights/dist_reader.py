@@ -26,6 +26,7 @@ class DistCheckpointReader:
     """Whole tensors of a dist_checkpointing directory, one at a time, in one process (any saved TP/PP layout)."""
 
     def __init__(self, directory: PathLike) -> None:
+        # heavy: torch.distributed.checkpoint (~1 s on top of torch)
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -61,6 +62,7 @@ class DistCheckpointReader:
     def read(self, requests: Sequence[tuple[str, Optional[int]]]) -> list[torch.Tensor]:
         """The tensors asked for: ``(key, None)`` a whole tensor, ``(key, i)`` index ``i`` of a layer-stacked one
         (only that layer's bytes are read); merged from every saved shard, whatever layout saved them."""
+        # heavy: torch.distributed.checkpoint (~1 s on top of torch)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.utils.serialization import config as serialization_config
 
 from megatron_dapo.weights.dist_format import (
     COMMON_FILE,
@@ -68,6 +69,7 @@ class TensorPlan:
 
 
 def _streaming_planner(pieces: Sequence[TensorPlan]):
+    # heavy: torch.distributed.checkpoint (~1 s on top of torch)
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -116,6 +118,7 @@ def _streaming_planner(pieces: Sequence[TensorPlan]):
 
 
 def _hashing_writer(directory: Path, records: list[FileRecord]):
+    # heavy: torch.distributed.checkpoint (~1 s on top of torch)
     from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StoragePrefix, _write_item
 
     class _HashingFileSystemWriter(FileSystemWriter):
@@ -125,8 +128,6 @@ def _hashing_writer(directory: Path, records: list[FileRecord]):
             prefix: _StoragePrefix = plan.storage_data
             name = f"{prefix.prefix}0.distcp"
             results = []
-            from torch.utils.serialization import config as serialization_config
-
             zip_crc = serialization_config.save.compute_crc32
             # torch.save's own per-record CRC is a second pass over every byte; the manifest's CRC-32 (computed
             # here as the bytes are written) covers the file, and torch.load does not need the zip CRC.
@@ -159,6 +160,7 @@ def write_model_checkpoint(directory: PathLike, pieces: Sequence[TensorPlan], it
     produced (``TensorPlan.produce``) right before it is written. Needs no torch.distributed. Returns the records
     (absolute path, size, CRC-32) of the files written.
     """
+    # heavy: torch.distributed.checkpoint (~1 s on top of torch)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 

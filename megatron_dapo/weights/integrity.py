@@ -23,6 +23,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from megatron_dapo.weights.atomic import write_bytes_durable
+
 PathLike = Union[str, Path]
 
 MANIFEST_NAME = "manifest.json"
@@ -235,8 +237,6 @@ def manifest_problem(root: PathLike, checksum: bool = True, rank: int = 0, world
 
 def write_bytes_hashed(path: PathLike, data: bytes) -> FileRecord:
     """Write ``data`` to ``path`` (fsynced); its record."""
-    from megatron_dapo.weights.atomic import write_bytes_durable
-
     write_bytes_durable(path, data)
     return FileRecord(str(path), len(data), zlib.crc32(data))
 

@@ -26,6 +26,7 @@ import torch
 from megatron_dapo.models.builder import unwrap
 from megatron_dapo.models.families import ModelArch, model_arch_from_hf, param_mappings
 from megatron_dapo.parallel import all_gather_object, rank, world_size
+from megatron_dapo.weights.convert import check_hf_tensors
 from megatron_dapo.weights.dist_format import (
     CheckpointSource,
     allow_megatron_lm_common_state,
@@ -38,6 +39,8 @@ from megatron_dapo.weights.dist_reader import DistCheckpointReader
 from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.integrity import manifest_problem
 from megatron_dapo.weights.layout import hf_to_mcore
+from megatron_dapo.weights.model_io import load_full_tensors, local_param_table
+from megatron_dapo.weights.safetensors_io import SafetensorsDir
 
 log = logging.getLogger("megatron_dapo.checkpoint")
 
@@ -72,6 +75,7 @@ def arch_mismatches(a: ModelArch, b: ModelArch) -> list[str]:
 
 def _drop_missing_extra_state(sharded: dict, stored: set[str]) -> set[str]:
     """Remove ``_extra_state`` objects the checkpoint lacks from ``sharded`` (in place); their state-dict names."""
+    # heavy: megatron-core, once the platform has patched it
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     dropped: set[str] = set()
@@ -97,6 +101,7 @@ def load_model_chunks(chunks: Sequence, directory: PathLike) -> dict[str, Any]:
     The vocabulary rows beyond the checkpoint's padding are zero. Returns the checkpoint's common state
     (``iteration``, ``checkpoint_version``, ``args`` when Megatron-LM wrote it).
     """
+    # heavy: megatron-core, once the platform has patched it
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
@@ -144,11 +149,7 @@ def verify_manifest(root: PathLike) -> None:
 @torch.no_grad()
 def load_hf_into_chunks(chunks: Sequence, arch: ModelArch, hf_dir: PathLike) -> list[str]:
     """Fill this rank's chunks from an HF directory; returns the HF tensor names this rank read. Not collective."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_dapo.weights.convert import check_hf_tensors
-    from megatron_dapo.weights.model_io import load_full_tensors, local_param_table
-    from megatron_dapo.weights.safetensors_io import SafetensorsDir
+    from megatron.core import parallel_state as ps  # heavy: megatron-core, once the platform has patched it
 
     tp = ps.get_tensor_model_parallel_world_size()
     read: list[str] = []

@@ -41,7 +41,7 @@ def chunk_layer_offset(arch: ModelArch, pp_size: int, pp_rank: int, vpp_size: Op
 
 def expert_offset(arch: ModelArch) -> int:
     """Global id of this rank's first local expert (``ep_rank × E/EP``; 0 for a dense model)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # heavy: megatron-core, once the platform has patched it
 
     if not arch.is_moe:
         return 0
@@ -51,7 +51,7 @@ def expert_offset(arch: ModelArch) -> int:
 
 def shard_group(mapping: ParamMapping) -> tuple[int, int]:
     """(size, rank) of the group ``mapping.tp_dim`` is split over: expert TP (ETP) for expert weights, else TP."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # heavy: megatron-core, once the platform has patched it
 
     if mapping.is_expert:
         return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
@@ -61,7 +61,7 @@ def shard_group(mapping: ParamMapping) -> tuple[int, int]:
 def local_param_table(chunks: list, arch: ModelArch) -> list[LocalParam]:
     """Every parameter of this rank's chunks with its global mapping (tied output weights included). Expert weights
     are this EP rank's experts only (local index j = global expert ``ep_rank × E/EP + j``)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # heavy: megatron-core, once the platform has patched it
 
     by_name = {m.mcore: m for m in param_mappings(arch)}
     pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
@@ -103,7 +103,7 @@ def load_full_tensors(
 def gather_full_tensor(lp: LocalParam) -> torch.Tensor:
     """All-gather ``lp``'s TP shards into the full Megatron tensor (collective over the TP group; the expert TP
     group for expert weights)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # heavy: megatron-core, once the platform has patched it
 
     tp_size, _ = shard_group(lp.mapping)
     local = lp.param.detach()

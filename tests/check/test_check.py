@@ -1,9 +1,9 @@
-"""``megatron-dapo check`` (megatron_dapo/check.py): the tiny demo passes with the right plan, many problems are
-listed at once, memory phases over --device-memory-gb are flagged, the per-phase memory plan matches hand-computed
-bytes for a small model (offload, vLLM sleep level, recompute, pipeline stages, peak phase; the startup row and
-vLLM's start-up rule, the save row), --json writes the plan (to stdout with -), overrides may follow the options, and
-the shipped large configs get a plan from locally written HF config.json files of the real model shapes (no weights)
-that agrees with the budget in their header comments."""
+"""``megatron-dapo check`` (megatron_dapo/check/; its memory model: megatron_dapo/config/memory.py): the tiny demo
+passes with the right plan, many problems are listed at once, memory phases over --device-memory-gb are flagged, the
+per-phase memory plan matches hand-computed bytes for a small model (offload, vLLM sleep level, recompute, pipeline
+stages, peak phase; the startup row and vLLM's start-up rule, the save row), --json writes the plan (to stdout with
+-), overrides may follow the options, and the shipped large configs get a plan from locally written HF config.json
+files of the real model shapes (no weights) that agrees with the budget in their header comments."""
 
 from __future__ import annotations
 
@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.check import (
+from megatron_dapo.check import main, run_check
+from megatron_dapo.config.memory import (
     actor_stage_params,
     layer_activations,
-    main,
     moe_activations,
     param_counts,
     rollout_params_per_rank,
-    run_check,
 )
 from megatron_dapo.data.rows import read_records
 from megatron_dapo.models.families import model_arch_from_hf
@@ -205,7 +204,8 @@ def test_memory_phase_over_device_memory_is_flagged(demo):
         assert ph.device["vLLM KV cache"] == 64 * 2**20
 
 
-# A small Qwen2-architecture model whose memory terms are worked out by hand below (no helper of check.py is used).
+# A small Qwen2-architecture model whose memory terms are worked out by hand below (no helper of the memory model
+# is used).
 SMALL = {
     "architectures": ["Qwen2ForCausalLM"],
     "model_type": "qwen2",

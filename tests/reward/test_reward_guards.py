@@ -27,7 +27,8 @@ import torch
 from megatron_dapo.config import ConfigError, CustomFunctionConfig, OverlongBufferConfig, RewardConfig
 from megatron_dapo.reward import custom
 from megatron_dapo.reward.custom import InvalidRewardError, combine, load_reward_function, normalise_result
-from megatron_dapo.reward.manager import RewardInvariantError, RewardManager, _check_row
+from megatron_dapo.reward.manager import RewardInvariantError, RewardManager
+from megatron_dapo.reward.scoring import check_row
 from tests.reward.test_reward_manager import CharTokenizer, encode
 
 LOGGER = "megatron_dapo.reward.manager"
@@ -336,10 +337,10 @@ def test_max_logged_errors_still_limits_the_log(bad_scorer_file: Path, caplog: p
 
 
 def test_internal_invariant_guard() -> None:
-    _check_row({"score": 0.5, "acc": None}, 0)
+    check_row({"score": 0.5, "acc": None}, 0)
     for row in ({"score": NAN}, {"score": 1}, {"score": INF}, [0.5]):
         with pytest.raises(RewardInvariantError, match="internal error .* response 3"):
-            _check_row(row, 3)
+            check_row(row, 3)
 
 
 def test_settings_that_could_let_nan_out_or_hang_are_rejected() -> None:
@@ -474,11 +475,11 @@ def test_in_process_timeout_interrupts_and_restores_the_callers_alarm(
 def test_pool_timeout(slow_scorer_file: Path) -> None:
     ids, mask = encode(["forever", "ok"], 16)
     with slow_manager(slow_scorer_file, 1, 0.5) as manager:
-        executor = manager._ensure_pool()
+        executor = manager.pool.ensure_started()
         start = time.monotonic()
         res = manager(ids, mask, ["toy", "toy"], ["", ""])
         elapsed = time.monotonic() - start
-        assert manager._executor is executor  # interrupted inside the worker, not killed
+        assert manager.pool.executor is executor  # interrupted inside the worker, not killed
     assert 0.5 <= elapsed < 5
     assert res.scores.tolist() == [ERROR_SCORE, 1.0]
     assert res.metrics["reward/num_timeouts"] == 1.0 and res.metrics["reward/num_errors"] == 0.0

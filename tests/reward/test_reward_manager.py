@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from megatron_dapo.config import ConfigError, CustomFunctionConfig, OverlongBufferConfig, RewardConfig
+from megatron_dapo.config.rules import check_reward_config
 from megatron_dapo.reward.manager import RewardManager, merge_results, route_data_source
+from megatron_dapo.reward.scoring import outcome_row, route, scorer_label
+from megatron_dapo.reward.workers import FailureLog
 
 EOS_ID = 1
 
@@ -137,6 +140,49 @@ def test_input_and_config_errors(tmp_path: Path) -> None:
         RewardManager(CharTokenizer(), RewardConfig(custom_function=missing), 8)
 
 
+def test_config_problems_are_raised_once_from_the_config_rules() -> None:
+    """The manager checks a ``RewardConfig`` built in code with ``config.rules.check_reward_config``: every problem
+    in one ``ConfigError``, before any file is imported (the extra function's file does not exist)."""
+    cfg = RewardConfig(
+        error_score=float("nan"),
+        extra_functions=[{"path": "missing.py", "weight": float("inf")}, {"path": "missing.py", "weight": True}],
+        overlong_buffer=OverlongBufferConfig(enable=True, len=16),
+    )
+    with pytest.raises(ConfigError) as err:
+        RewardManager(CharTokenizer(), cfg, 8)
+    assert err.value.problems == [
+        "reward.error_score=nan: expected a finite number",
+        "reward.extra_functions[0].weight=inf: expected a finite number",
+        "reward.extra_functions[1].weight=True: expected a finite number",
+        "reward.overlong_buffer.len=16 must be in (0, data.max_response_length=8]",
+    ]
+    assert check_reward_config(RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=8)), 8) is None
+
+
+def test_scoring_rules_are_pure_functions() -> None:
+    assert route(["math", "aime25"], has_custom_function=False) == ["math_dapo", "math_dapo"]
+    assert route(["toy"], has_custom_function=True) == ["custom"]
+    with pytest.raises(ConfigError, match="'toy'"):
+        route(["math", "toy"], has_custom_function=False)
+    ok = ("ok", ({"score": 0.5, "acc": None, "pred": "x"}, None))
+    assert outcome_row(ok, 0, -1.0) == {"score": 0.5, "acc": None, "pred": "x"}
+    assert outcome_row(("timeout", "too slow"), 1, -1.0) == {"score": -1.0, "acc": False}
+    assert outcome_row(("error", "boom"), 2, 2) == {"score": 2.0, "acc": False}
+    assert scorer_label("math_dapo", None) == "math_dapo" and scorer_label("custom", None) == "custom"
+
+
+def test_failure_log_counts_and_limits(caplog) -> None:
+    log = FailureLog(max_logged_errors=1, error_score=-1.0)
+    outcomes = [("ok", ({"score": 1.0, "acc": None}, "acc dropped")), ("error", "boom"), ("timeout", "slow")]
+    with caplog.at_level(logging.WARNING, logger="megatron_dapo.reward.manager"):
+        assert log.report(outcomes, ["a", "b", "c"], ["f", "f", "f"]) == (1, 1)
+        assert log.report(outcomes[:1], ["a"], ["f"]) == (0, 0)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("acc dropped" in m for m in messages) == 1  # once per manager
+    assert any("reward error for response 1 (data_source='b', function f)" in m and "boom" in m for m in messages)
+    assert any("1 more failures not logged (reward.max_logged_errors=1)" in m for m in messages)
+
+
 def test_inline_custom_function_errors_are_counted(tmp_path: Path) -> None:
     path = tmp_path / "inline_reward.py"
     path.write_text("def f(data_source, solution_str, ground_truth, extra_info):\n    return 1 / int(solution_str)\n")
@@ -195,13 +241,13 @@ def test_pool_scores_errors_and_soft_timeouts(pool_manager: RewardManager, caplo
     ids, mask = encode(texts, 16)
     sources = ["toy", "toy", "math_dapo", "toy", "toy"]
     truths = ["ok", "", "3", "", "no"]
-    executor = pool_manager._ensure_pool()
+    executor = pool_manager.pool.ensure_started()
     with caplog.at_level(logging.WARNING, logger="megatron_dapo.reward.manager"):
         start = time.monotonic()
         res = pool_manager(ids, mask, sources, truths, [{}] * 5)
         elapsed = time.monotonic() - start
     assert elapsed < 10  # the 30 s sleeper was interrupted...
-    assert pool_manager._executor is executor  # ...inside its worker (soft timeout): the pool was not restarted
+    assert pool_manager.pool.executor is executor  # ...inside its worker (soft timeout): the pool was not restarted
     assert res.scores.tolist() == [1.0, -0.5, 1.0, -0.5, 0.0]
     assert res.metrics["reward/num_errors"] == 1.0
     assert res.metrics["reward/num_timeouts"] == 1.0
@@ -213,12 +259,12 @@ def test_pool_scores_errors_and_soft_timeouts(pool_manager: RewardManager, caplo
 
 
 def test_pool_hard_timeout_restarts_workers(pool_manager: RewardManager) -> None:
-    executor = pool_manager._ensure_pool()
+    executor = pool_manager.pool.ensure_started()
     ids, mask = encode(["hang", "ok", "ok"], 16)
     res = pool_manager(ids, mask, ["toy"] * 3, ["", "ok", "ok"], None)
     assert res.scores.tolist() == [-0.5, 1.0, 1.0]
     assert res.metrics["reward/num_timeouts"] == 1.0
-    assert pool_manager._executor is not executor  # the stuck worker's pool was killed
+    assert pool_manager.pool.executor is not executor  # the stuck worker's pool was killed
     ids, mask = encode(["ok"], 16)  # the recreated pool works
     assert pool_manager(ids, mask, ["toy"], ["ok"], None).scores.tolist() == [1.0]
 

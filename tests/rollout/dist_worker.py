@@ -90,8 +90,8 @@ def main() -> None:
     from megatron_dapo.config import load_config
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
     from megatron_dapo.models.families import model_arch_from_hf
-    from megatron_dapo.parallel import init_distributed, init_model_parallel
-    from megatron_dapo.rollout.engine import RolloutEngine, teardown
+    from megatron_dapo.parallel import init_distributed, init_model_parallel, teardown
+    from megatron_dapo.rollout.engine import RolloutEngine
     from megatron_dapo.rollout.recompute import megatron_sampled_log_probs
     from megatron_dapo.rollout.sync import WeightSync
     from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size
@@ -235,7 +235,7 @@ def main() -> None:
     if tp_r > 1:
         fake = [(0, 0, [5, 6], [-1.0, -1.0], False)] if info.rank % tp_r == 1 else [(0, 0, [5, 7], [-1.0, -1.0], False)]
         try:
-            engine._gather_rows(fake)
+            engine._results.gather(fake)
             res["detector_raised"] = False
         except RuntimeError as e:
             res["detector_raised"] = "different tokens" in str(e)

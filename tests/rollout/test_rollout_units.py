@@ -9,9 +9,9 @@ import torch
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.config.plan import rollout_plan
 from megatron_dapo.platform import make_platform
-from megatron_dapo.rollout.engine import RolloutEngine, request_seed, shard_range
+from megatron_dapo.rollout.engine import RolloutEngine, request_seed, shard_range, vllm_llm_kwargs
 from megatron_dapo.rollout.sync import logprob_diff_metrics
-from megatron_dapo.rollout.types import SamplingSpec, build_rollout_batch
+from megatron_dapo.rollout.types import SamplingSpec, build_rollout_batch, pack_rows, unpack_rows
 
 
 def small_batch():
@@ -176,14 +176,35 @@ def test_engine_rejects_bad_configs_before_starting_vllm(tiny_checkpoints, monke
 def test_rows_carry_routing_through_the_gather_packing():
     """Rows travel between replicas packed into tensors; a row's routing (routing replay) must come back attached to
     the same row, and rows without one (replay off, or the tests' 5-item rows) stay without."""
-    from megatron_dapo.rollout.engine import _pack_rows, _unpack_rows
-
     r0 = torch.arange(5 * 2 * 3, dtype=torch.int16).reshape(5, 2, 3)
     r1 = -torch.arange(3 * 2 * 3, dtype=torch.int16).reshape(3, 2, 3)
     rows = [(0, 1, [4, 5, 6], [-0.5, -1.0, -2.0], False, r0), (2, 0, [7], [-0.25], True, r1)]
-    back = _unpack_rows(_pack_rows(rows))
+    back = unpack_rows(pack_rows(rows))
     assert [r[:5] for r in back] == [r[:5] for r in rows]
     assert torch.equal(back[0][5], r0) and torch.equal(back[1][5], r1)
     plain = [(1, 0, [3, 2], [-1.0, -3.0], False)]
-    (row,) = _unpack_rows(_pack_rows(plain))
+    (row,) = unpack_rows(pack_rows(plain))
     assert row[:5] == plain[0] and row[5] is None
+
+
+def test_vllm_llm_kwargs_from_the_rollout_plan(tiny_checkpoints):
+    """The engine's ``vllm.LLM`` arguments come from the resolved plan, the config and the platform (no vLLM)."""
+    ckpt = str(tiny_checkpoints["qwen2"])
+    cfg = load_config(
+        None,
+        ["rollout.kv_cache_memory_mb=32", "rollout.seed=5", "data.max_prompt_length=20", "data.max_response_length=12"],
+    )
+    cpu = make_platform("cpu")
+    plan = rollout_plan(cfg, 64, 2, cpu)
+    kwargs = vllm_llm_kwargs(cfg, ckpt, plan, cpu)
+    assert kwargs["model"] == ckpt and kwargs["load_format"] == "dummy" and kwargs["skip_tokenizer_init"]
+    assert kwargs["distributed_executor_backend"] == "external_launcher"
+    assert kwargs["tensor_parallel_size"] == plan.tp_size and kwargs["max_model_len"] == plan.max_model_len
+    assert kwargs["max_num_batched_tokens"] == plan.max_num_batched_tokens and kwargs["seed"] == 5
+    # CPU: per-request seeds, so no chunked prefill; the KV cache sized by rollout.kv_cache_memory_mb; no sleep mode.
+    assert kwargs["enable_chunked_prefill"] is False and kwargs["kv_cache_memory_bytes"] == 32 * 2**20
+    assert kwargs["enable_sleep_mode"] is False and "gpu_memory_utilization" not in kwargs
+    cuda = make_platform("cuda")
+    on_gpu = vllm_llm_kwargs(cfg, ckpt, rollout_plan(cfg, 64, 2, cuda), cuda)
+    assert on_gpu["gpu_memory_utilization"] == cfg.rollout.gpu_memory_utilization
+    assert on_gpu["enable_chunked_prefill"] is True and "kv_cache_memory_bytes" not in on_gpu

@@ -21,7 +21,7 @@ from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.parallel import init_distributed, init_model_parallel
 from megatron_dapo.training import moe as moe_module
-from megatron_dapo.training.actor import MegatronActor
+from megatron_dapo.training.actor import MegatronActor, reduce_update_metrics
 from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size, tp_merge, unfuse_hf_experts
 from megatron_dapo.weights.model_io import load_full_tensors, local_param_table
 from tests.distributed.loss_batch import TEMPERATURE, make_batch
@@ -107,7 +107,7 @@ def main() -> None:
                 metrics = meter.metrics(actor.device)
             finally:
                 moe_module.router_loss_weights = original
-            metrics.update(actor.reduce_update_metrics(results))
+            metrics.update(reduce_update_metrics(results, actor.cfg, actor.device))
             # the base coefficients are back after the update
             assert config.moe_aux_loss_coeff == aux and config.moe_z_loss_coeff == (z if z > 0 else None)
             grads = {}

@@ -20,7 +20,7 @@ from megatron_dapo.config import load_config
 from megatron_dapo.models.builder import build_gpt_chunks, unwrap, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.parallel import init_distributed, init_model_parallel
-from megatron_dapo.training.actor import MegatronActor
+from megatron_dapo.training.actor import MegatronActor, reduce_update_metrics
 from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size
 from megatron_dapo.weights.model_io import load_full_tensors
 from tests.distributed.loss_batch import HF_KWARGS, TEMPERATURE, make_batch
@@ -97,7 +97,7 @@ def main() -> None:
             "log_probs": lp["log_probs"],
             "entropy": lp["entropy"],
             "padding_ratio": padding,
-            "metrics": actor.reduce_update_metrics(results),
+            "metrics": reduce_update_metrics(results, actor.cfg, actor.device),
             "grads": grads,
         }
     os.makedirs(args.out, exist_ok=True)

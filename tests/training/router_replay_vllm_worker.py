@@ -50,8 +50,8 @@ def main() -> None:
     from megatron_dapo.config import load_config
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
     from megatron_dapo.models.families import model_arch_from_hf
-    from megatron_dapo.parallel import init_distributed, init_model_parallel
-    from megatron_dapo.rollout.engine import RolloutEngine, teardown
+    from megatron_dapo.parallel import init_distributed, init_model_parallel, teardown
+    from megatron_dapo.rollout.engine import RolloutEngine
     from megatron_dapo.rollout.sync import WeightSync
     from megatron_dapo.testing.tiny_models import save_tiny_hf_checkpoint
     from megatron_dapo.training.actor import MegatronActor

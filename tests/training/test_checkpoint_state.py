@@ -1,7 +1,7 @@
-"""The trainer's checkpointed state without a model or process group: ``DAPOTrainer``'s own ``state_dict`` (its
-counters) through JSON, ``CheckpointManager``'s registration and the in-place restore of registered components
-(what ``load`` and the trainer's failure save use). The save/load of these states with a real checkpoint is in
-``test_checkpoint.py``; a resumed adaptive-KL run in ``tests/e2e/test_train_e2e.py``.
+"""The trainer's checkpointed state without a model or process group: the run's counters (``RunCounters``, the
+``trainer`` component) through JSON, ``CheckpointManager``'s registration and the in-place restore of registered
+components (what ``load`` and the trainer's failure save use). The save/load of these states with a real checkpoint
+is in ``test_checkpoint.py``; a resumed adaptive-KL run in ``tests/e2e/test_resume_kl_e2e.py``.
 """
 
 from __future__ import annotations
@@ -13,16 +13,12 @@ import pytest
 from megatron_dapo.algo.kl import AdaptiveKLController
 from megatron_dapo.data import PromptSampler
 from megatron_dapo.training.checkpoint import CheckpointManager
-from megatron_dapo.training.trainer import DAPOTrainer
+from megatron_dapo.training.run_state import RunCounters
 
 
-def bare_trainer(**counters: int) -> DAPOTrainer:
-    """A trainer with only its run counters set (its state methods need nothing else; building one needs a model,
-    an engine and a process group)."""
-    trainer = DAPOTrainer.__new__(DAPOTrainer)
-    for name in DAPOTrainer.STATE_FIELDS:
-        setattr(trainer, name, counters.get(name, 0))
-    return trainer
+def bare_trainer(**counters: int) -> RunCounters:
+    """The trainer's run counters, what it registers as the ``trainer`` component."""
+    return RunCounters(**counters)
 
 
 def test_trainer_counters_round_trip() -> None:

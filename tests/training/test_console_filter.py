@@ -1,7 +1,7 @@
-"""The console's table of known-benign library messages (``training/console.py``): a listed message stays off the
-console but is in the rank log; anything else — an unknown message from the same logger, the same message with
-another exception, our own warnings — still shows. Native stderr lines held back while vLLM starts get the same
-treatment."""
+"""The table of known-benign library messages (``log_filters.py``) as the console applies it (``training/console.py``):
+a listed message stays off the console but is in the rank log; anything else — an unknown message from the same
+logger, the same message with another exception, our own warnings — still shows. Native stderr lines held back while
+vLLM starts get the same treatment."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.training import console
-from megatron_dapo.training.console import BENIGN_MESSAGES, NATIVE_STDERR, known_benign, setup_logging
+from megatron_dapo import log_filters
+from megatron_dapo.log_filters import BENIGN_MESSAGES, NATIVE_STDERR, known_benign
+from megatron_dapo.training.console import setup_logging
 
 LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 RENDERER = "vllm.renderers.base"
@@ -28,10 +29,10 @@ NUMA = (
 @pytest.fixture
 def logged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """``logged(rank)`` → (console stream, rank log file) after ``setup_logging``; the root logger, warnings and
-    the console module's state are put back afterwards."""
+    the native-stderr target are put back afterwards."""
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
-    monkeypatch.setattr(console, "_native_target", None)
+    monkeypatch.setattr(log_filters, "_native_target", None)
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
 
     def make(rank: int = 0) -> tuple[io.StringIO, Path]:
@@ -121,7 +122,7 @@ def test_table_matches_whole_messages_from_their_own_logger_only() -> None:
 
 def test_native_stderr_is_held_back_and_only_unknown_lines_reach_fd2(logged, capfd) -> None:
     stream, log_file = logged(rank=0)
-    with console.native_stderr_filtered():
+    with log_filters.native_stderr_filtered():
         os.write(2, (NUMA + "\n").encode())  # what C++ code does: a write to file descriptor 2
         os.write(2, b"[W1124 17:18:05 ProcessGroupGloo.cpp:1] Warning: something new\n")
         assert NUMA in (log_file.parent / "rank0.native.log").read_text()  # held in the log directory meanwhile

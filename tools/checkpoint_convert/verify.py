@@ -24,6 +24,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config.run_rules import expert_layout_problems, validate_parallel_layout
+from megatron_dapo.models.builder import build_gpt_chunks
+from megatron_dapo.models.families import model_arch_from_hf
+from megatron_dapo.parallel import destroy_model_parallel, init_distributed, init_model_parallel
+from megatron_dapo.weights.layout import padded_vocab_size
+from megatron_dapo.weights.loading import load_mcore_checkpoint
 
 
 @dataclass
@@ -61,13 +70,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def _build_and_load(args: argparse.Namespace):
     """Process groups, the model at ``args``' layout, ``--mcore-dir`` loaded into it: (cfg, info, platform, arch,
     chunks, load report)."""
-    from megatron_dapo.config import ConfigError, load_config
-    from megatron_dapo.config.run_rules import expert_layout_problems, validate_parallel_layout
-    from megatron_dapo.models.builder import build_gpt_chunks
-    from megatron_dapo.models.families import model_arch_from_hf
-    from megatron_dapo.parallel import init_distributed, init_model_parallel
-    from megatron_dapo.weights.loading import load_mcore_checkpoint
-
     overrides = [
         f"parallel.tensor_model_parallel_size={args.tp}",
         f"parallel.pipeline_model_parallel_size={args.pp}",
@@ -100,6 +102,7 @@ def _build_and_load(args: argparse.Namespace):
 def _megatron_logits(chunks: list, ids: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
     """Forward-only pass of ``ids`` (one sequence per micro-batch); the vocabulary-gathered logits this rank saw
     (the last pipeline stage's)."""
+    # heavy: megatron-core, once the platform has patched it (init_distributed)
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -134,10 +137,7 @@ def _megatron_logits(chunks: list, ids: torch.Tensor, device: torch.device) -> l
 
 
 def run_verify(args: argparse.Namespace) -> VerifyResult:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megatron_dapo.weights.layout import padded_vocab_size
+    from megatron.core import parallel_state as ps  # heavy: megatron-core, once the platform has patched it
 
     cfg, info, platform, arch, chunks, report = _build_and_load(args)
     b, s = args.batch_size, args.seq_len
@@ -153,7 +153,7 @@ def run_verify(args: argparse.Namespace) -> VerifyResult:
     )
     diff = torch.zeros(1, dtype=torch.float64)
     if is_ref:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # heavy: transformers, on the reference rank only
 
         hf = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -177,10 +177,6 @@ def run_verify(args: argparse.Namespace) -> VerifyResult:
 def main(argv: Optional[Sequence[str]] = None, finalize: bool = True) -> int:
     """Run the check; 0 when within ``--tol``, else 1. ``finalize=False`` keeps the default process group (a
     caller running several checks in one torchrun)."""
-    import torch.distributed as dist
-
-    from megatron_dapo.parallel import destroy_model_parallel
-
     args = parse_args(argv)
     res = run_verify(args)
     rank = dist.get_rank()

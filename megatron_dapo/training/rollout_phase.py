@@ -1,0 +1,171 @@
+"""The rollout side of a step: the engine woken with the actor's current weights (synced once per set of weights),
+generation batches generated and scored under dynamic sampling until the training batch is full, and validation.
+
+``weights_step`` below is the training step whose update the actor's weights hold (the trainer's ``global_step``):
+the engine is synced again only when it differs from what the engine holds, so a validation at the end of a step
+leaves the engine ready for the next step's rollout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megatron_dapo.algo.dynamic_sampling import DynamicSamplingAccumulator
+from megatron_dapo.batch import TrainBatch
+from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.data import PromptSampler
+from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.types import SamplingSpec
+from megatron_dapo.training.loggers import RolloutDumper
+from megatron_dapo.training.metrics import compute_val_metrics, reduce_metrics
+from megatron_dapo.training.offload import MemoryHandoff
+from megatron_dapo.training.scoring import RolloutScorer, score_to_batch
+from megatron_dapo.training.timing import timed
+
+log = logging.getLogger("megatron_dapo.trainer")
+
+
+@dataclass
+class PromptData:
+    train: Any  # RLDataset of the training prompts
+    val: Optional[Any]  # RLDataset of the validation prompts, or None
+    sampler: PromptSampler  # the resumable order of training prompts
+
+
+class RolloutPhase:
+    """Generation and scoring for the trainer; the engine's weights are kept in step with the actor's."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        engine: RolloutEngine,
+        sync_weights: Callable[[], None],
+        handoff: MemoryHandoff,
+        scorer: RolloutScorer,
+        data: PromptData,
+        eos_ids: tuple[int, ...],
+        dumper: Optional[RolloutDumper] = None,
+        tokenizer: Optional[Any] = None,
+        is_main: bool = False,
+    ) -> None:
+        self.cfg, self.engine, self.handoff, self.scorer, self.data = cfg, engine, handoff, scorer, data
+        self.sync_weights = sync_weights
+        self.train_sampling = SamplingSpec.for_training(cfg, eos_ids)
+        self.val_sampling = SamplingSpec.for_validation(cfg, eos_ids)
+        self.dumper, self.tokenizer, self.is_main = dumper, tokenizer, is_main
+        self.engine_weights: Optional[int] = None  # the step whose weights the awake engine holds
+
+    def prepare_engine(self, weights_step: int, timings: Optional[dict] = None) -> None:
+        """Wake the engine with the actor's current weights (the memory hand-off's rollout side, weight sync
+        included), unless it is awake with them already (a validation just before)."""
+        timings = timings if timings is not None else {}
+        if self.engine_weights == weights_step:
+            timings.setdefault("update_weights", 0.0)  # synced already (by the validation that ended the last step)
+            return
+        with timed("update_weights", timings):
+            self.handoff.before_rollout(self.engine, self.sync_weights)
+        self.engine_weights = weights_step
+
+    def engine_released(self) -> None:
+        """The engine slept (after a rollout, or before a save): the next use wakes and syncs it again."""
+        if self.engine.asleep:
+            self.engine_weights = None
+
+    def _score(self, rollout: Any, items: list[dict]) -> tuple[TrainBatch, dict]:
+        tokenizer = self.tokenizer if self.dumper is not None else None
+        return score_to_batch(self.scorer, self.cfg, rollout, items, tokenizer)
+
+    def collect(self, step: int, weights_step: int, timings: dict) -> Optional[tuple[TrainBatch, dict]]:
+        """Generate and score generation batches, keeping informative groups, until the training batch is full.
+
+        When dynamic sampling is exhausted (``max_num_gen_batches`` generation batches, or one pass over the
+        training prompts when that is 0) ``on_exhausted`` decides: ``train`` returns what was kept, filled up with
+        dropped (all-equal, zero-advantage) groups whose loss mask is zero (``train/partial_batch`` is 1); ``stop``
+        returns None; ``error`` raises.
+        """
+        cfg, data = self.cfg, self.data
+        fg = cfg.algorithm.filter_groups
+        acc = DynamicSamplingAccumulator(cfg.data.train_batch_size, cfg.rollout.n, enable=fg.enable)
+        budget = fg.max_num_gen_batches or -(-len(data.train) // data.sampler.batch_size)
+        reward_metrics = []
+        self.prepare_engine(weights_step, timings)
+        while not acc.is_full() and not acc.is_exhausted(budget):
+            items = [data.train[i] for i in data.sampler.next_batch()]
+            with timed("gen", timings):
+                rollout = self.engine.generate(
+                    [it["input_ids"] for it in items],
+                    self.train_sampling,
+                    seed_offset=step * 1000 + acc.num_gen_batches,
+                )
+            with timed("reward", timings):
+                gen_batch, rmetrics = self._score(rollout, items)
+            reward_metrics.append(rmetrics)
+            reward_metrics.append(
+                nonfinite_count(gen_batch.rollout_log_probs, gen_batch, "rollout/num_nonfinite_log_probs")
+            )
+            ids = [f"{step}-{acc.num_gen_batches}-{int(i)}" for i in rollout.prompt_index]
+            acc.add(gen_batch, ids, filter_metric(gen_batch, fg.metric) if fg.enable else None)
+        self.handoff.after_rollout(self.engine)  # the engine sleeps until the next rollout or validation
+        self.engine_weights = None
+        metrics = dict(acc.metrics())  # before take(), which resets the counters
+        metrics.update(reduce_metrics(reward_metrics))
+        if acc.is_full():
+            batch, group_ids = acc.take(return_group_ids=True)
+            batch.filler = torch.zeros(len(group_ids), dtype=torch.bool)
+            metrics["train/partial_batch"] = 0.0
+        elif fg.on_exhausted == "error":
+            acc.check_budget(budget)
+        elif fg.on_exhausted == "stop":
+            return None
+        else:
+            batch, group_ids = self._partial_batch(step, acc, metrics)
+        batch.group_ids = group_ids
+        if self.dumper is not None:
+            self.dumper.dump(step, batch.prompt_text, batch.response_text, batch.seq_rewards.tolist())
+        return batch, metrics
+
+    def _partial_batch(
+        self, step: int, acc: DynamicSamplingAccumulator, metrics: dict[str, float]
+    ) -> tuple[TrainBatch, list]:
+        """``on_exhausted=train``: the kept groups, filled up with dropped ones that stay out of the loss."""
+        batch, group_ids, filler = acc.take_partial()
+        batch.loss_mask[filler] = 0
+        batch.filler = filler
+        metrics["train/partial_batch"] = 1.0
+        if self.is_main:
+            log.warning(
+                "step %d: dynamic sampling exhausted after %d generation batches with %d of %d prompts kept; "
+                "training on those (algorithm.filter_groups.on_exhausted=train)%s",
+                step,
+                int(metrics["train/num_gen_batches"]),
+                int(metrics["train/num_prompts_kept"]),
+                self.cfg.data.train_batch_size,
+                "" if bool(batch.loss_mask.any()) else ": none, so the update is skipped",
+            )
+        return batch, group_ids
+
+    def validate(self, weights_step: int, timings: Optional[dict] = None) -> dict[str, float]:
+        """Generate with the validation sampling parameters on the whole validation set; accuracy per data source.
+        The engine is left awake with the current weights for the next rollout."""
+        self.prepare_engine(weights_step, timings)
+        val = self.data.val
+        items = [val[i] for i in range(len(val))]
+        rollout = self.engine.generate([it["input_ids"] for it in items], self.val_sampling, seed_offset=0)
+        batch, _ = self._score(rollout, items)
+        return compute_val_metrics(batch.data_source, batch.acc.tolist(), self.val_sampling.n)
+
+
+def nonfinite_count(values: torch.Tensor, batch: TrainBatch, metric: str) -> dict[str, float]:
+    """How many of ``values``' response tokens are not finite (they also make the step's update skip)."""
+    return {metric: float((~torch.isfinite(values[batch.response_mask.bool()])).sum())}
+
+
+def filter_metric(batch: TrainBatch, metric: str) -> torch.Tensor:
+    """``algorithm.filter_groups.metric`` per row. Groups are filtered before any KL penalty, so ``seq_reward`` and
+    ``seq_final_reward`` are the same sequence reward here."""
+    return {"acc": batch.acc, "score": batch.verifier_scores}.get(metric, batch.seq_rewards)

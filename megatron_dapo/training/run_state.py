@@ -1,0 +1,167 @@
+"""The run's own state beside the models: counters checkpointed with every step (the ``trainer`` component of
+``trainer_state.json``), the rule that stops a run after too many skipped updates, and the checkpoints of completed
+steps (save, resume, and the save of the last completed step after a failure)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+from megatron_dapo.config import ExperimentConfig, to_dict
+from megatron_dapo.parallel import world_size as dist_world_size
+from megatron_dapo.platform import Platform
+from megatron_dapo.training.checkpoint import CheckpointManager, resolve_resume
+from megatron_dapo.training.failure import NonFiniteUpdateError, all_ranks_in_handler
+from megatron_dapo.training.offload import MemoryHandoff
+
+log = logging.getLogger("megatron_dapo.trainer")
+
+
+@dataclass
+class RunCounters:
+    """Counters of a run (torchtitan's ``Stateful``). A checkpoint saved before a counter existed leaves it as it is."""
+
+    num_skipped_updates: int = 0  # optimizer steps skipped because something was not finite
+    consecutive_skipped_updates: int = 0
+    num_partial_batches: int = 0  # steps trained on a batch that dynamic sampling could not fill
+    num_empty_steps: int = 0  # exhausted steps that kept nothing, so had no update
+
+    def state_dict(self) -> dict[str, int]:
+        return {f.name: int(getattr(self, f.name)) for f in fields(self)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for f in fields(self):
+            if f.name in state:
+                setattr(self, f.name, int(state[f.name]))
+
+    def skipped_update(self, step: int, nonfinite: list[str], limit: int, is_main: bool) -> Optional[str]:
+        """Count a skipped optimizer step; returns why the run must stop (``limit`` in a row), else None."""
+        self.num_skipped_updates += 1
+        self.consecutive_skipped_updates += 1
+        what = ", ".join(nonfinite)
+        if is_main:
+            log.warning(
+                "step %d: update skipped, not finite: %s (%d in a row; the run stops at "
+                "trainer.max_consecutive_skipped_updates=%d)",
+                step,
+                what,
+                self.consecutive_skipped_updates,
+                limit,
+            )
+        if self.consecutive_skipped_updates < limit:
+            return None
+        return (
+            f"step {step}: {self.consecutive_skipped_updates} consecutive updates skipped because {what} was "
+            f"not finite (trainer.max_consecutive_skipped_updates={limit})"
+        )
+
+    def applied_update(self) -> None:
+        self.consecutive_skipped_updates = 0
+
+
+def stop_after_skips(why: str, saved_step: Optional[int], save_dir: str) -> NonFiniteUpdateError:
+    return NonFiniteUpdateError(
+        f"{why}; the run stops without saving, so the last checkpoint (step {saved_step}) stays latest in "
+        f"{save_dir}. Lower actor.optim.lr, check actor.optim.clip_grad, or look for a broken reward or data rows"
+    )
+
+
+def why_not_save_after(
+    exc: BaseException, step: int, saved_step: Optional[int], update_in_progress: bool, saving: bool
+) -> Optional[str]:
+    """Why the last completed ``step`` must not (or need not: "") be saved after ``exc``; None = save it (once
+    every rank has reached the failure handler)."""
+    if isinstance(exc, NonFiniteUpdateError):
+        return ""  # the last good checkpoint stays latest on purpose
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted by a second signal"
+    if update_in_progress:
+        return f"the failure interrupted step {step + 1}'s parameter update, so no consistent state is left"
+    if saving:
+        return "the failure happened while saving"
+    if step == 0 or saved_step == step:
+        return ""
+    return None
+
+
+class StepCheckpoints:
+    """Checkpoints of completed steps: the save (the engine asleep meanwhile), the resume, and the save of the last
+    completed step after a failure, from the components' state and RNG recorded at that step's boundary."""
+
+    def __init__(
+        self,
+        ckpt: CheckpointManager,
+        cfg: ExperimentConfig,
+        platform: Platform,
+        handoff: MemoryHandoff,
+        engine_released: Callable[[], None],
+        is_main: bool,
+    ) -> None:
+        self.ckpt, self.cfg, self.platform, self.handoff = ckpt, cfg, platform, handoff
+        self.engine_released, self.is_main = engine_released, is_main
+        self.saved_step: Optional[int] = None
+        self.saving = False
+        self.boundary = self.snapshot()
+
+    def snapshot(self) -> dict:
+        """The registered components' states (counters, KL controller, data position) and the RNG at a step boundary:
+        what a checkpoint of that step must hold, though the next step may already have moved them."""
+        return {"states": self.ckpt.component_states(), "rng": self.platform.rng_state()}
+
+    def save(self, step: int, actor: Any, scheduler: Any, engine: Any) -> None:
+        self.saving = True
+        # A save reads the actor's parameters and optimizer state; the engine sleeps meanwhile (where it can; it is
+        # woken and synced again by the next rollout or validation).
+        self.handoff.before_save(engine)
+        self.engine_released()
+        self.ckpt.save(
+            step=step,
+            model_chunks=actor.chunks,
+            optimizer=actor.optimizer,
+            scheduler=scheduler,
+            config=to_dict(self.cfg),
+            save_optimizer=self.cfg.checkpoint.save_optimizer,
+        )
+        self.handoff.after_save()
+        self.saving = False
+        self.saved_step = step
+
+    def resume(self, actor: Any, scheduler: Any) -> Optional[int]:
+        """Load the checkpoint ``checkpoint.resume_mode`` names (None: none); returns its step."""
+        step_dir = resolve_resume(self.cfg.checkpoint.resume_mode, self.ckpt.save_dir)
+        if step_dir is None:
+            return None
+        self.handoff.restore_actor()  # the engine sleeps since start-up: the optimizer state can come back
+        # Restores the registered components too: the counters, the KL controller, the data position.
+        state = self.ckpt.load(step_dir, actor.chunks, actor.optimizer, scheduler)
+        self.saved_step = int(state["step"])
+        self.boundary = self.snapshot()
+        if self.is_main:
+            log.info("resumed from %s at step %d", step_dir, self.saved_step)
+        return self.saved_step
+
+    def save_after_failure(self, exc: BaseException, step: int, update_in_progress: bool, save: Callable) -> None:
+        """Keep the last completed ``step`` when the loop fails, if that is safe and not done already."""
+        why_not = why_not_save_after(exc, step, self.saved_step, update_in_progress, self.saving)
+        world, timeout_s = dist_world_size(), min(60.0, self.cfg.trainer.collective_timeout_s)
+        if why_not is None and not all_ranks_in_handler(world, timeout_s):
+            why_not = "not every rank reached the failure handler (the others are blocked or gone)"
+        if why_not is not None:
+            if why_not and self.is_main:
+                log.error(
+                    "not saving step %d after the failure: %s; last checkpoint: step %s", step, why_not, self.saved_step
+                )
+            return
+        try:
+            self.ckpt.load_component_states(self.boundary["states"])
+            self.platform.set_rng_state(self.boundary["rng"])
+            save()
+            if self.is_main:
+                log.error(
+                    "the run failed; saved its last completed step %d to %s before exiting", step, self.ckpt.save_dir
+                )
+        except Exception as save_exc:  # noqa: BLE001 - the original failure is what the caller raises
+            if self.is_main:
+                log.error("saving step %d after the failure failed too: %r", step, save_exc)

@@ -1,0 +1,106 @@
+"""A rollout's rewards, and the rollout as the step's ``TrainBatch``.
+
+Every response is scored once, on one rank (rows dealt round-robin), and every rank gets all results (one object
+gather on the CPU control group), so ranks agree on rewards — timeouts included — and on what dynamic sampling
+keeps. A scorer failure on any rank is raised on every rank. ``eval`` scores on one rank with the same call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.batch import TrainBatch
+from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.data.tokens import decode_responses
+from megatron_dapo.parallel import control_group
+from megatron_dapo.reward.manager import RewardManager, RewardResult, merge_results
+from megatron_dapo.rollout.types import RolloutBatch
+
+
+def reward_inputs(rollout: RolloutBatch, items: list[dict]) -> tuple[list, list, list]:
+    """The data source, ground truth and extra info of each rollout row's prompt."""
+    rows = rollout.prompt_index.tolist()
+    return (
+        [items[i]["data_source"] for i in rows],
+        [items[i]["ground_truth"] for i in rows],
+        [items[i]["extra_info"] for i in rows],
+    )
+
+
+class RolloutScorer:
+    """``reward`` over the ranks of a ``world_size`` job (1: this rank scores everything)."""
+
+    def __init__(self, reward: RewardManager, world_size: int, rank: int) -> None:
+        self.reward, self.world_size, self.rank = reward, world_size, rank
+
+    def __call__(self, rollout: RolloutBatch, items: list[dict]) -> RewardResult:
+        sources, truths, extras = reward_inputs(rollout, items)
+        responses, mask = rollout.responses, rollout.response_mask
+        if self.world_size == 1:
+            return self.reward(responses, mask, sources, truths, extras)
+        mine = list(range(self.rank, responses.shape[0], self.world_size))
+        part: object = None
+        failure: Optional[BaseException] = None
+        if mine:
+            try:
+                part = self.reward(
+                    responses[mine],
+                    mask[mine],
+                    [sources[i] for i in mine],
+                    [truths[i] for i in mine],
+                    [extras[i] for i in mine],
+                )
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - raised here, and named on every other rank
+                failure = exc
+                part = f"{type(exc).__name__}: {exc}"  # user exception types need not unpickle elsewhere
+        parts: list = [None] * self.world_size
+        dist.all_gather_object(parts, (mine, part), group=control_group())
+        if failure is not None:
+            raise failure
+        for source_rank, (_, result) in enumerate(parts):
+            if isinstance(result, str):
+                raise RuntimeError(f"reward scoring failed on rank {source_rank}: {result}")
+        return merge_results([(rows, result) for rows, result in parts if rows], responses.shape[0])
+
+    def close(self) -> None:
+        self.reward.close()
+
+
+def score_to_batch(
+    scorer: RolloutScorer,
+    cfg: ExperimentConfig,
+    rollout: RolloutBatch,
+    items: list[dict],
+    tokenizer: Optional[Any] = None,
+) -> tuple[TrainBatch, dict]:
+    """The rollout as a ``TrainBatch``: rewards on the last response token, overlong shaping/filtering, per-sample
+    info; with a ``tokenizer``, the prompt and response texts too (for the rollout dump)."""
+    rows = rollout.prompt_index.tolist()
+    result = scorer(rollout, items)
+    loss_mask = rollout.response_mask.clone()
+    if cfg.reward.overlong_filter:
+        loss_mask[result.overlong] = 0
+    batch = TrainBatch(
+        prompts=rollout.prompts,
+        prompt_mask=rollout.prompt_mask,
+        responses=rollout.responses,
+        response_mask=rollout.response_mask,
+        loss_mask=loss_mask,
+        rollout_log_probs=rollout.rollout_log_probs,
+        truncated=rollout.truncated,
+        token_level_scores=result.token_level_scores,
+        seq_rewards=result.scores,
+        verifier_scores=torch.tensor([float(s) if s is not None else 0.0 for s in result.extra["score"]]),
+        acc=torch.tensor([float(bool(a)) for a in result.extra.get("acc", [None] * len(rows))]),
+        data_source=[items[i]["data_source"] for i in rows],
+        **(rollout.routed_experts or {}),  # routing replay: the experts vLLM chose per token
+    )
+    if tokenizer is not None:
+        batch.prompt_text = [items[i]["raw_prompt"] for i in rows]
+        batch.response_text = decode_responses(tokenizer, rollout.responses, rollout.response_lengths.tolist())
+    return batch, dict(result.metrics)
