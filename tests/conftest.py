@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # The suite shares a few CPU cores with other work: one intra-op thread per process (torchrun ranks and other
 # subprocesses inherit it). Set before torch is imported by any test module.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One vLLM cache for the whole suite, as tests/run.sh has it (launch/setup_env.sh): vLLM inspects a model class in a
+# subprocess (about 10 s here) unless its cache holds the answer, and every run's own output dir would start empty.
+os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(__file__).resolve().parents[1] / ".venv" / ".vllm_cache"))
 
 
 def pytest_report_header(config) -> list[str]:

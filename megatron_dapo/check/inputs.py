@@ -8,13 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_dapo.config import extra_function_spec
 from megatron_dapo.config.plan import uses_reference
 from megatron_dapo.config.schema import ExperimentConfig
 from megatron_dapo.data.prompts import prompt_text, truncate_prompt
 from megatron_dapo.data.rows import DataError, read_records, validate_row
 from megatron_dapo.models.families import ModelArch
 from megatron_dapo.reward import custom, math_dapo
-from megatron_dapo.reward.manager import MATH_DAPO_SOURCES, route_data_source
+from megatron_dapo.reward.scoring import MATH_DAPO_SOURCES, route_data_source
 from megatron_dapo.weights.dist_format import find_checkpoint
 from megatron_dapo.weights.dist_reader import DistCheckpointReader
 from megatron_dapo.weights.errors import CheckpointError
@@ -252,10 +253,10 @@ class InputChecker:
             specs.append(("reward.custom_function", rw.custom_function.path, rw.custom_function.name))
         for i, item in enumerate(rw.extra_functions):
             key = f"reward.extra_functions[{i}]"
-            if not isinstance(item, dict) or set(item) - {"path", "name", "weight"} or not item.get("path"):
-                self.problems.append(f"{key}={item!r}: expected a mapping with keys path (required), name, weight")
-                continue
-            specs.append((key, str(item["path"]), str(item.get("name", "compute_score"))))
+            spec, found = extra_function_spec(item, key)  # the config rule's own words (config/rules.py)
+            self.problems.extend(p for p in found if p not in self.problems)
+            if spec is not None:
+                specs.append((key, spec[0], spec[1]))
         functions: list[tuple[str, Any]] = []
         for key, path, name in specs:
             try:

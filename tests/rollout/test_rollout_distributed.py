@@ -33,14 +33,19 @@ LAYOUTS = [
     pytest.param(dict(tp=2, pp=1, rollout_tp=2, nproc=2, ckpt="llama_tied", port=29760, extra=[]), id="tp2-pp1-rtp2"),
     pytest.param(dict(tp=1, pp=2, rollout_tp=1, nproc=2, ckpt="qwen2", port=29762, extra=[]), id="tp1-pp2-rtp1"),
     # Engine seeding (rollout.per_request_seed=false, the CUDA/NPU default) with chunked prefill on: the rollout TP
-    # peers still sample identically (the divergence check), reproducibly, whatever one rank's RNG consumed.
+    # peers still sample identically (the divergence check), reproducibly, whatever one rank's RNG consumed. (The
+    # other layouts seed per request, the CPU default.)
     pytest.param(
-        dict(tp=1, pp=1, rollout_tp=2, nproc=2, ckpt="qwen2", port=29778, extra=["--engine-seed"]),
-        id="tp1-pp1-rtp2-engine-seed",
-    ),
-    pytest.param(
-        dict(tp=1, pp=1, rollout_tp=2, nproc=2, ckpt="qwen3", port=29764, extra=["--distributed-optimizer"]),
-        id="tp1-pp1-dp2-rtp2-distopt",
+        dict(
+            tp=1,
+            pp=1,
+            rollout_tp=2,
+            nproc=2,
+            ckpt="qwen3",
+            port=29764,
+            extra=["--distributed-optimizer", "--engine-seed"],
+        ),
+        id="tp1-pp1-dp2-rtp2-distopt-engine-seed",
     ),
     pytest.param(
         dict(tp=2, pp=2, rollout_tp=2, nproc=4, ckpt="qwen2_tied", port=29766, extra=[]),

@@ -89,7 +89,7 @@ def main() -> None:
     batch = TrainBatch(**make_batch())
     out = {}
     for packed in (False, True):
-        actor.cfg.use_remove_padding = packed
+        actor.packed = packed
         lp = actor.compute_log_probs(batch, TEMPERATURE, calculate_entropy=True)
         results, _, padding = actor.compute_gradients(batch, TEMPERATURE)
         grads = {n: p.main_grad.detach().clone() for n, p in chunks[0].named_parameters()}
