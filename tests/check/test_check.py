@@ -26,7 +26,7 @@ from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.tasks.arithmetic import DATA_SOURCE
 from megatron_dapo.tasks.demo import prepare
 from megatron_dapo.weights.convert import convert_hf_to_mcore
-from tests.helpers.hf_configs import QWEN3_8B, QWEN3_30B_A3B, QWEN3_32B, QWEN25_32B
+from tests.helpers.hf_configs import QWEN3_8B, QWEN3_30B_A3B, QWEN3_32B, QWEN25_32B, SMALL_QWEN2
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -206,21 +206,7 @@ def test_memory_phase_over_device_memory_is_flagged(demo):
 
 # A small Qwen2-architecture model whose memory terms are worked out by hand below (no helper of the memory model
 # is used).
-SMALL = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 256,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 512,
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-}
+SMALL = SMALL_QWEN2
 # By hand, bf16 (2 B), TP 2 with sequence parallelism, 8 ranks -> DP 4, head_dim 256 / 4 = 64 (q 256, kv 128):
 #   per layer, TP-split: qkv 256 x (256 + 2 x 128) + bias 512 = 131584; out 256 x 256 = 65536; MLP 3 x 256 x 512 =
 #   393216 -> 590336 (295168 per TP rank); norms 2 x 256 = 512 (replicated).

@@ -14,25 +14,12 @@ from megatron_dapo.config.memory import MemoryModel, memory_model
 from megatron_dapo.config.plan import resolve
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.platform import make_platform
+from tests.helpers.hf_configs import SMALL_QWEN2
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 GIB, MIB = 2**30, 2**20
 
-SMALL = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 256,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 512,
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-}
+SMALL = SMALL_QWEN2
 # By hand, TP 2 (sequence parallel), 8 ranks -> DP 4; head_dim 256 / 4 = 64, q 256, kv 2 x 64 = 128.
 #   one layer, TP-split: qkv 256 x (256 + 2 x 128) + bias 512 = 131584, out 256 x 256 = 65536, MLP 3 x 256 x 512 =
 #   393216 -> 590336, 295168 per TP rank; norms 2 x 256 = 512, replicated.

@@ -60,3 +60,20 @@ QWEN3_30B_A3B = {
     "tie_word_embeddings": False,
     "use_sliding_window": False,
 }
+
+# A small Qwen2-architecture model whose memory terms tests work out by hand (tests/check, tests/config).
+SMALL_QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 256,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 512,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
