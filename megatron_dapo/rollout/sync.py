@@ -59,7 +59,6 @@ import torch.distributed as dist
 
 from megatron_dapo import dtypes
 from megatron_dapo.config import ExperimentConfig
-from megatron_dapo.config.plan import rollout_dtype
 from megatron_dapo.models.families import EXPERT_PREFIX, ModelArch, ParamMapping, expert_ep_rank, param_mappings
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.weights.layout import mcore_to_hf
@@ -124,7 +123,7 @@ class WeightSync:
         self.bucket_bytes = int(bucket_bytes if bucket_bytes is not None else cfg.rollout.weight_sync_bucket_mb * 2**20)
         if self.bucket_bytes < 1:
             raise ValueError(f"rollout.weight_sync_bucket_mb must be positive, got bucket size {self.bucket_bytes} B")
-        self.dtype = dtypes.from_config_name(rollout_dtype(cfg), "rollout.dtype")
+        self.dtype = dtypes.from_config_name(engine.rollout_plan.dtype, "rollout.dtype")  # as the engine runs
         self._buckets: Optional[list[_Bucket]] = None
         self.expected_hf = {name for m in param_mappings(arch) for name in m.hf}
 

@@ -65,7 +65,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_dapo.config.plan import HandoffPlan, resolve_handoff_plan
+from megatron_dapo.config.plan import HandoffPlan
 from megatron_dapo.platform import Platform
 
 COMPONENTS = ("params", "grads", "optimizer", "reference")
@@ -356,12 +356,6 @@ class MemoryHandoff:
         self.phase_peaks_gb: dict[str, float] = {}
         self.phase: Optional[str] = None
         platform.observe_handoff(self)
-
-    @classmethod
-    def from_config(
-        cls, cfg: Any, platform: Platform, actor_chunks: list, optimizer=None, ref_chunks: Optional[list] = None
-    ) -> MemoryHandoff:
-        return cls(platform, resolve_handoff_plan(cfg, platform), actor_chunks, optimizer, ref_chunks)
 
     # ----- phase bookkeeping
     def _enter(self, phase: Optional[str]) -> None:

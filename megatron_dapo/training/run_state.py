@@ -110,6 +110,10 @@ class StepCheckpoints:
         what a checkpoint of that step must hold, though the next step may already have moved them."""
         return {"states": self.ckpt.component_states(), "rng": self.platform.rng_state()}
 
+    def mark_boundary(self) -> None:
+        """A step completed: what a checkpoint of it (also one saved after a later failure) must hold."""
+        self.boundary = self.snapshot()
+
     def save(self, step: int, actor: Any, scheduler: Any, engine: Any) -> None:
         self.saving = True
         # A save reads the actor's parameters and optimizer state; the engine sleeps meanwhile (where it can; it is
@@ -137,7 +141,7 @@ class StepCheckpoints:
         # Restores the registered components too: the counters, the KL controller, the data position.
         state = self.ckpt.load(step_dir, actor.chunks, actor.optimizer, scheduler)
         self.saved_step = int(state["step"])
-        self.boundary = self.snapshot()
+        self.mark_boundary()
         if self.is_main:
             log.info("resumed from %s at step %d", step_dir, self.saved_step)
         return self.saved_step

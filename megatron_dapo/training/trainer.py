@@ -334,7 +334,7 @@ class DAPOTrainer:
 
     def _step_done(self, step: int) -> None:
         self.global_step = step
-        self.checkpoints.boundary = self.checkpoints.snapshot()
+        self.checkpoints.mark_boundary()
 
     def save_checkpoint(self) -> None:
         self.checkpoints.save(self.global_step, self.actor, self.scheduler, self.engine)

@@ -19,8 +19,9 @@ import torch
 
 from megatron_dapo.check import run_check
 from megatron_dapo.config import load_config
+from megatron_dapo.config.plan import resolve_handoff_plan
 from megatron_dapo.testing.device_ledger import DeviceOutOfMemory, LedgerPlatform
-from megatron_dapo.training.offload import MemoryHandoff, resolve_handoff_plan
+from megatron_dapo.training.offload import MemoryHandoff
 from tests.e2e.test_train_e2e import CONFIG, overrides
 from tests.helpers import run_torchrun
 from tests.helpers.hf_configs import QWEN3_8B

@@ -136,13 +136,13 @@ def handoff_sequence(res, check, cfg, arch, platform, actor, ref, tiny: bool) ->
     be exactly its storages' size."""
     from dataclasses import replace
 
+    from megatron_dapo.config.plan import resolve_handoff_plan
     from megatron_dapo.testing.device_ledger import state_holders
     from megatron_dapo.training.offload import (
         MemoryHandoff,
         grad_tensors,
         optimizer_tensors,
         param_tensors,
-        resolve_handoff_plan,
     )
 
     def host_state():

@@ -160,6 +160,7 @@ def run_case(name: str, spec: dict, platform: CountingPlatform) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_dapo.config import OptimConfig
+    from megatron_dapo.config.plan import resolve_handoff_plan
     from megatron_dapo.models.builder import build_gpt_chunks, freeze
     from megatron_dapo.training.offload import (
         MemoryHandoff,
@@ -167,7 +168,6 @@ def run_case(name: str, spec: dict, platform: CountingPlatform) -> dict:
         optimizer_tensors,
         param_tensors,
         reference_tensors,
-        resolve_handoff_plan,
     )
     from megatron_dapo.training.optimizer import build_optimizer
     from tests.training.common import build_actor, named_params, tiny_arch

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.config import load_config
+from megatron_dapo.config.plan import resolve_handoff_plan
 from megatron_dapo.platform import make_platform
-from megatron_dapo.training.offload import resolve_handoff_plan
 from tests.helpers import run_torchrun
 
 WORKER = Path(__file__).with_name("offload_worker.py")
