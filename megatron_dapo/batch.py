@@ -61,6 +61,9 @@ class TrainBatch:
     prompt_routed_experts: Optional[torch.Tensor] = field(default=None, metadata=_PROMPT)
     response_routed_experts: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
     truncated: Optional[torch.Tensor] = field(default=None, metadata=_ROW)  # [B] bool: stopped by the length limit
+    # Partial rollout: the policy version (the training step whose weights generated it) of each response token,
+    # [B, T] int64; None when every token comes from the weights being updated (synchronous rollout).
+    token_versions: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
     # --- rewards (scoring)
     token_level_scores: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)  # reward on the last token
     seq_rewards: Optional[torch.Tensor] = field(default=None, metadata=_ROW)  # [B] final reward (= scores' row sum)

@@ -795,7 +795,9 @@ def _phase_note(name: str, plan: RunPlan, update_stage: int) -> tuple[bool, str]
     """(runs, note) of a phase: the skipped old-policy and reference forwards, the pipeline stage of the update, what
     the engine does around start-up and a save."""
     handoff, sleeps, pp = plan.handoff, plan.rollout.sleeps, plan.pp
-    if name == "old_log_prob" and plan.on_policy_update:
+    if name == "old_log_prob" and plan.off_policy_mode == "tis":
+        return False, "not run: algorithm.off_policy.mode=tis takes the rollout log-probs as the old policy"
+    if name == "old_log_prob" and plan.on_policy_update and plan.partial is None:
         return False, (
             "not run: actor.old_log_prob_forward=auto with one epoch and one mini-batch per step uses the update's "
             "own forward"

@@ -188,6 +188,9 @@ class RunPlan:
     handoff: HandoffPlan
     uses_reference: bool
     on_policy_update: bool  # the old-policy forward is skipped: the update's own forward is the old policy
+    partial: Optional[PartialPlan]  # partial rollout's segments; None = every response generated whole
+    off_policy_mode: str  # algorithm.off_policy.mode resolved: "decoupled", "tis" or "none"
+    is_threshold: Optional[float]  # the IS weight's truncation (is_weight_threshold); None = no weight
     batches: BatchPlan
     params_dtype: str
     param_bytes: int
@@ -256,6 +259,43 @@ def on_policy_update(cfg: ExperimentConfig) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class PartialPlan:
+    """Partial rollout resolved (``rollout.partial_rollout``): a response is generated ``segment_length`` tokens per
+    step; its ``max_segments``-th segment takes whatever budget is left, so it spans at most that many versions."""
+
+    segment_length: int
+    max_segments: int
+
+
+def partial_plan(cfg: ExperimentConfig) -> Optional[PartialPlan]:
+    """None without partial rollout; else the segment length (default: the budget split into ``max_segments``)."""
+    pr = cfg.rollout.partial_rollout
+    if not pr.enable:
+        return None
+    budget = cfg.data.max_response_length
+    return PartialPlan(pr.segment_length or -(-budget // pr.max_segments), pr.max_segments)
+
+
+def off_policy_mode(cfg: ExperimentConfig) -> str:
+    """``algorithm.off_policy.mode`` with ``auto`` resolved: decoupled where stale tokens can occur (partial
+    rollout), none where every batch is on-policy."""
+    mode = cfg.algorithm.off_policy.mode
+    if mode != "auto":
+        return mode
+    return "decoupled" if cfg.rollout.partial_rollout.enable else "none"
+
+
+def is_weight_threshold(cfg: ExperimentConfig) -> Optional[float]:
+    """The truncation of the IS weight proximal / behaviour (algo/off_policy.py), None = no weight: decoupled's
+    ``is_threshold``; with ``none`` the synchronous ``algorithm.rollout_is_threshold``; none with ``tis`` (the
+    behaviour policy is the old policy there)."""
+    mode = off_policy_mode(cfg)
+    if mode == "decoupled":
+        return float(cfg.algorithm.off_policy.is_threshold)
+    return cfg.algorithm.rollout_is_threshold if mode == "none" else None
+
+
 def resolve(
     cfg: ExperimentConfig,
     arch: ModelArch,
@@ -316,6 +356,9 @@ def build_plan(
         handoff=resolve_handoff_plan(cfg, platform),
         uses_reference=uses_reference(cfg),
         on_policy_update=on_policy_update(cfg),
+        partial=partial_plan(cfg),
+        off_policy_mode=off_policy_mode(cfg),
+        is_threshold=is_weight_threshold(cfg),
         batches=batch_plan(cfg, dp, max_model_len),
         params_dtype=cfg.model.params_dtype,
         param_bytes=dtype_bytes(cfg.model.params_dtype, "model.params_dtype"),

@@ -133,6 +133,8 @@ def _rollout_ranges(out: _Problems, r: RolloutConfig) -> None:
     out.positive_int("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb)
     out.positive_int("rollout.max_num_batched_tokens", r.max_num_batched_tokens, True)
     out.need("rollout.sleep_level", r.sleep_level, r.sleep_level in (None, 1, 2), "null (platform default), 1 or 2")
+    out.positive_int("rollout.partial_rollout.max_segments", r.partial_rollout.max_segments)
+    out.positive_int("rollout.partial_rollout.segment_length", r.partial_rollout.segment_length, True)
     v = r.val_kwargs
     _sampling_ranges(out, "rollout.val_kwargs", v.temperature, v.top_p, v.top_k)
     out.positive_int("rollout.val_kwargs.n", v.n)
@@ -154,6 +156,12 @@ def _algorithm_ranges(out: _Problems, al: AlgorithmConfig) -> None:
         al.rollout_is_threshold,
         al.rollout_is_threshold is None or al.rollout_is_threshold > 0,
         "null (off) or a value > 0",
+    )
+    out.need(
+        "algorithm.off_policy.is_threshold",
+        al.off_policy.is_threshold,
+        1 <= al.off_policy.is_threshold < math.inf,
+        "a finite value >= 1 (the truncation of proximal / behaviour)",
     )
 
 
@@ -304,6 +312,32 @@ def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     steps = cfg.trainer.total_training_steps
     if steps is not None:
         problems += lr_schedule_problems(cfg.actor.optim, steps, "trainer.total_training_steps")
+    return problems + _off_policy_problems(cfg)
+
+
+def _off_policy_problems(cfg: ExperimentConfig) -> list[str]:
+    """Partial rollout and the off-policy correction against the rest of the config."""
+    problems = []
+    pr, mode = cfg.rollout.partial_rollout, cfg.algorithm.off_policy.mode
+    if pr.enable and cfg.actor.router_replay == "rollout":
+        problems.append(
+            "rollout.partial_rollout.enable=true with actor.router_replay=rollout: the routing of a response's earlier "
+            "segments is not kept across steps; set one of them off"
+        )
+    if mode == "auto" and pr.enable:
+        mode = "auto (decoupled with partial rollout)"
+    if mode not in ("auto", "none") and cfg.algorithm.rollout_is_threshold is not None:
+        problems.append(
+            f"algorithm.off_policy.mode={mode} with algorithm.rollout_is_threshold="
+            f"{cfg.algorithm.rollout_is_threshold}: both correct the behaviour/rollout mismatch; keep "
+            "algorithm.off_policy (its is_threshold) and set algorithm.rollout_is_threshold to null"
+        )
+    if pr.enable and pr.segment_length is not None and pr.segment_length >= cfg.data.max_response_length:
+        problems.append(
+            f"rollout.partial_rollout.segment_length={pr.segment_length} covers the whole "
+            f"data.max_response_length={cfg.data.max_response_length}: every response would end in one segment; "
+            "lower it or leave it null (max_response_length / max_segments)"
+        )
     return problems
 
 

@@ -54,13 +54,14 @@ engine, then the default group.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import hashlib
 import logging
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -76,7 +77,16 @@ from megatron_dapo.models.families import load_hf_config, model_arch_from_hf
 from megatron_dapo.parallel import control_group, dist_info_from_env
 from megatron_dapo.platform import Platform
 from megatron_dapo.rollout.routing import engine_routing_kwargs, routed_experts_fields, row_routing
-from megatron_dapo.rollout.types import RolloutBatch, Row, SamplingSpec, build_rollout_batch, pack_rows, unpack_rows
+from megatron_dapo.rollout.types import (
+    RolloutBatch,
+    Row,
+    SamplingSpec,
+    Segment,
+    SegmentRequest,
+    build_rollout_batch,
+    pack_rows,
+    unpack_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -405,33 +415,65 @@ class RolloutEngine:
     ) -> list[Row]:
         """Rows for the prompts ``indices`` on this replica (collective over the replica's TP ranks)."""
         requests = [(i, j) for i in indices for j in range(sampling.n)]
-        rows: list[Row] = []
         if not requests:
-            return rows
+            return []
         base = self.cfg.rollout.seed
-        if self.per_request_seed:
-            params = [_sampling_params(sampling, request_seed(base, seed_offset, i, j)) for i, j in requests]
-            outputs = self._llm_generate(prompts, requests, params)
-        else:
-            params = [_sampling_params(sampling, None)] * len(requests)
-            rng = self.platform.rng_state()
-            _seed_generators(request_seed(base, seed_offset, -1 - self.dp_rank, 0))
-            try:
-                outputs = self._llm_generate(prompts, requests, params)
-            finally:
-                self.platform.set_rng_state(rng)
+        params = [
+            _sampling_params(sampling, request_seed(base, seed_offset, i, j) if self.per_request_seed else None)
+            for i, j in requests
+        ]
+        outputs = self._seeded(lambda: self._llm_generate([prompts[i] for i, _ in requests], params), seed_offset)
+        rows: list[Row] = []
         for (i, j), out in zip(requests, outputs):
-            completion = out.outputs[0]
-            tokens = list(completion.token_ids)
-            logprobs = [float(pos[tok].logprob) for tok, pos in zip(tokens, completion.logprobs)]
+            tokens, logprobs, truncated = _completion(out)
             routing = None
             if self.routing_arch is not None:  # [prompt + response, MoE layers, top-k]
-                routing = row_routing(completion.routed_experts, len(prompts[i]), len(tokens), self.routing_arch)
-            rows.append((i, j, tokens, logprobs, completion.finish_reason == "length", routing))
+                routing = row_routing(out.outputs[0].routed_experts, len(prompts[i]), len(tokens), self.routing_arch)
+            rows.append((i, j, tokens, logprobs, truncated, routing))
         return rows
 
-    def _llm_generate(self, prompts: list[list[int]], requests: list[tuple[int, int]], params: list) -> list:
-        return self.llm.generate([{"prompt_token_ids": prompts[i]} for i, _ in requests], params, use_tqdm=False)
+    def _seeded(self, generate: Callable[[], list], seed_offset: int) -> list:
+        """``generate()`` under the replica's RNG discipline (module docstring): per-request seeds are in the
+        requests already; otherwise every rank of the replica reseeds its generators the same way first."""
+        if self.per_request_seed:
+            return generate()
+        rng = self.platform.rng_state()
+        _seed_generators(request_seed(self.cfg.rollout.seed, seed_offset, -1 - self.dp_rank, 0))
+        try:
+            return generate()
+        finally:
+            self.platform.set_rng_state(rng)
+
+    @torch.no_grad()
+    def generate_segments(
+        self, requests: Sequence[SegmentRequest], sampling: SamplingSpec, seed_offset: int = 0
+    ) -> list[Segment]:
+        """The next segment of each request (the request-level API of ``rollout/partial.py``); collective over all
+        ranks, same arguments on each, results in request order on every rank.
+
+        A request is the prompt plus the response so far, as token ids (no re-tokenisation), with its own token
+        budget; ``sampling.n`` and ``sampling.max_tokens`` are not used. With per-request seeds each request is
+        seeded by its ``seed_key``, so a segment's tokens do not depend on the replica or the round it ran in.
+        """
+        self._check_awake("generate_segments")
+        share = assign_prompts([len(r.token_ids) for r in requests], self.dp_size)[self.dp_rank]
+        rows: list[Row] = []
+        if share:
+            base = self.cfg.rollout.seed
+            params = [
+                _sampling_params(
+                    dataclasses.replace(sampling, n=1, max_tokens=requests[k].max_tokens),
+                    request_seed(base, *requests[k].seed_key) if self.per_request_seed else None,
+                )
+                for k in share
+            ]
+            inputs = [list(requests[k].token_ids) for k in share]
+            outputs = self._seeded(lambda: self._llm_generate(inputs, params), seed_offset)
+            rows = [(k, 0, *_completion(out), None) for k, out in zip(share, outputs)]
+        return [Segment(r[2], r[3], r[4]) for r in self._results.gather(rows)]
+
+    def _llm_generate(self, inputs: list[list[int]], params: list) -> list:
+        return self.llm.generate([{"prompt_token_ids": ids} for ids in inputs], params, use_tqdm=False)
 
     # ------------------------------------------------------------------------------------- weights / memory
 
@@ -491,6 +533,14 @@ class RolloutEngine:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def _completion(out: Any) -> tuple[list[int], list[float], bool]:
+    """A vLLM request output's tokens, their log-probs and whether the token budget stopped it."""
+    completion = out.outputs[0]
+    tokens = list(completion.token_ids)
+    logprobs = [float(pos[tok].logprob) for tok, pos in zip(tokens, completion.logprobs)]
+    return tokens, logprobs, completion.finish_reason == "length"
 
 
 def _seed_generators(seed: int) -> None:

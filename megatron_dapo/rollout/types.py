@@ -76,6 +76,26 @@ class SamplingSpec:
         )
 
 
+@dataclass(frozen=True)
+class SegmentRequest:
+    """One segment to generate (``RolloutEngine.generate_segments``): the prompt and the response so far as token
+    ids, at most ``max_tokens`` new tokens, and the key of its per-request seed (three integers)."""
+
+    token_ids: tuple[int, ...]
+    max_tokens: int
+    seed_key: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A generated segment: its tokens, their log-probs, and whether ``max_tokens`` stopped it (else a stop token,
+    kept as its last token)."""
+
+    tokens: list[int]
+    log_probs: list[float]
+    hit_budget: bool
+
+
 @dataclass
 class RolloutBatch:
     """A generated batch, padded, ``B = num_prompts × n`` rows in prompt order (a prompt's n responses contiguous).
@@ -108,6 +128,9 @@ class RolloutBatch:
     # Routing replay only: the experts vLLM routed each token to, as the TrainBatch fields ``prompt_routed_experts``
     # ``[B, P, L_moe, K]`` and ``response_routed_experts`` ``[B, T, L_moe, K]`` (rollout/routing.py).
     routed_experts: Optional[dict[str, torch.Tensor]] = None
+    # Partial rollout only: the policy version (training step whose weights the engine held) of each response token,
+    # ``[B, T]`` int64, 0 on padding (rollout/partial.py).
+    token_versions: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return int(self.responses.shape[0])

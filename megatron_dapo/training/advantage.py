@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from megatron_dapo.algo.advantages import compute_advantages
 from megatron_dapo.algo.kl import apply_kl_penalty_to_rewards
@@ -12,10 +12,14 @@ from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import AlgorithmConfig
 
 
-def batch_advantages(batch: TrainBatch, algorithm: AlgorithmConfig, kl_ctrl: Any) -> dict[str, float]:
+def batch_advantages(
+    batch: TrainBatch, algorithm: AlgorithmConfig, kl_ctrl: Any, is_threshold: Optional[float]
+) -> dict[str, float]:
     """Fill ``token_level_rewards`` (scores, minus the KL penalty with ``use_kl_in_reward``), ``advantages`` and
-    ``returns``, and the truncated-IS weights when the old-policy log-probs exist (else the update computes them
-    from its own forward). Updates ``kl_ctrl`` from the batch's KL; returns the KL metrics."""
+    ``returns``, and the truncated-IS weights ``min(old / rollout, is_threshold)`` when the old-policy log-probs exist
+    (else the update computes them from its own forward); ``is_threshold`` is the run's resolved truncation
+    (``RunPlan.is_threshold``: the off-policy correction or ``algorithm.rollout_is_threshold``). Updates ``kl_ctrl``
+    from the batch's KL; returns the KL metrics."""
     metrics: dict[str, float] = {}
     rewards = batch.token_level_scores
     if algorithm.use_kl_in_reward:
@@ -43,11 +47,8 @@ def batch_advantages(batch: TrainBatch, algorithm: AlgorithmConfig, kl_ctrl: Any
         gamma=algorithm.gamma,
     )
     batch.advantages, batch.returns = advantages.float(), returns.float()
-    if algorithm.rollout_is_threshold and batch.old_log_probs is not None:
+    if is_threshold and batch.old_log_probs is not None:
         batch.rollout_is_weights = compute_rollout_is_weights(
-            batch.old_log_probs,
-            batch.rollout_log_probs,
-            batch.response_mask,
-            algorithm.rollout_is_threshold,
+            batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, is_threshold
         )
     return metrics

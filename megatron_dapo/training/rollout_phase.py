@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -18,23 +17,17 @@ import torch
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingAccumulator
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ExperimentConfig
-from megatron_dapo.data import PromptSampler
+from megatron_dapo.config.plan import partial_plan
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.types import SamplingSpec
 from megatron_dapo.training.loggers import RolloutDumper
 from megatron_dapo.training.metrics import compute_val_metrics, reduce_metrics
 from megatron_dapo.training.offload import MemoryHandoff
+from megatron_dapo.training.rollout_sources import PartialGroups, PromptData, WholeGroups
 from megatron_dapo.training.scoring import RolloutScorer, score_to_batch
 from megatron_dapo.training.timing import timed
 
 log = logging.getLogger("megatron_dapo.trainer")
-
-
-@dataclass
-class PromptData:
-    train: Any  # RLDataset of the training prompts
-    val: Optional[Any]  # RLDataset of the validation prompts, or None
-    sampler: PromptSampler  # the resumable order of training prompts
 
 
 class RolloutPhase:
@@ -57,6 +50,12 @@ class RolloutPhase:
         self.sync_weights = sync_weights
         self.train_sampling = SamplingSpec.for_training(cfg, eos_ids)
         self.val_sampling = SamplingSpec.for_validation(cfg, eos_ids)
+        partial = partial_plan(cfg)
+        self.source = (
+            WholeGroups(engine, data, self.train_sampling)
+            if partial is None
+            else PartialGroups(engine, data, self.train_sampling, partial, cfg.data.max_response_length, cfg.rollout.n)
+        )
         self.dumper, self.tokenizer, self.is_main = dumper, tokenizer, is_main
         self.engine_weights: Optional[int] = None  # the step whose weights the awake engine holds
 
@@ -80,8 +79,13 @@ class RolloutPhase:
         tokenizer = self.tokenizer if self.dumper is not None else None
         return score_to_batch(self.scorer, self.cfg, rollout, items, tokenizer)
 
+    def checkpoint_states(self) -> dict[str, Any]:
+        """The rollout's own checkpoint components: partial rollout's buffer of unfinished responses."""
+        return {"rollout_buffer": self.source} if isinstance(self.source, PartialGroups) else {}
+
     def collect(self, step: int, weights_step: int, timings: dict) -> Optional[tuple[TrainBatch, dict]]:
-        """Generate and score generation batches, keeping informative groups, until the training batch is full.
+        """Generate and score rounds of groups (``rollout_sources``), keeping informative groups, until the training
+        batch is full. ``weights_step`` is the policy version the engine generates with.
 
         When dynamic sampling is exhausted (``max_num_gen_batches`` generation batches, or one pass over the
         training prompts when that is 0) ``on_exhausted`` decides: ``train`` returns what was kept, filled up with
@@ -95,25 +99,25 @@ class RolloutPhase:
         reward_metrics = []
         self.prepare_engine(weights_step, timings)
         while not acc.is_full() and not acc.is_exhausted(budget):
-            items = [data.train[i] for i in data.sampler.next_batch()]
+            need = cfg.data.train_batch_size - acc.num_prompts_kept
             with timed("gen", timings):
-                rollout = self.engine.generate(
-                    [it["input_ids"] for it in items],
-                    self.train_sampling,
-                    seed_offset=step * 1000 + acc.num_gen_batches,
-                )
+                got = self.source.round(step, weights_step, need, acc.num_gen_batches)
+            if got is None:  # a partial-rollout round in which no group ended
+                acc.add({}, [])
+                continue
+            rollout, items, ids = got
             with timed("reward", timings):
                 gen_batch, rmetrics = self._score(rollout, items)
             reward_metrics.append(rmetrics)
             reward_metrics.append(
                 nonfinite_count(gen_batch.rollout_log_probs, gen_batch, "rollout/num_nonfinite_log_probs")
             )
-            ids = [f"{step}-{acc.num_gen_batches}-{int(i)}" for i in rollout.prompt_index]
             acc.add(gen_batch, ids, filter_metric(gen_batch, fg.metric) if fg.enable else None)
         self.handoff.after_rollout(self.engine)  # the engine sleeps until the next rollout or validation
         self.engine_weights = None
         metrics = dict(acc.metrics())  # before take(), which resets the counters
         metrics.update(reduce_metrics(reward_metrics))
+        metrics.update(self.source.metrics())
         if acc.is_full():
             batch, group_ids = acc.take(return_group_ids=True)
             batch.filler = torch.zeros(len(group_ids), dtype=torch.bool)
@@ -122,6 +126,13 @@ class RolloutPhase:
             acc.check_budget(budget)
         elif fg.on_exhausted == "stop":
             return None
+        elif acc.num_prompts_generated == 0:
+            raise RuntimeError(
+                f"step {step}: no response ended within {acc.num_gen_batches} generation rounds; with "
+                f"rollout.partial_rollout a segment of {partial_plan(cfg).segment_length} tokens is too short for any "
+                "response to end in one step: raise rollout.partial_rollout.segment_length, lower max_segments, or "
+                "raise algorithm.filter_groups.max_num_gen_batches"
+            )
         else:
             batch, group_ids = self._partial_batch(step, acc, metrics)
         batch.group_ids = group_ids

@@ -92,6 +92,7 @@ def score_to_batch(
         response_mask=rollout.response_mask,
         loss_mask=loss_mask,
         rollout_log_probs=rollout.rollout_log_probs,
+        token_versions=rollout.token_versions,
         truncated=rollout.truncated,
         token_level_scores=result.token_level_scores,
         seq_rewards=result.scores,

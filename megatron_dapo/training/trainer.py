@@ -25,12 +25,13 @@ from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.parallel import any_rank, init_distributed, init_model_parallel, teardown
 from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.rollout.engine import RolloutEngine
-from megatron_dapo.rollout.sync import WeightSync, logprob_diff_metrics
+from megatron_dapo.rollout.sync import WeightSync
 from megatron_dapo.training.actor import MegatronActor
 from megatron_dapo.training.advantage import batch_advantages
 from megatron_dapo.training.checkpoint import CheckpointManager
 from megatron_dapo.training.console import ProgressBar, setup_logging
 from megatron_dapo.training.failure import PeerFailure, StopRequest, record_failure
+from megatron_dapo.training.log_probs import batch_log_probs
 from megatron_dapo.training.loggers import MetricsLogger, RolloutDumper
 from megatron_dapo.training.metrics import (
     compute_data_metrics,
@@ -40,7 +41,8 @@ from megatron_dapo.training.metrics import (
 )
 from megatron_dapo.training.offload import MemoryHandoff
 from megatron_dapo.training.optimizer import build_optimizer
-from megatron_dapo.training.rollout_phase import PromptData, RolloutPhase, nonfinite_count
+from megatron_dapo.training.rollout_phase import RolloutPhase
+from megatron_dapo.training.rollout_sources import PromptData
 from megatron_dapo.training.run_state import RunCounters, StepCheckpoints, stop_after_skips
 from megatron_dapo.training.scoring import RolloutScorer
 from megatron_dapo.training.timing import timed
@@ -104,7 +106,12 @@ class DAPOTrainer:
             cfg.checkpoint.save_dir or str(Path(cfg.trainer.output_dir) / "checkpoints"),
             cfg.checkpoint.max_ckpt_to_keep,
             timeout_s=cfg.trainer.collective_timeout_s,
-            states={"trainer": self.counters, "kl_ctrl": self.kl_ctrl, "data_state": self.data.sampler},
+            states={
+                "trainer": self.counters,
+                "kl_ctrl": self.kl_ctrl,
+                "data_state": self.data.sampler,
+                **self.rollout.checkpoint_states(),
+            },
         )
         self.checkpoints = StepCheckpoints(
             self.ckpt, cfg, self.platform, self.handoff, self.rollout.engine_released, self.info.is_main
@@ -206,7 +213,7 @@ class DAPOTrainer:
                 metrics.update(self.compute_log_probs(batch, timings))
                 # 5. Rewards → advantages.
                 with timed("adv", timings):
-                    metrics.update(batch_advantages(batch, cfg.algorithm, self.kl_ctrl))
+                    metrics.update(batch_advantages(batch, cfg.algorithm, self.kl_ctrl, self.plan.is_threshold))
                 # 6. Policy update: ppo_epochs × mini-batches through forward_backward_func + guarded optimizer step.
                 # (7. The new weights reach the vLLM engine when it is next needed: RolloutPhase.prepare_engine.)
                 with timed("update_actor", timings):
@@ -274,26 +281,9 @@ class DAPOTrainer:
     # ================================================================================================ phases
 
     def compute_log_probs(self, batch: TrainBatch, timings: dict[str, float]) -> dict[str, float]:
-        """``old_log_probs`` and ``ref_log_probs`` from the Megatron models. The old-policy forward is skipped when it
-        cannot differ from the update's own forward (``actor.old_log_prob_forward``)."""
-        temperature = self.cfg.rollout.temperature
-        metrics: dict[str, float] = {}
-        if not self.plan.on_policy_update:
-            with timed("old_log_prob", timings):
-                old = self.actor.compute_log_probs(batch, temperature)
-            batch.old_log_probs = old["log_probs"]
-            metrics["perf/padding_ratio/old_log_prob"] = old["padding_ratio"]
-            metrics.update(logprob_diff_metrics(old["log_probs"], batch.rollout_log_probs, batch.response_mask))
-            metrics.update(nonfinite_count(batch.old_log_probs, batch, "actor/num_nonfinite_old_log_probs"))
-        if self.ref is not None:
-            with timed("ref", timings):
-                self.handoff.before_reference()
-                ref = self.ref.compute_log_probs(batch, temperature)
-                self.handoff.after_reference()
-            batch.ref_log_probs = ref["log_probs"]
-            metrics["perf/padding_ratio/ref"] = ref["padding_ratio"]
-            metrics.update(nonfinite_count(batch.ref_log_probs, batch, "actor/num_nonfinite_ref_log_probs"))
-        return metrics
+        """The old policy's (proximal or behaviour, per ``algorithm.off_policy``) and the reference's log-probs."""
+        t = self.cfg.rollout.temperature
+        return batch_log_probs(batch, self.actor, self.ref, self.handoff, self.plan, self.global_step, t, timings)
 
     def update_actor(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """``ppo_epochs`` × mini-batches of guarded optimizer steps. A skipped update (non-finite loss, gradient
@@ -309,7 +299,7 @@ class DAPOTrainer:
                 if not bool(part.loss_mask.any()):
                     continue  # only filler rows: nothing to train, so no optimizer step (Adam would still move)
                 metrics = self.actor.update(
-                    part, cfg.rollout.temperature, cfg.algorithm.rollout_is_threshold, cfg.data.max_response_length
+                    part, cfg.rollout.temperature, self.plan.is_threshold, cfg.data.max_response_length
                 )
                 nonfinite = metrics.pop("nonfinite")
                 if nonfinite:

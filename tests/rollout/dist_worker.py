@@ -169,8 +169,30 @@ def main() -> None:
             res[f"{tag}_max_diff"] = masked_max_diff(lp, batch.rollout_log_probs, batch.response_mask)
         res[f"{tag}_tokens"] = int(batch.response_mask.sum())
 
+    # Partial rollout's bookkeeping with changing weights: one segment per version (the first sync, then after each
+    # Adam step + sync); every token's rollout log-prob must be the recompute of the version it records.
+    from megatron_dapo.config.plan import PartialPlan
+    from megatron_dapo.rollout.partial import PartialRollout, groups_to_rollout
+
+    partial = PartialRollout(engine, PartialPlan(3, max_segments=args.cycles + 1), max_response_length=10)
+    partial.add(range(len(prompts)), prompts, n=2)
+
+    def partial_round(version: int) -> None:
+        partial.advance(partial.pending(version), version, version, spec, seed_offset=0)
+        view = groups_to_rollout(partial.groups, pad_token_id=0)
+        lp = megatron_sampled_log_probs(model, arch.vocab_size, view, 1.0)
+        if lp is None:
+            return
+        mine = view.response_mask.bool() & (view.token_versions == version)
+        older = view.response_mask.bool() & (view.token_versions < version)
+        res[f"partial_v{version}_tokens"] = int(mine.sum())
+        res[f"partial_v{version}_max_diff"] = masked_max_diff(lp, view.rollout_log_probs, mine)
+        if older.any():  # the recompute can tell versions apart: older tokens no longer match
+            res[f"partial_v{version}_older_max_diff"] = masked_max_diff(lp, view.rollout_log_probs, older)
+
     # 1. first sync (the engine started with dummy weights), generate, compare.
     res["first_sync"] = sync.sync(model)
+    partial_round(0)
     b1 = engine.generate(prompts, spec, seed_offset=0)
     assert b1.responses.shape[0] == len(prompts) * spec.n
     assert b1.prompt_index.tolist() == [i for i in range(len(prompts)) for _ in range(spec.n)]
@@ -252,6 +274,21 @@ def main() -> None:
     check("greedy", bv)
     res["greedy_rows"] = int(bv.responses.shape[0])
 
+    # 4a. partial rollout, weights unchanged, greedy: responses generated 3 tokens per segment (prompt + tokens so far
+    # resubmitted as token ids) are exactly the uninterrupted greedy responses.
+    split = PartialRollout(engine, PartialPlan(segment_length=3, max_segments=4), max_response_length=10)
+    split.add(range(len(prompts)), prompts, n=1)
+    rounds = 0
+    while split.pending(rounds):
+        split.advance(split.pending(rounds), rounds, 0, val, seed_offset=0)
+        rounds += 1
+    whole = groups_to_rollout(split.take_done(len(prompts)), pad_token_id=0)
+    res["split_rounds"] = rounds
+    res["split_same_tokens"] = bool(
+        torch.equal(whole.responses, bv.responses) and torch.equal(whole.truncated, bv.truncated)
+    )
+    res["split_lp_max_diff"] = masked_max_diff(whole.rollout_log_probs, bv.rollout_log_probs, bv.response_mask)
+
     # 4b. stop tokens: greedy continuation's 3rd token made a stop token → that row ends there, kept, not truncated.
     no_stop = type(spec)(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=spec.max_tokens)
     free = engine.generate(prompts[:1], no_stop, seed_offset=0)
@@ -289,6 +326,7 @@ def main() -> None:
         engine.wake_up(["kv_cache"])
         b2 = engine.generate(prompts, spec, seed_offset=0)
         check(f"c{cycle}", b2)
+        partial_round(cycle + 1)
         common = b1.response_mask.bool() & b2.response_mask.bool()
         same_tok = common & (b1.responses == b2.responses)
         # Where both batches sampled the same token at the same place, the log-prob must have moved.

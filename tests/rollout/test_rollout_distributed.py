@@ -97,6 +97,11 @@ def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
             assert r[f"{key}_max_diff"] <= TOL, (key, r[f"{key}_max_diff"])
             assert r[f"{key}_tokens"] > 0
         assert r["b1_vllm_vs_hf_max_diff"] <= TOL
+        # Partial rollout, a segment per version: every token's log-prob is its recorded version's recompute, and the
+        # older tokens' are not (so the check can tell versions apart).
+        for v in range(3):
+            assert r[f"partial_v{v}_tokens"] > 0 and r[f"partial_v{v}_max_diff"] <= TOL, (v, r)
+        assert max(r["partial_v1_older_max_diff"], r["partial_v2_older_max_diff"]) > STALE_MIN
         # Without a sync the engine still runs the old weights: the comparison must fail clearly.
         assert r["c0_stale_max_diff"] > STALE_MIN and r["c1_stale_max_diff"] > STALE_MIN
     for r in results:
@@ -124,6 +129,8 @@ def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
         assert not any(t for n, t in zip(r["b1_lengths"], r["b1_truncated"]) if n < 10)
         assert all(r["b1_finished_end_with_eos"])
         assert r["greedy_rows"] == 5
+        # Greedy responses split into 3-token segments (up to 4: 3 + 3 + 3 + 1) are the uninterrupted ones.
+        assert r["split_same_tokens"] and r["split_lp_max_diff"] <= 1e-4 and r["split_rounds"] >= 2
         # A stop token ends the response at its first occurrence, stays in it, and is not a truncation.
         assert r["stop_row_len"] == r["stop_row_first_occurrence"] <= 3
         assert r["stop_row_last_is_stop"] and r["stop_row_prefix_equal"] and not r["stop_row_truncated"]

@@ -1,0 +1,176 @@
+"""Partial rollout: the request-level rollout, with responses generated a segment at a time and resumable between
+segments (``rollout.partial_rollout``, docs/async.md).
+
+A *group* is one prompt and its ``n`` responses. Each response is a resumable request: the tokens generated so far
+(as token ids: a continuation is ``prompt + tokens so far``, never re-tokenised), their rollout log-probs and, per
+token, the policy version that produced it. ``PartialRollout`` holds the groups in flight and asks the engine for
+the next segment of many responses in one call (``RolloutEngine.generate_segments``):
+
+* a segment is at most ``segment_length`` tokens, except a response's ``max_segments``-th, which may use the rest of
+  the budget, so a response ends within ``max_segments`` segments and spans at most that many versions;
+* a response ends at a stop token or at ``max_response_length`` tokens (then it is truncated);
+* a group is *done* when all its responses have ended; done groups leave oldest first (``take_done``), so scoring,
+  overlong shaping and dynamic sampling only ever see whole responses;
+* every request carries its own seed key ``(group key, sample, segment)``: a segment's tokens depend neither on the
+  replica nor on the round it ran in.
+
+The buffer is a checkpoint component (``state_dict``/``load_state_dict``): a resumed run continues every buffered
+response where it stopped, so no prompt is lost or drawn twice. It is pure bookkeeping over the engine's API: the
+engine may sleep between steps (nothing is kept in vLLM; a continuation prefills its prefix again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from megatron_dapo.config.plan import PartialPlan
+from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec, Segment, SegmentRequest, build_rollout_batch
+
+__all__ = ["Group", "PartialRollout", "Response"]
+
+
+class SegmentEngine(Protocol):
+    def generate_segments(
+        self, requests: Sequence[SegmentRequest], sampling: SamplingSpec, seed_offset: int = 0
+    ) -> list[Segment]: ...
+
+
+@dataclass
+class Response:
+    """One response in flight: what is generated so far, and where it stands."""
+
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the policy version of each token
+    segments: int = 0
+    done: bool = False
+    truncated: bool = False  # ended at the token budget
+    last_step: int = -1  # the step that generated its last segment
+
+
+@dataclass
+class Group:
+    """A prompt and its responses. ``key`` is unique over the run (its requests' seed and its group id); ``item`` is
+    the prompt's index in the training dataset."""
+
+    key: int
+    item: int
+    prompt: list[int]
+    responses: list[Response]
+
+    @property
+    def done(self) -> bool:
+        return all(r.done for r in self.responses)
+
+
+class PartialRollout:
+    """The groups in flight, advanced one segment per response per round (see the module docstring)."""
+
+    def __init__(self, engine: SegmentEngine, plan: PartialPlan, max_response_length: int) -> None:
+        self.engine, self.plan, self.budget = engine, plan, int(max_response_length)
+        self.groups: list[Group] = []  # oldest first
+        self.next_key = 0
+
+    # ------------------------------------------------------------------------------------------- state
+
+    def add(self, items: Sequence[int], prompts: Sequence[Sequence[int]], n: int) -> None:
+        """New groups: the prompts of dataset rows ``items``, ``n`` empty responses each."""
+        for item, prompt in zip(items, prompts):
+            responses = [Response() for _ in range(n)]
+            self.groups.append(Group(self.next_key, int(item), [int(t) for t in prompt], responses))
+            self.next_key += 1
+
+    def pending(self, step: int, again: bool = False) -> list[tuple[Group, int]]:
+        """(group, sample) of every unfinished response not yet advanced at ``step`` (``again``: advanced or not)."""
+        return [
+            (g, j)
+            for g in self.groups
+            for j, r in enumerate(g.responses)
+            if not r.done and (again or r.last_step < step)
+        ]
+
+    def num_done(self) -> int:
+        return sum(g.done for g in self.groups)
+
+    def num_in_flight(self) -> int:
+        """Groups with a response still being generated."""
+        return sum(not g.done for g in self.groups)
+
+    def buffered_responses(self) -> int:
+        """Unfinished responses that hold at least one segment (what a step carries over to the next)."""
+        return sum(1 for g in self.groups for r in g.responses if not r.done and r.segments)
+
+    # ------------------------------------------------------------------------------------------- generation
+
+    def advance(
+        self, todo: Sequence[tuple[Group, int]], step: int, version: int, sampling: SamplingSpec, seed_offset: int
+    ) -> None:
+        """The next segment of each (group, sample) in ``todo``, in one engine call, generated by the weights of
+        policy ``version`` during ``step``."""
+        requests = []
+        for g, j in todo:
+            r = g.responses[j]
+            left = self.budget - len(r.tokens)
+            size = left if r.segments + 1 >= self.plan.max_segments else min(self.plan.segment_length, left)
+            requests.append(SegmentRequest(tuple(g.prompt + r.tokens), size, (g.key, j, r.segments)))
+        if not requests:
+            return
+        for (g, j), seg in zip(todo, self.engine.generate_segments(requests, sampling, seed_offset)):
+            self._extend(g.responses[j], seg, step, version)
+
+    def _extend(self, r: Response, seg: Segment, step: int, version: int) -> None:
+        r.tokens += seg.tokens
+        r.log_probs += seg.log_probs
+        r.versions += [version] * len(seg.tokens)
+        r.segments += 1
+        r.last_step = step
+        at_budget = len(r.tokens) >= self.budget
+        r.done = at_budget or not seg.hit_budget  # not stopped by its budget: it ended at a stop token
+        r.truncated = at_budget and seg.hit_budget
+
+    def take_done(self, limit: int) -> list[Group]:
+        """Up to ``limit`` done groups, oldest first; they leave the buffer."""
+        taken: list[Group] = []
+        kept: list[Group] = []
+        for g in self.groups:
+            (taken if g.done and len(taken) < limit else kept).append(g)
+        self.groups = kept
+        return taken
+
+    # ------------------------------------------------------------------------------------------- checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_key": self.next_key, "groups": [asdict(g) for g in self.groups]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_key = int(state["next_key"])
+        self.groups = [
+            Group(int(g["key"]), int(g["item"]), list(g["prompt"]), [Response(**r) for r in g["responses"]])
+            for g in state["groups"]
+        ]
+
+
+def groups_to_rollout(groups: Sequence[Group], pad_token_id: int) -> RolloutBatch:
+    """Done groups as a padded ``RolloutBatch`` (a group's responses contiguous, ``prompt_index`` = the group's
+    position in ``groups``), with each token's policy version in ``token_versions``."""
+    rows = [(i, r) for i, g in enumerate(groups) for r in g.responses]
+    batch = build_rollout_batch(
+        [g.prompt for g in groups],
+        responses=[r.tokens for _, r in rows],
+        log_probs=[r.log_probs for _, r in rows],
+        truncated=[r.truncated for _, r in rows],
+        prompt_index=[i for i, _ in rows],
+        pad_token_id=pad_token_id,
+    )
+    versions = batch.responses.new_zeros(batch.responses.shape)
+    for row, (_, r) in enumerate(rows):
+        versions[row, : len(r.versions)] = batch.responses.new_tensor(r.versions)
+    batch.token_versions = versions
+    return batch
+
+
+def segments_of(groups: Sequence[Group]) -> list[int]:
+    """The number of segments of every response of ``groups``."""
+    return [r.segments for g in groups for r in g.responses]

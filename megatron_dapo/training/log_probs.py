@@ -1,0 +1,58 @@
+"""Step 4 of a training step: the log-probs the loss compares against, from the Megatron models.
+
+The old policy is the *proximal* one (the actor's weights before the update) unless ``algorithm.off_policy.mode`` is
+``tis``, where it is the *behaviour* policy (the rollout log-probs, no forward). The proximal forward is skipped
+when it cannot differ from the update's own forward (``RunPlan.on_policy_update``) and no token of the batch is
+stale (partial rollout records each token's policy version; algo/off_policy.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_dapo.algo.off_policy import is_weight_metrics, staleness_metrics
+from megatron_dapo.batch import TrainBatch
+from megatron_dapo.config.plan import RunPlan
+from megatron_dapo.rollout.sync import logprob_diff_metrics
+from megatron_dapo.training.actor import MegatronActor
+from megatron_dapo.training.offload import MemoryHandoff
+from megatron_dapo.training.rollout_phase import nonfinite_count
+from megatron_dapo.training.timing import timed
+
+
+def batch_log_probs(
+    batch: TrainBatch,
+    actor: MegatronActor,
+    ref: Optional[MegatronActor],
+    handoff: MemoryHandoff,
+    plan: RunPlan,
+    version: int,
+    temperature: float,
+    timings: dict[str, float],
+) -> dict[str, float]:
+    """Fill ``batch.old_log_probs`` (None on the on-policy path) and ``batch.ref_log_probs`` (with a reference);
+    ``version`` is the policy version the actor holds. Returns the staleness, mismatch and IS-weight metrics."""
+    metrics = staleness_metrics(batch.token_versions, batch.response_mask, version)
+    stale = metrics["async/staleness/max"] > 0
+    if plan.off_policy_mode == "tis":
+        batch.old_log_probs = batch.rollout_log_probs
+    elif stale or not plan.on_policy_update:
+        with timed("old_log_prob", timings):
+            old = actor.compute_log_probs(batch, temperature)
+        batch.old_log_probs = old["log_probs"]
+        metrics["perf/padding_ratio/old_log_prob"] = old["padding_ratio"]
+        metrics.update(logprob_diff_metrics(old["log_probs"], batch.rollout_log_probs, batch.response_mask))
+        metrics.update(nonfinite_count(batch.old_log_probs, batch, "actor/num_nonfinite_old_log_probs"))
+        if plan.is_threshold is not None:
+            metrics.update(
+                is_weight_metrics(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, plan.is_threshold)
+            )
+    if ref is not None:
+        with timed("ref", timings):
+            handoff.before_reference()
+            out = ref.compute_log_probs(batch, temperature)
+            handoff.after_reference()
+        batch.ref_log_probs = out["log_probs"]
+        metrics["perf/padding_ratio/ref"] = out["padding_ratio"]
+        metrics.update(nonfinite_count(batch.ref_log_probs, batch, "actor/num_nonfinite_ref_log_probs"))
+    return metrics

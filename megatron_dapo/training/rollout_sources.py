@@ -1,0 +1,110 @@
+"""Where a step's groups come from: one *round* at a time, each handing ``RolloutPhase.collect`` finished groups to
+score and filter (dynamic sampling) until the training batch is full.
+
+* ``WholeGroups`` (synchronous rollout): a round draws a generation batch of prompts and generates every response to
+  its end with the current weights;
+* ``PartialGroups`` (``rollout.partial_rollout``): a round advances responses by one segment through the
+  request-level rollout (``rollout/partial.py``) and hands over the groups that are done, oldest first. Unfinished
+  responses stay in its buffer (a checkpoint component) and continue at the next step with that step's weights.
+
+A round returns ``(rollout, items, group_ids)`` (the rollout's rows, the dataset rows of its prompts, a group id per
+row) or None when no group finished in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from megatron_dapo.config.plan import PartialPlan
+from megatron_dapo.data import PromptSampler
+from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.partial import PartialRollout, groups_to_rollout, segments_of
+from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec
+
+Round = Optional[tuple[RolloutBatch, list[dict], list]]
+
+
+@dataclass
+class PromptData:
+    train: Any  # RLDataset of the training prompts
+    val: Optional[Any]  # RLDataset of the validation prompts, or None
+    sampler: PromptSampler  # the resumable order of training prompts
+
+
+class WholeGroups:
+    """Synchronous rollout: every round is a new generation batch, generated whole."""
+
+    def __init__(self, engine: RolloutEngine, data: PromptData, sampling: SamplingSpec) -> None:
+        self.engine, self.data, self.sampling = engine, data, sampling
+
+    def round(self, step: int, version: int, need: int, index: int) -> Round:
+        items = [self.data.train[i] for i in self.data.sampler.next_batch()]
+        rollout = self.engine.generate(
+            [it["input_ids"] for it in items], self.sampling, seed_offset=step * 1000 + index
+        )
+        ids = [f"{step}-{index}-{int(i)}" for i in rollout.prompt_index]
+        return rollout, items, ids
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+class PartialGroups:
+    """Partial rollout: rounds advance the buffer's responses a segment at a time (module docstring).
+
+    A round first advances every unfinished response that has not had a segment this step, and draws a new
+    generation batch only when the done and advancing groups cannot fill what the batch still ``need``s. At most
+    ``2 x gen_batch_size`` groups are in flight; when that many are and none can advance this step, they get another
+    segment with the same weights (no version is added, so the staleness bound holds).
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        data: PromptData,
+        sampling: SamplingSpec,
+        plan: PartialPlan,
+        max_response_length: int,
+        n: int,
+    ) -> None:
+        self.engine, self.data, self.sampling, self.n = engine, data, sampling, n
+        self.buffer = PartialRollout(engine, plan, max_response_length)
+        self.max_in_flight = 2 * data.sampler.batch_size
+        self._segments: list[int] = []  # of every response handed over since the last metrics()
+
+    def round(self, step: int, version: int, need: int, index: int) -> Round:
+        buf = self.buffer
+        if buf.num_done() < need:
+            todo = buf.pending(step)
+            if not todo and buf.num_in_flight() >= self.max_in_flight:
+                todo = buf.pending(step, again=True)
+            advancing = len({g.key for g, _ in todo})
+            if buf.num_done() + advancing < need and buf.num_in_flight() < self.max_in_flight:
+                first_new = len(buf.groups)
+                rows = self.data.sampler.next_batch()
+                buf.add(rows, [self.data.train[i]["input_ids"] for i in rows], self.n)
+                todo += [(g, j) for g in buf.groups[first_new:] for j in range(self.n)]
+            buf.advance(todo, step, version, self.sampling, seed_offset=step * 1000 + index)
+        groups = buf.take_done(need)
+        if not groups:
+            return None
+        self._segments += segments_of(groups)
+        items = [self.data.train[g.item] for g in groups]
+        ids = [f"g{g.key}" for g in groups for _ in g.responses]
+        return groups_to_rollout(groups, self.engine.pad_token_id), items, ids
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/partial/*``: segments per response handed over since the last call, responses carried over."""
+        segments, self._segments = self._segments, []
+        return {
+            "rollout/partial/segments_mean": sum(segments) / len(segments) if segments else 0.0,
+            "rollout/partial/buffered_responses": float(self.buffer.buffered_responses()),
+        }
+
+    # The buffer is checkpointed with every step (CheckpointManager component "rollout_buffer").
+    def state_dict(self) -> dict[str, Any]:
+        return self.buffer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state)
