@@ -196,13 +196,20 @@ class MetricsLogger:
 
 class RolloutDumper:
     """Writes a step's samples to ``<rollout_data_dir>/<step>.jsonl``: one ``{prompt, response, score, step}`` row
-    per sample (verl's ``trainer.rollout_data_dir``)."""
+    per sample (verl's ``trainer.rollout_data_dir``), with the sample's group id as ``uid`` when given."""
 
     def __init__(self, rollout_data_dir: str) -> None:
         self.dir = Path(rollout_data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
 
-    def dump(self, step: int, prompts: Sequence[str], responses: Sequence[str], scores: Sequence[float]) -> Path:
+    def dump(
+        self,
+        step: int,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        scores: Sequence[float],
+        uids: Optional[Sequence[str]] = None,
+    ) -> Path:
         if not len(prompts) == len(responses) == len(scores):
             raise ValueError(
                 f"RolloutDumper.dump: {len(prompts)} prompts, {len(responses)} responses and {len(scores)} scores "
@@ -210,7 +217,9 @@ class RolloutDumper:
             )
         path = self.dir / f"{step}.jsonl"
         with open(path, "w", encoding="utf-8") as f:
-            for prompt, response, score in zip(prompts, responses, scores):
+            for i, (prompt, response, score) in enumerate(zip(prompts, responses, scores)):
                 row = {"prompt": prompt, "response": response, "score": float(score), "step": step}
+                if uids is not None:
+                    row["uid"] = uids[i]
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
         return path

@@ -137,7 +137,8 @@ class RolloutPhase:
             batch, group_ids = self._partial_batch(step, acc, metrics)
         batch.group_ids = group_ids
         if self.dumper is not None:
-            self.dumper.dump(step, batch.prompt_text, batch.response_text, batch.seq_rewards.tolist())
+            uids = [str(gid[-1]) for gid in group_ids]  # (generation batch, group id) → the group id
+            self.dumper.dump(step, batch.prompt_text, batch.response_text, batch.seq_rewards.tolist(), uids)
         return batch, metrics
 
     def _partial_batch(
