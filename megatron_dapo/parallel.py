@@ -37,10 +37,49 @@ def dist_info_from_env() -> DistInfo:
 
 
 _CONTROL_GROUP: Optional[dist.ProcessGroup] = None
+_PLACEMENT: Optional[Placement] = None
 
 
-def init_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -> tuple[DistInfo, Platform]:
+@dataclass(frozen=True)
+class Placement:
+    """trainer.mode=async (docs/async.md): the job's ranks split into two worlds. The first ``train_ranks`` ranks train
+    and the last ``rollout_ranks`` generate; each side's default process group holds its own ranks only (megatron-core
+    and vLLM each see their side as the world). Between the sides: the job's key-value ``store`` (torchrun's; the
+    queue of scored groups and the control messages) and the ``bridge``, a gloo group of the first training rank and
+    every rollout rank that carries the weights (None on the other training ranks)."""
+
+    role: str  # "train" or "rollout"
+    global_rank: int
+    world_size: int  # the job's
+    train_ranks: int
+    rollout_ranks: int
+    store: Any
+    bridge: Any  # torch.distributed.ProcessGroupGloo, or None
+
+    @property
+    def bridge_rank(self) -> int:
+        """This rank in the bridge: the first training rank is 0, rollout rank k is k + 1."""
+        return 0 if self.role == "train" else self.global_rank - self.train_ranks + 1
+
+
+def placement() -> Optional[Placement]:
+    """This process's side of an asynchronous job (None in synchronous mode)."""
+    return _PLACEMENT
+
+
+def role_of(global_rank: int, world_size: int, rollout_ranks: int) -> str:
+    """``rollout`` for the last ``rollout_ranks`` ranks of the job, ``train`` for the others."""
+    return "rollout" if rollout_ranks and global_rank >= world_size - rollout_ranks else "train"
+
+
+def init_distributed(
+    parallel: ParallelConfig, timeout_s: float = 600.0, rollout_ranks: int = 0
+) -> tuple[DistInfo, Platform]:
     """Choose the platform, bind the device and create the default process group (idempotent).
+
+    With ``rollout_ranks`` (trainer.mode=async) the job splits into its two sides (``Placement``): the default group
+    and the returned ``DistInfo`` are this rank's side, and ``RANK``/``WORLD_SIZE`` are rewritten to the side's, as
+    vLLM's external launcher and megatron-core read them; ``placement()`` holds the rest.
 
     ``timeout_s`` bounds every collective wait (gloo, NCCL, HCCL): a peer that died or hangs surfaces as an error
     instead of a hang. Besides the default group (the platform's backend) a CPU ``gloo`` group over all ranks is
@@ -51,6 +90,8 @@ def init_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -> tupl
     platform = init_platform(parallel.platform)
     info = dist_info_from_env()
     platform.set_device(info.local_rank)
+    if rollout_ranks and not dist.is_initialized():
+        info = _init_disaggregated(platform, info, rollout_ranks, timeout_s)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
@@ -64,6 +105,34 @@ def init_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -> tupl
     if _CONTROL_GROUP is None and "gloo" not in str(dist.get_backend()):
         _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return info, platform
+
+
+def _init_disaggregated(platform: Platform, info: DistInfo, rollout_ranks: int, timeout_s: float) -> DistInfo:
+    """Rendezvous on the job's store, then this side's default group and (first training rank, rollout ranks) the
+    bridge; returns this rank's place in its side."""
+    global _PLACEMENT
+    timeout = datetime.timedelta(seconds=timeout_s)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    store, _, _ = next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))
+    role = role_of(info.rank, info.world_size, rollout_ranks)
+    train_ranks = info.world_size - rollout_ranks
+    first = 0 if role == "train" else train_ranks
+    side = DistInfo(info.rank - first, train_ranks if role == "train" else rollout_ranks, info.local_rank)
+    dist.init_process_group(
+        backend=platform.dist_backend,
+        store=dist.PrefixStore(f"side/{role}", store),
+        rank=side.rank,
+        world_size=side.world_size,
+        timeout=timeout,
+    )
+    bridge = None
+    if role == "rollout" or info.rank == 0:
+        bridge_rank = 0 if role == "train" else info.rank - train_ranks + 1
+        bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), bridge_rank, rollout_ranks + 1, timeout)
+    _PLACEMENT = Placement(role, info.rank, info.world_size, train_ranks, rollout_ranks, store, bridge)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(side.rank), str(side.world_size)
+    return side
 
 
 def control_group() -> Optional[dist.ProcessGroup]:

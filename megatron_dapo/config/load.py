@@ -58,6 +58,11 @@ def apply_override(raw: dict, item: str) -> None:
     node[parts[-1]] = yaml.safe_load(value_text) if value_text.strip() != "" else None
 
 
+# YAML keys that are Python keywords, and the dataclass fields that hold them.
+FIELD_OF_KEY = {"async": "async_"}
+KEY_OF_FIELD = {v: k for k, v in FIELD_OF_KEY.items()}
+
+
 def from_dict(cls: type, data: Any, where: str = "") -> Any:
     """Build dataclass ``cls`` from a raw mapping, checking names and types recursively."""
     label = where or "<top level>"
@@ -66,7 +71,7 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{label}: expected a section (mapping), got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {KEY_OF_FIELD.get(f.name, f.name): f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         dotted = f"{where}.{key}" if where else str(key)
@@ -74,7 +79,8 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
             nearest = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
             raise ConfigError(f"unknown config key {dotted!r}{hint} Valid keys in {label}: {', '.join(sorted(fields))}")
-        kwargs[key] = _coerce(hints[key], value, dotted)
+        name = fields[key].name
+        kwargs[name] = _coerce(hints[name], value, dotted)
     return cls(**kwargs)
 
 
@@ -150,5 +156,6 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 
 
 def to_dict(cfg: Any) -> dict:
-    """Plain-dict view (for saving the resolved config next to checkpoints and logs)."""
-    return dataclasses.asdict(cfg)
+    """Plain-dict view (for saving the resolved config next to checkpoints and logs), under the YAML keys."""
+    raw = dataclasses.asdict(cfg)
+    return {KEY_OF_FIELD.get(k, k): v for k, v in raw.items()} if isinstance(raw, dict) else raw

@@ -18,6 +18,7 @@ from megatron_dapo.config.run_rules import (
     resolve_max_num_batched_tokens,
     rollout_layout_problems,
     run_problems,
+    side_worlds,
     weight_sync_notes,
 )
 from megatron_dapo.config.schema import ConfigError, ExperimentConfig
@@ -60,6 +61,10 @@ def resolve_handoff_plan(cfg: ExperimentConfig, platform: Platform) -> HandoffPl
     def pick(value: Optional[Any], default: Any) -> Any:
         return default if value is None else value
 
+    if cfg.trainer.mode == "async":  # no engine beside the actor: nothing to make room for (what is set still holds)
+        d = HandoffDefaults(
+            params=False, grads=False, optimizer=False, reference=False, sleep_level=d.sleep_level, grad_values=True
+        )
     return HandoffPlan(
         params=bool(pick(cfg.actor.offload_params, d.params)),
         grads=bool(pick(cfg.actor.offload_grads, d.grads)),
@@ -157,7 +162,8 @@ def _rollout_plan(cfg: ExperimentConfig, world_size: int, platform: Platform) ->
         max_model_len=max_model_len,
         max_num_batched_tokens=resolve_max_num_batched_tokens(cfg, max_model_len),
         dtype=rollout_dtype(cfg),
-        sleeps=bool(platform.supports_vllm_sleep() and r.free_cache_engine),
+        # Disaggregated rollout ranks hold nothing else: their engines never sleep.
+        sleeps=bool(platform.supports_vllm_sleep() and r.free_cache_engine and cfg.trainer.mode == "sync"),
         sleep_level=resolve_handoff_plan(cfg, platform).sleep_level,
         per_request_seed=platform.default_per_request_seed if r.per_request_seed is None else bool(r.per_request_seed),
         enforce_eager=platform.default_enforce_eager if r.enforce_eager is None else bool(r.enforce_eager),
@@ -168,7 +174,10 @@ def _rollout_plan(cfg: ExperimentConfig, world_size: int, platform: Platform) ->
 class RunPlan:
     """What a validated run resolves to; built by ``resolve`` only."""
 
-    world_size: int
+    world_size: int  # the job's ranks
+    mode: str  # trainer.mode: "sync" (every rank trains and generates) or "async" (disaggregated)
+    train_world: int  # ranks holding the actor: the job's in sync mode, the job's less placement.rollout_ranks in async
+    rollout_world: int  # ranks holding vLLM engines: the job's in sync mode, placement.rollout_ranks in async
     platform_name: str
     on_device: bool  # the platform runs on an accelerator (CUDA or NPU)
     tp: int
@@ -191,6 +200,8 @@ class RunPlan:
     partial: Optional[PartialPlan]  # partial rollout's segments; None = every response generated whole
     off_policy_mode: str  # algorithm.off_policy.mode resolved: "decoupled", "tis" or "none"
     is_threshold: Optional[float]  # the IS weight's truncation (is_weight_threshold); None = no weight
+    max_staleness: int  # async: versions a group may lag the weights it is trained with
+    queue_groups: int  # async: scored groups waiting for the trainer at most (resolved)
     batches: BatchPlan
     params_dtype: str
     param_bytes: int
@@ -279,11 +290,11 @@ def partial_plan(cfg: ExperimentConfig) -> Optional[PartialPlan]:
 
 def off_policy_mode(cfg: ExperimentConfig) -> str:
     """``algorithm.off_policy.mode`` with ``auto`` resolved: decoupled where stale tokens can occur (partial
-    rollout), none where every batch is on-policy."""
+    rollout, asynchronous training), none where every batch is on-policy."""
     mode = cfg.algorithm.off_policy.mode
     if mode != "auto":
         return mode
-    return "decoupled" if cfg.rollout.partial_rollout.enable else "none"
+    return "decoupled" if cfg.rollout.partial_rollout.enable or cfg.trainer.mode == "async" else "none"
 
 
 def is_weight_threshold(cfg: ExperimentConfig) -> Optional[float]:
@@ -330,13 +341,17 @@ def build_plan(
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, max(1, p.context_parallel_size)
     ep = p.expert_model_parallel_size if arch.is_moe else 1
     etp = (p.expert_tensor_parallel_size or tp) if arch.is_moe else tp
-    dp = world_size // (tp * pp * cp)
+    train_world, rollout_world = side_worlds(cfg, world_size)
+    dp = train_world // (tp * pp * cp)
     max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     impl = _attention_problems(cfg, platform, probe_imports)[0]
     padded_vocab = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
     steps = total_steps if total_steps is not None else cfg.trainer.total_training_steps
     return RunPlan(
         world_size=world_size,
+        mode=cfg.trainer.mode,
+        train_world=train_world,
+        rollout_world=rollout_world,
         platform_name=platform.name,
         on_device=platform.device_type != "cpu",
         tp=tp,
@@ -346,8 +361,8 @@ def build_plan(
         ep=ep,
         etp=etp,
         dp_size=dp,
-        expert_dp_size=world_size // (etp * ep * pp),
-        rollout=_rollout_plan(cfg, world_size, platform),
+        expert_dp_size=train_world // (etp * ep * pp),
+        rollout=_rollout_plan(cfg, rollout_world, platform),
         padded_vocab_size=padded_vocab,
         total_steps=steps,
         warmup_steps=warmup_steps(cfg.actor.optim, steps) if steps is not None else None,
@@ -359,6 +374,8 @@ def build_plan(
         partial=partial_plan(cfg),
         off_policy_mode=off_policy_mode(cfg),
         is_threshold=is_weight_threshold(cfg),
+        max_staleness=cfg.async_.max_staleness,
+        queue_groups=cfg.async_.queue_groups or (cfg.async_.max_staleness + 1) * cfg.data.train_batch_size,
         batches=batch_plan(cfg, dp, max_model_len),
         params_dtype=cfg.model.params_dtype,
         param_bytes=dtype_bytes(cfg.model.params_dtype, "model.params_dtype"),

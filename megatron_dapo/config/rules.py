@@ -220,6 +220,11 @@ def range_problems(cfg: ExperimentConfig) -> list[str]:
     _algorithm_ranges(out, cfg.algorithm)
     out.extend(reward_value_problems(cfg.reward))
     _trainer_ranges(out, cfg.trainer)
+    ranks = cfg.placement.rollout_ranks
+    out.need("placement.rollout_ranks", ranks, ranks >= 0, "an integer >= 0")
+    a = cfg.async_
+    out.need("async.max_staleness", a.max_staleness, a.max_staleness >= 0, "an integer >= 0 (0 = synchronous)")
+    out.need("async.queue_groups", a.queue_groups, a.queue_groups >= 0, "an integer >= 0 (0 = automatic)")
     return list(out)
 
 
@@ -312,7 +317,27 @@ def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     steps = cfg.trainer.total_training_steps
     if steps is not None:
         problems += lr_schedule_problems(cfg.actor.optim, steps, "trainer.total_training_steps")
-    return problems + _off_policy_problems(cfg)
+    return problems + _off_policy_problems(cfg) + _async_problems(cfg)
+
+
+def _async_problems(cfg: ExperimentConfig) -> list[str]:
+    """trainer.mode=async against the placement and the features it does not carry."""
+    ranks = cfg.placement.rollout_ranks
+    if cfg.trainer.mode == "sync":
+        if ranks:
+            return [
+                f"placement.rollout_ranks={ranks} with trainer.mode=sync: every rank generates and trains in "
+                "synchronous mode; set trainer.mode=async to give ranks to rollout, or placement.rollout_ranks=0"
+            ]
+        return []
+    problems = []
+    if ranks < 1:
+        problems.append(
+            "trainer.mode=async needs placement.rollout_ranks >= 1 (the last ranks of the job that only generate)"
+        )
+    if cfg.actor.router_replay == "rollout":
+        problems.append("trainer.mode=async with actor.router_replay=rollout: routing replay is synchronous only")
+    return problems
 
 
 def _off_policy_problems(cfg: ExperimentConfig) -> list[str]:
@@ -324,8 +349,8 @@ def _off_policy_problems(cfg: ExperimentConfig) -> list[str]:
             "rollout.partial_rollout.enable=true with actor.router_replay=rollout: the routing of a response's earlier "
             "segments is not kept across steps; set one of them off"
         )
-    if mode == "auto" and pr.enable:
-        mode = "auto (decoupled with partial rollout)"
+    if mode == "auto" and (pr.enable or cfg.trainer.mode == "async"):
+        mode = "auto (decoupled with partial rollout or async)"
     if mode not in ("auto", "none") and cfg.algorithm.rollout_is_threshold is not None:
         problems.append(
             f"algorithm.off_policy.mode={mode} with algorithm.rollout_is_threshold="

@@ -320,6 +320,25 @@ def weight_sync_notes(cfg: ExperimentConfig, arch: ModelArch, padded_vocab: int)
 # ----------------------------------------------------------------------------------------------- the whole run
 
 
+def side_worlds(cfg: ExperimentConfig, world_size: int) -> tuple[int, int]:
+    """(ranks that train, ranks that generate): all of them both in sync mode; split by ``placement.rollout_ranks``
+    in async mode (the last ranks generate)."""
+    if cfg.trainer.mode != "async":
+        return world_size, world_size
+    return world_size - cfg.placement.rollout_ranks, cfg.placement.rollout_ranks
+
+
+def placement_problems(cfg: ExperimentConfig, world_size: int) -> list[str]:
+    """trainer.mode=async: the placement leaves ranks to both sides."""
+    ranks = cfg.placement.rollout_ranks
+    if cfg.trainer.mode != "async" or 1 <= ranks < world_size:
+        return []
+    return [
+        f"placement.rollout_ranks={ranks} with a job of {world_size} ranks: async mode needs at least one rank on each "
+        f"side; use 1 to {world_size - 1} rollout ranks, or launch more processes"
+    ]
+
+
 def run_problems(
     cfg: ExperimentConfig, arch: ModelArch, world_size: int, platform: Platform, total_steps: Optional[int] = None
 ) -> list[str]:
@@ -327,12 +346,14 @@ def run_problems(
     and rollout layouts against the world size and the model, mini-batches against the data-parallel size, the
     sequence budget, routing replay, the lr warm-up against the training steps, and the reward functions."""
     problems = required_input_problems(cfg) + config_problems(cfg)
-    if range_problems(cfg):  # the layout arithmetic below assumes every value is in range
-        return problems + reward_function_problems(cfg.reward)
+    placement = placement_problems(cfg, world_size)
+    if range_problems(cfg) or placement:  # the layout arithmetic below assumes every value is in range
+        return problems + placement + reward_function_problems(cfg.reward)
+    train_world, rollout_world = side_worlds(cfg, world_size)
     p = cfg.parallel
     layout_found = parallel_layout_problems(
         p,
-        world_size,
+        train_world,
         arch.num_layers,
         arch.num_attention_heads,
         arch.num_query_groups,
@@ -344,9 +365,9 @@ def run_problems(
     if not layout_found:
         cp = max(1, p.context_parallel_size)
         problems += batch_layout_problems(
-            cfg, world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * cp)
+            cfg, train_world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * cp)
         )
-    problems += rollout_layout_problems(cfg, world_size, arch.max_position_embeddings, arch, platform=platform)
+    problems += rollout_layout_problems(cfg, rollout_world, arch.max_position_embeddings, arch, platform=platform)
     problems += router_replay_problems(cfg, arch, platform)
     if total_steps is not None and cfg.trainer.total_training_steps is None:  # else config_problems checked it
         problems += lr_schedule_problems(cfg.actor.optim, total_steps)

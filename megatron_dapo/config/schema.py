@@ -283,6 +283,26 @@ class RewardConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """Which ranks of the job do what (trainer.mode=async, docs/async.md): the last ``rollout_ranks`` ranks hold only
+    vLLM engines; the others hold the Megatron actor (and reference) with parallel.* as their layout."""
+
+    rollout_ranks: int = 0
+
+
+@dataclass
+class AsyncConfig:
+    """trainer.mode=async (docs/async.md). YAML section ``async`` (a Python keyword, hence the field name
+    ``async_``)."""
+
+    # A group generated with policy version v is never trained with weights newer than v + max_staleness: the rollout
+    # ranks stop drawing prompts that would exceed it, and the trainer drops (and counts) any group that still does.
+    # 0 = synchronous training on the disaggregated placement.
+    max_staleness: int = 1
+    queue_groups: int = 0  # scored groups waiting for the trainer at most; 0 = (max_staleness + 1) x train_batch_size
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = "megatron-dapo"
     experiment_name: str = "run"
@@ -300,6 +320,9 @@ class TrainerConfig:
     # Upper bound on every collective wait and every wait on a helper process (checkpoint writer): a hung run fails
     # with an error naming what it waited for instead of hanging.
     collective_timeout_s: float = 600.0
+    # sync: every rank holds an actor shard and a colocated vLLM member, and a step generates then trains; async:
+    # placement.rollout_ranks ranks generate continuously while the others train (docs/async.md).
+    mode: Literal["sync", "async"] = "sync"
     # Non-finite loss / gradient norm / loss inputs skip the update; this many skips in a row stop the run.
     max_consecutive_skipped_updates: int = 3
 
@@ -316,3 +339,5 @@ class ExperimentConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)  # YAML/override key "async"

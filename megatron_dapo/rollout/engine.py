@@ -177,9 +177,10 @@ def _resolve_plan(
     (``eval``, benchmarks), resolved here by ``rollout_plan`` (which raises ``ConfigError`` on a bad layout)."""
     if plan is None:
         return rollout_plan(cfg, int(hf_config.get("max_position_embeddings", 4096)), world_size, platform)
-    if plan.world_size != world_size:
+    if plan.rollout_world != world_size:
         raise RuntimeError(
-            f"RolloutEngine: the run was resolved for world size {plan.world_size}, this job has {world_size} ranks"
+            f"RolloutEngine: the run was resolved for {plan.rollout_world} rollout ranks, this engine's world has "
+            f"{world_size}"
         )
     return plan.rollout
 

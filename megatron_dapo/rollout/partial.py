@@ -64,6 +64,11 @@ class Group:
     def done(self) -> bool:
         return all(r.done for r in self.responses)
 
+    @property
+    def started(self) -> bool:
+        """A segment of it was generated (a group drawn but not started holds no token, so no version)."""
+        return any(r.segments for r in self.responses)
+
 
 class PartialRollout:
     """The groups in flight, advanced one segment per response per round (see the module docstring)."""
@@ -97,6 +102,10 @@ class PartialRollout:
     def num_in_flight(self) -> int:
         """Groups with a response still being generated."""
         return sum(not g.done for g in self.groups)
+
+    def unstarted(self) -> list[Group]:
+        """Groups drawn whose first segment is still to come, oldest first."""
+        return [g for g in self.groups if not g.started]
 
     def buffered_responses(self) -> int:
         """Unfinished responses that hold at least one segment (what a step carries over to the next)."""

@@ -52,7 +52,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,6 @@ import torch.distributed as dist
 from megatron_dapo import dtypes
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.models.families import EXPERT_PREFIX, ModelArch, ParamMapping, expert_ep_rank, param_mappings
-from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.weights.layout import mcore_to_hf
 from megatron_dapo.weights.model_io import LocalParam, gather_full_tensor, shard_group, unique_local_params
 from megatron_dapo.weights.safetensors_io import SafetensorsDir
@@ -108,14 +107,27 @@ class _Bucket:
         return sum(e.numel for e in self.entries)
 
 
+class WeightTarget(Protocol):
+    """Where a sync's buckets of HF tensors go: the colocated ``RolloutEngine``, or ``rollout.remote.BridgeSender``
+    (trainer.mode=async) that carries them to the rollout ranks' engines."""
+
+    rollout_plan: Any  # the engine's RolloutPlan (its dtype)
+    platform: Any
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None: ...
+
+    def after_weight_update(self) -> None: ...
+
+
 class WeightSync:
-    """Copies the actor's current weights into the colocated engine; see the module docstring.
+    """Copies the actor's current weights into the colocated engine (or another ``WeightTarget``); see the module
+    docstring.
 
     ``bucket_bytes`` overrides ``rollout.weight_sync_bucket_mb`` (tests and the benchmark use tiny or odd sizes).
     """
 
     def __init__(
-        self, engine: RolloutEngine, arch: ModelArch, cfg: ExperimentConfig, bucket_bytes: Optional[int] = None
+        self, engine: WeightTarget, arch: ModelArch, cfg: ExperimentConfig, bucket_bytes: Optional[int] = None
     ) -> None:
         self.engine = engine
         self.arch = arch

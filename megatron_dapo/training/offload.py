@@ -415,9 +415,11 @@ class MemoryHandoff:
 
     def before_save(self, engine: Any) -> None:
         """A save never shares the device with an awake engine: the engine sleeps (a validation leaves it awake
-        with its KV cache), then the actor comes back whole. The next ``before_rollout`` starts from here."""
+        with its KV cache), then the actor comes back whole. The next ``before_rollout`` starts from here. (No
+        engine in async mode: the rollout ranks hold it.)"""
         self._enter("save")
-        engine.sleep(self.plan.sleep_level)
+        if engine is not None:
+            engine.sleep(self.plan.sleep_level)
         self._empty_cache()
         self.restore_actor()
 

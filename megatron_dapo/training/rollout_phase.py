@@ -80,8 +80,25 @@ class RolloutPhase:
         return score_to_batch(self.scorer, self.cfg, rollout, items, tokenizer)
 
     def checkpoint_states(self) -> dict[str, Any]:
-        """The rollout's own checkpoint components: partial rollout's buffer of unfinished responses."""
-        return {"rollout_buffer": self.source} if isinstance(self.source, PartialGroups) else {}
+        """The rollout's checkpoint components: the data position and partial rollout's buffer of unfinished
+        responses."""
+        states: dict[str, Any] = {"data_state": self.data.sampler}
+        if isinstance(self.source, PartialGroups):
+            states["rollout_buffer"] = self.source
+        return states
+
+    @property
+    def epoch(self) -> int:
+        return self.data.sampler.epoch
+
+    def before_save(self) -> None:
+        """Nothing to gather: the components above are this process's own."""
+
+    def stop_requested(self) -> bool:
+        return False  # a signal reaches the trainer's own processes (StopRequest)
+
+    def close(self) -> None:
+        self.scorer.close()
 
     def collect(self, step: int, weights_step: int, timings: dict) -> Optional[tuple[TrainBatch, dict]]:
         """Generate and score rounds of groups (``rollout_sources``), keeping informative groups, until the training
@@ -165,11 +182,17 @@ class RolloutPhase:
         """Generate with the validation sampling parameters on the whole validation set; accuracy per data source.
         The engine is left awake with the current weights for the next rollout."""
         self.prepare_engine(weights_step, timings)
-        val = self.data.val
-        items = [val[i] for i in range(len(val))]
-        rollout = self.engine.generate([it["input_ids"] for it in items], self.val_sampling, seed_offset=0)
-        batch, _ = self._score(rollout, items)
-        return compute_val_metrics(batch.data_source, batch.acc.tolist(), self.val_sampling.n)
+        return validation_metrics(self.engine, self.scorer, self.cfg, self.data.val, self.val_sampling)
+
+
+def validation_metrics(
+    engine: RolloutEngine, scorer: RolloutScorer, cfg: ExperimentConfig, val: Any, sampling: SamplingSpec
+) -> dict[str, float]:
+    """The whole validation set generated with the validation sampling and scored: accuracy per data source."""
+    items = [val[i] for i in range(len(val))]
+    rollout = engine.generate([it["input_ids"] for it in items], sampling, seed_offset=0)
+    batch, _ = score_to_batch(scorer, cfg, rollout, items)
+    return compute_val_metrics(batch.data_source, batch.acc.tolist(), sampling.n)
 
 
 def nonfinite_count(values: torch.Tensor, batch: TrainBatch, metric: str) -> dict[str, float]:

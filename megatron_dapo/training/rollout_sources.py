@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import PartialPlan
-from megatron_dapo.data import PromptSampler
+from megatron_dapo.data import PromptSampler, build_dataset
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.partial import PartialRollout, groups_to_rollout, segments_of
 from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec
@@ -108,3 +109,16 @@ class PartialGroups:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer.load_state_dict(state)
+
+
+def prompt_data(cfg: ExperimentConfig, tokenizer) -> PromptData:
+    train = build_dataset(cfg.data.train_files, tokenizer, cfg.data, name="train")
+    val = build_dataset(cfg.data.val_files, tokenizer, cfg.data, name="val") if cfg.data.val_files else None
+    gen_batch_size = cfg.data.gen_batch_size or cfg.data.train_batch_size
+    return PromptData(train, val, PromptSampler(len(train), gen_batch_size, cfg.data.shuffle, cfg.data.seed))
+
+
+def total_steps(cfg: ExperimentConfig, sampler: PromptSampler) -> int:
+    if cfg.trainer.total_training_steps is not None:
+        return cfg.trainer.total_training_steps
+    return cfg.trainer.total_epochs * len(sampler)

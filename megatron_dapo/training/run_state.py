@@ -149,6 +149,10 @@ class StepCheckpoints:
     def save_after_failure(self, exc: BaseException, step: int, update_in_progress: bool, save: Callable) -> None:
         """Keep the last completed ``step`` when the loop fails, if that is safe and not done already."""
         why_not = why_not_save_after(exc, step, self.saved_step, update_in_progress, self.saving)
+        if why_not is None and self.cfg.trainer.mode == "async":
+            # The groups of the failed step have left the queue and are in no snapshot: resume from the last periodic
+            # checkpoint instead (docs/async.md).
+            why_not = "asynchronous mode resumes from its last periodic checkpoint (checkpoint.save_freq)"
         world, timeout_s = dist_world_size(), min(60.0, self.cfg.trainer.collective_timeout_s)
         if why_not is None and not all_ranks_in_handler(world, timeout_s):
             why_not = "not every rank reached the failure handler (the others are blocked or gone)"

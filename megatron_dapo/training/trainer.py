@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -18,16 +18,17 @@ from megatron_dapo.algo.kl import get_kl_controller
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ExperimentConfig, to_dict, validate_config
 from megatron_dapo.config.plan import resolve
-from megatron_dapo.data import PromptSampler, build_dataset
 from megatron_dapo.data.tokens import load_tokenizer, token_ids
 from megatron_dapo.models.builder import build_gpt_chunks, freeze, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
-from megatron_dapo.parallel import any_rank, init_distributed, init_model_parallel, teardown
+from megatron_dapo.parallel import any_rank, init_distributed, init_model_parallel, placement, role_of, teardown
 from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.remote import BridgeSender
 from megatron_dapo.rollout.sync import WeightSync
 from megatron_dapo.training.actor import MegatronActor
 from megatron_dapo.training.advantage import batch_advantages
+from megatron_dapo.training.async_phase import RemoteRolloutPhase
 from megatron_dapo.training.checkpoint import CheckpointManager
 from megatron_dapo.training.console import ProgressBar, setup_logging
 from megatron_dapo.training.failure import PeerFailure, StopRequest, record_failure
@@ -42,7 +43,8 @@ from megatron_dapo.training.metrics import (
 from megatron_dapo.training.offload import MemoryHandoff
 from megatron_dapo.training.optimizer import build_optimizer
 from megatron_dapo.training.rollout_phase import RolloutPhase
-from megatron_dapo.training.rollout_sources import PromptData
+from megatron_dapo.training.rollout_sources import prompt_data, total_steps
+from megatron_dapo.training.rollout_worker import RolloutWorker
 from megatron_dapo.training.run_state import RunCounters, StepCheckpoints, stop_after_skips
 from megatron_dapo.training.scoring import RolloutScorer
 from megatron_dapo.training.timing import timed
@@ -57,17 +59,19 @@ class DAPOTrainer:
         self.cfg = cfg
         validate_config(cfg)
         timeout_s = cfg.trainer.collective_timeout_s
-        self.info, self.platform = init_distributed(cfg.parallel, timeout_s=timeout_s)
+        rollout_ranks = cfg.placement.rollout_ranks if cfg.trainer.mode == "async" else 0
+        self.info, self.platform = init_distributed(cfg.parallel, timeout_s=timeout_s, rollout_ranks=rollout_ranks)
         hf_dir = cfg.model.hf_config_dir or str(hf_config_dir_of(cfg.checkpoint.load_dir))
         self.arch = model_arch_from_hf(hf_dir)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_dir, hf_dir)
         self.ids = token_ids(self.tokenizer)
-        self.data = _prompt_data(cfg, self.tokenizer)
-        self.total_steps = _total_steps(cfg, self.data.sampler)
+        self.data = prompt_data(cfg, self.tokenizer)
+        self.total_steps = total_steps(cfg, self.data.sampler)
 
         # Every check that needs the model, the world size or the step count, before any model or engine exists;
         # what the run derives is resolved here once, and every component reads it from the plan.
-        self.plan = resolve(cfg, self.arch, self.info.world_size, self.platform, total_steps=self.total_steps)
+        job_world = placement().world_size if placement() else self.info.world_size
+        self.plan = resolve(cfg, self.arch, job_world, self.platform, total_steps=self.total_steps)
         if self.info.is_main:
             for note in self.plan.notes:
                 log.info("%s", note)
@@ -75,43 +79,20 @@ class DAPOTrainer:
 
         # Start-up order (verl's): the actor, then the engine with the training state off the device (vLLM checks
         # at construction that gpu_memory_utilization x the device is free), then the reference.
+        self.progress, self.logger, self.dumper = _outputs(cfg, self.info.is_main, self.total_steps)
         self._build_actor()
-        self.handoff.before_engine_start()
-        self.engine = RolloutEngine(
-            cfg, hf_dir, self.platform, pad_token_id=self.ids.pad, eos_token_ids=self.ids.eos, plan=self.plan
-        )  # weights come from the first sync
-        self.handoff.after_engine_start(self.engine)
+        self.engine, self.rollout = self._build_rollout(hf_dir)
         self._build_reference()
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.counters = RunCounters()
-        self.progress, self.logger, self.dumper = _outputs(cfg, self.info.is_main, self.total_steps)
-        weight_sync = WeightSync(self.engine, self.arch, cfg)
-        reward = RewardManager(self.tokenizer, cfg.reward, cfg.data.max_response_length, list(self.ids.eos))
-        self.rollout = RolloutPhase(
-            cfg,
-            self.engine,
-            lambda: weight_sync.sync(self.actor.chunks),
-            self.handoff,
-            RolloutScorer(reward, self.info.world_size, self.info.rank),
-            self.data,
-            self.ids.eos,
-            dumper=self.dumper,
-            tokenizer=self.tokenizer,
-            is_main=self.info.is_main,
-        )
         # What a checkpoint holds besides the actor, its optimizer and lr schedule (and every rank's RNG): the state
         # of each component that has one, saved and restored by the manager.
         self.ckpt = CheckpointManager(
             cfg.checkpoint.save_dir or str(Path(cfg.trainer.output_dir) / "checkpoints"),
             cfg.checkpoint.max_ckpt_to_keep,
             timeout_s=cfg.trainer.collective_timeout_s,
-            states={
-                "trainer": self.counters,
-                "kl_ctrl": self.kl_ctrl,
-                "data_state": self.data.sampler,
-                **self.rollout.checkpoint_states(),
-            },
+            states={"trainer": self.counters, "kl_ctrl": self.kl_ctrl, **self.rollout.checkpoint_states()},
         )
         self.checkpoints = StepCheckpoints(
             self.ckpt, cfg, self.platform, self.handoff, self.rollout.engine_released, self.info.is_main
@@ -134,6 +115,36 @@ class DAPOTrainer:
             actor_chunks, self.arch.vocab_size, cfg.actor, optimizer, packed=plan.use_remove_padding
         )
         self.handoff = MemoryHandoff(self.platform, plan.handoff, self.actor.chunks, self.actor.optimizer)
+
+    def _build_rollout(self, hf_dir: str) -> tuple[Optional[RolloutEngine], Any]:
+        """The colocated engine (weights from the first sync) and the rollout phase that keeps it in step with the
+        actor; in async mode the engines are on the rollout ranks and the phase is their remote end."""
+        cfg, sync_from = self.cfg, lambda target: WeightSync(target, self.arch, cfg)
+        if self.plan.mode == "async":
+            place = placement()
+            weight_sync = sync_from(BridgeSender(place.bridge, self.plan.rollout, self.platform))
+            push = lambda: weight_sync.sync(self.actor.chunks)  # noqa: E731
+            return None, RemoteRolloutPhase(cfg, self.plan, place, push, self.dumper, self.info.is_main)
+        self.handoff.before_engine_start()
+        engine = RolloutEngine(
+            cfg, hf_dir, self.platform, pad_token_id=self.ids.pad, eos_token_ids=self.ids.eos, plan=self.plan
+        )
+        self.handoff.after_engine_start(engine)
+        weight_sync = sync_from(engine)
+        reward = RewardManager(self.tokenizer, cfg.reward, cfg.data.max_response_length, list(self.ids.eos))
+        phase = RolloutPhase(
+            cfg,
+            engine,
+            lambda: weight_sync.sync(self.actor.chunks),
+            self.handoff,
+            RolloutScorer(reward, self.info.world_size, self.info.rank),
+            self.data,
+            self.ids.eos,
+            dumper=self.dumper,
+            tokenizer=self.tokenizer,
+            is_main=self.info.is_main,
+        )
+        return engine, phase
 
     def _build_reference(self) -> None:
         """The frozen reference, when a KL term needs it; built once the engine sleeps, handed to the hand-off."""
@@ -188,7 +199,7 @@ class DAPOTrainer:
             if step_val is None:  # dynamic sampling exhausted with on_exhausted=stop
                 return self._stop_early("dynamic sampling was exhausted (algorithm.filter_groups.on_exhausted=stop)")
             val_metrics = step_val or val_metrics
-            if any_rank(self.stop_request.requested):
+            if any_rank(self.stop_request.requested or self.rollout.stop_requested()):
                 return self._stop_early(f"a stop was requested ({self.stop_request.signal_name or 'signal'} on a rank)")
         return val_metrics
 
@@ -255,7 +266,7 @@ class DAPOTrainer:
         metrics["perf/max_memory_allocated_gb"] = self.platform.max_memory_allocated_gb()
         metrics["perf/cpu_memory_used_gb"] = self.platform.host_memory_used_gb()
         metrics["training/global_step"] = step
-        metrics["training/epoch"] = self.data.sampler.epoch
+        metrics["training/epoch"] = self.rollout.epoch
         return metrics
 
     def _stop_early(self, why: str) -> dict[str, float]:
@@ -327,6 +338,7 @@ class DAPOTrainer:
         self.checkpoints.mark_boundary()
 
     def save_checkpoint(self) -> None:
+        self.rollout.before_save()
         self.checkpoints.save(self.global_step, self.actor, self.scheduler, self.engine)
 
     @property
@@ -336,7 +348,7 @@ class DAPOTrainer:
     def close(self) -> None:
         """Tear down in the order that keeps every group alive until it is no longer used."""
         self.progress.close()
-        self.rollout.scorer.close()
+        self.rollout.close()
         self.logger.close()
         teardown(self.engine)
 
@@ -361,19 +373,6 @@ def _outputs(cfg: ExperimentConfig, is_main: bool, total_steps: int) -> tuple:
     return progress, logger, dumper
 
 
-def _prompt_data(cfg: ExperimentConfig, tokenizer) -> PromptData:
-    train = build_dataset(cfg.data.train_files, tokenizer, cfg.data, name="train")
-    val = build_dataset(cfg.data.val_files, tokenizer, cfg.data, name="val") if cfg.data.val_files else None
-    gen_batch_size = cfg.data.gen_batch_size or cfg.data.train_batch_size
-    return PromptData(train, val, PromptSampler(len(train), gen_batch_size, cfg.data.shuffle, cfg.data.seed))
-
-
-def _total_steps(cfg: ExperimentConfig, sampler: PromptSampler) -> int:
-    if cfg.trainer.total_training_steps is not None:
-        return cfg.trainer.total_training_steps
-    return cfg.trainer.total_epochs * len(sampler)
-
-
 def run_training(cfg: ExperimentConfig) -> dict[str, float]:
     """Entry point used by ``megatron-dapo train``: build, fit, tear down (also on errors).
 
@@ -381,13 +380,17 @@ def run_training(cfg: ExperimentConfig) -> dict[str, float]:
     that rank's error instead of its own consequence of it (a closed connection or a collective timeout), so the
     root cause is what a user reads first.
     """
-    rank = int(os.environ.get("RANK", 0))
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     setup_logging(cfg.trainer.output_dir, rank, verbose=cfg.trainer.verbose)
-    trainer: Optional[DAPOTrainer] = None
+    rollout_ranks = cfg.placement.rollout_ranks if cfg.trainer.mode == "async" else 0
+    trainer: Optional[Any] = None
     try:
-        trainer = DAPOTrainer(cfg)
+        # trainer.mode=async: the last ranks only generate (training/rollout_worker.py), serving the others.
+        trainer = RolloutWorker(cfg) if role_of(rank, world, rollout_ranks) == "rollout" else DAPOTrainer(cfg)
         started = time.time()
         result = trainer.fit()
+        if isinstance(trainer, RolloutWorker):
+            return {}  # the training ranks report the run
         result["wall_s"] = time.time() - started
         return result
     except BaseException as exc:

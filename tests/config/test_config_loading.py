@@ -107,9 +107,13 @@ def test_missing_file_and_non_mapping_top_level(tmp_path):
 
 
 def valid_keys_listed(msg: str, section_cls) -> bool:
+    """Every key of the section is listed, under its YAML name (``async_`` is written ``async``)."""
     import dataclasses
 
-    return all(re.search(rf"\b{f.name}\b", msg) for f in dataclasses.fields(section_cls))
+    from megatron_dapo.config.load import KEY_OF_FIELD
+
+    names = [KEY_OF_FIELD.get(f.name, f.name) for f in dataclasses.fields(section_cls)]
+    return all(re.search(rf"\b{name}\b", msg) for name in names)
 
 
 def test_unknown_key_in_section_names_key_valid_keys_and_nearest():
@@ -159,6 +163,12 @@ def test_wrong_type_names_key_expected_type_and_value(override, key, expected, g
 def test_section_given_a_scalar():
     msg = config_error(overrides=["actor=3"])
     assert "actor" in msg and "expected a section (mapping)" in msg and "int 3" in msg
+
+
+def test_async_section_under_its_yaml_key(tmp_path):
+    cfg = load_config(write_yaml(tmp_path, "async:\n  max_staleness: 3\n"), ["async.queue_groups=7"])
+    assert (cfg.async_.max_staleness, cfg.async_.queue_groups) == (3, 7)
+    assert to_dict(cfg)["async"] == {"max_staleness": 3, "queue_groups": 7} and "async_" not in to_dict(cfg)
 
 
 def test_list_fields():

@@ -429,7 +429,7 @@ def test_rollout_engine_takes_the_validated_layout(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="max_position_embeddings=16"):
         RolloutEngine(cfg, str(tmp_path), make_platform("cpu"), pad_token_id=0, eos_token_ids=[1])
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(RuntimeError, match="resolved for world size 2, this job has 4 ranks"):
+    with pytest.raises(RuntimeError, match="resolved for 2 rollout ranks, this engine.s world has 4"):
         RolloutEngine(cfg, str(tmp_path), make_platform("cpu"), pad_token_id=0, eos_token_ids=[1], plan=layout)
 
 

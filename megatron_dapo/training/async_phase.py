@@ -1,0 +1,185 @@
+"""The rollout phase of the training ranks in an asynchronous job (trainer.mode=async, docs/async.md): the remote end
+of the rollout ranks (``training/rollout_worker.py``), with the interface of the colocated ``RolloutPhase``.
+
+* ``prepare_engine`` pushes the actor's weights of a version to the rollout ranks (once per version), over the
+  bridge (``rollout/remote.py``); the rollout ranks apply them between two segments;
+* ``collect`` takes scored groups from the queue until the batch is full, dropping (and counting) every group that
+  would be trained more than ``async.max_staleness`` versions after its oldest token was generated;
+* ``validate`` asks the rollout ranks to validate the current weights and waits for the result;
+* ``before_save`` asks them for a snapshot of everything not trained yet — the data position, the responses in
+  flight and the scored groups in the queue — which the checkpoint holds as its ``rollout_state`` component and
+  gives back to them on resume: no prompt is lost or drawn twice.
+
+Only the first training rank talks to the store; the others receive what it read through their own side's group.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from megatron_dapo.batch import TrainBatch
+from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.config.plan import RunPlan
+from megatron_dapo.parallel import Placement, broadcast_object
+from megatron_dapo.rollout.remote import Control, StoreQueue
+from megatron_dapo.training.loggers import RolloutDumper
+from megatron_dapo.training.metrics import reduce_metrics
+from megatron_dapo.training.timing import timed
+
+# The rollout side's cumulative statistics (Control "stats"), reported per step as differences.
+STAT_KEYS = ("rounds", "groups_generated", "groups_kept", "busy_s", "idle_s")
+
+
+class RolloutState:
+    """The ``rollout_state`` checkpoint component: the last snapshot the rollout ranks sent (``before_save``), and
+    on resume the snapshot to hand back to them."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, Any] = {}
+        self.restored: Optional[dict[str, Any]] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.latest
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.latest = self.restored = dict(state) or None
+
+
+class RemoteRolloutPhase:
+    """The training ranks' rollout phase in async mode (module docstring)."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        plan: RunPlan,
+        place: Placement,
+        push_weights: Callable[[], Any],
+        dumper: Optional[RolloutDumper] = None,
+        is_main: bool = False,
+    ) -> None:
+        self.cfg, self.plan, self.push_weights, self.dumper, self.is_main = cfg, plan, push_weights, dumper, is_main
+        timeout_s = cfg.trainer.collective_timeout_s
+        self.queue = StoreQueue(place.store, timeout_s)
+        self.control = Control(place.store, timeout_s)
+        self.state = RolloutState()
+        self.pushed: Optional[int] = None  # the version the rollout ranks hold
+        self.started = False
+        self.dropped = 0  # groups dropped as too stale, over the run
+        self.snapshots = 0
+        self._stats: dict[str, float] = {}
+        self.epoch = 0
+
+    def checkpoint_states(self) -> dict[str, Any]:
+        return {"rollout_state": self.state}
+
+    def engine_released(self) -> None:
+        """The rollout ranks' engines never sleep."""
+
+    # ------------------------------------------------------------------------------------------- weights
+
+    def prepare_engine(self, weights_step: int, timings: Optional[dict] = None) -> None:
+        """Start the rollout side (first call: the version and, on resume, its snapshot) and push the actor's
+        weights of ``weights_step`` unless it holds them already."""
+        timings = timings if timings is not None else {}
+        if not self.started:
+            if self.is_main:
+                self.control.post("start", {"version": weights_step, "state": self.state.restored})
+            self.started = True
+        if self.pushed == weights_step:
+            timings.setdefault("update_weights", 0.0)
+            return
+        with timed("update_weights", timings):
+            if self.is_main:
+                self.control.post("weights", weights_step)  # announced; the rollout ranks join at a round boundary
+            self.push_weights()
+        self.pushed = weights_step
+
+    # ------------------------------------------------------------------------------------------- groups
+
+    def collect(self, step: int, weights_step: int, timings: dict) -> Optional[tuple[TrainBatch, dict]]:
+        """``data.train_batch_size`` scored groups from the queue, none staler than ``async.max_staleness``."""
+        self.prepare_engine(weights_step, timings)
+        with timed("gen", timings):  # on the training side, "generation" is the wait for the rollout ranks
+            payloads = broadcast_object(self._take(weights_step) if self.is_main else None)
+        groups, dropped, queued, stats = payloads
+        self.dropped += dropped
+        batch = TrainBatch.concat([g["batch"] for g in groups])
+        batch.group_ids = [(0, g["key"]) for g in groups for _ in range(len(g["batch"]))]
+        batch.filler = torch.zeros(len(batch), dtype=torch.bool)
+        metrics = reduce_metrics([g["reward_metrics"] for g in groups])
+        metrics.update(self._stat_metrics(stats, len(groups)))
+        metrics["async/dropped_stale_groups"] = float(self.dropped)
+        metrics["async/queue_groups"] = float(queued)
+        metrics["train/partial_batch"] = 0.0
+        if self.dumper is not None and batch.prompt_text is not None:
+            uids = [f"g{key}" for _, key in batch.group_ids]
+            self.dumper.dump(step, batch.prompt_text, batch.response_text, batch.seq_rewards.tolist(), uids)
+        return batch, metrics
+
+    def _take(self, version: int) -> tuple[list[dict], int, int, dict]:
+        """On the first training rank: groups from the queue until the batch is full; the dropped count, the queue
+        length left and the rollout side's statistics."""
+        groups: list[dict] = []
+        dropped = 0
+        while len(groups) < self.cfg.data.train_batch_size:
+            group = pickle.loads(self.queue.get())
+            if version - group["min_version"] > self.plan.max_staleness:
+                dropped += 1
+                continue
+            groups.append(group)
+        return groups, dropped, self.queue.length(), self.control.read("stats") or {}
+
+    def _stat_metrics(self, stats: dict, kept: int) -> dict[str, float]:
+        """This step's share of the rollout side's counters: rounds, groups generated and kept (dynamic sampling),
+        and the rollout ranks' idle fraction."""
+        delta = {k: float(stats.get(k, 0.0)) - self._stats.get(k, 0.0) for k in STAT_KEYS}
+        self._stats = {k: float(stats.get(k, 0.0)) for k in STAT_KEYS}
+        self.epoch = int(stats.get("epoch", self.epoch))
+        busy, idle = delta["busy_s"], delta["idle_s"]
+        out = {
+            "train/num_gen_batches": delta["rounds"],
+            "train/num_prompts_generated": delta["groups_generated"],
+            "train/num_prompts_kept": float(kept),
+            "async/rollout_idle_frac": idle / (busy + idle) if busy + idle > 0 else 0.0,
+            "rollout/partial/buffered_responses": float(stats.get("buffered_responses", 0.0)),
+        }
+        if delta["groups_generated"]:  # groups scored by the rollout ranks since the last step
+            out["train/kept_prompt_ratio"] = delta["groups_kept"] / delta["groups_generated"]
+        return out
+
+    # ------------------------------------------------------------------------------------------- requests
+
+    def validate(self, weights_step: int, timings: Optional[dict] = None) -> dict[str, float]:
+        """The rollout ranks validate the weights of ``weights_step`` (pushed first); waits for their result."""
+        self.prepare_engine(weights_step, timings)
+        result = None
+        if self.is_main:
+            self.control.post("val/request", weights_step)
+            result = self.control.wait(f"val/result/{weights_step}", f"the validation of step {weights_step}")
+        return broadcast_object(result)
+
+    def before_save(self) -> None:
+        """A snapshot of the rollout side for the checkpoint (the trainer is at a step boundary: it takes nothing
+        from the queue meanwhile)."""
+        if not self.started:
+            return  # nothing was generated yet: the restored snapshot (or none) still holds
+        self.snapshots += 1
+        if self.is_main:
+            started = time.perf_counter()
+            self.control.post("snap/request", self.snapshots)
+            state = self.control.wait(f"snap/result/{self.snapshots}", "the rollout ranks' snapshot")
+            self.state.latest = state
+            self.snapshot_s = time.perf_counter() - started
+
+    def stop_requested(self) -> bool:
+        """A rollout rank received SIGTERM/SIGINT (it keeps serving until the trainer's clean stop)."""
+        return bool(self.is_main and self.control.read("stop_requested"))
+
+    def close(self) -> None:
+        if self.is_main:
+            self.control.post("stop", True)

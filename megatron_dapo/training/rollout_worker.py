@@ -1,0 +1,225 @@
+"""The rollout ranks of an asynchronous job (trainer.mode=async, docs/async.md): vLLM engines that generate without
+pause while the training ranks train.
+
+The rollout ranks run rounds of the request-level rollout (``rollout/partial.py``): each round gives every response
+in flight its next segment (a whole response when partial rollout is off) and, when the staleness gate allows, starts
+a new generation batch of prompts. Groups that are done are scored here (once, off the trainer's critical path),
+filtered by dynamic sampling, and put on the queue one by one. Between two rounds the ranks take a weight push, a
+validation request, a snapshot request or the stop.
+
+Staleness gate (AReaL's rule). With weights of version ``v`` (the trainer has made ``v`` updates), a new group starts
+(gets its first segment) only while the groups put on the queue since the start plus the started ones in flight
+stay below ``(v - v_start + max_staleness + 1) x train_batch_size``, and the queue holds fewer than
+``async.queue_groups``: a group finished with weights ``v`` then falls in a training batch no later than the one
+trained with weights ``v + max_staleness``. Prompts are drawn a generation batch at a time and wait, unstarted (no
+token, so no version), until the gate lets them start. (Tokens of earlier segments can be older than the group's
+last; the trainer drops what still exceeds the bound.)
+
+All rollout ranks run the same rounds: the first one reads the store and broadcasts each decision to the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from dataclasses import asdict
+from typing import Any
+
+from megatron_dapo.algo.dynamic_sampling import filter_groups
+from megatron_dapo.config import ExperimentConfig, validate_config
+from megatron_dapo.config.plan import PartialPlan, resolve
+from megatron_dapo.data.tokens import load_tokenizer, token_ids
+from megatron_dapo.models.families import model_arch_from_hf
+from megatron_dapo.parallel import broadcast_object, init_distributed, placement, teardown
+from megatron_dapo.reward.manager import RewardManager
+from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.partial import Group, PartialRollout, Response, groups_to_rollout
+from megatron_dapo.rollout.remote import BridgeReceiver, Control, StoreQueue
+from megatron_dapo.rollout.types import SamplingSpec
+from megatron_dapo.training.failure import StopRequest
+from megatron_dapo.training.rollout_phase import filter_metric, validation_metrics
+from megatron_dapo.training.rollout_sources import prompt_data, total_steps
+from megatron_dapo.training.scoring import RolloutScorer, score_to_batch
+from megatron_dapo.weights.dist_format import hf_config_dir_of
+
+log = logging.getLogger("megatron_dapo.rollout_worker")
+
+IDLE_POLL_S = 0.02
+
+
+class RolloutWorker:
+    """One rollout rank (module docstring); ``fit`` serves the training ranks until they stop it."""
+
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        self.cfg = cfg
+        validate_config(cfg)
+        timeout_s = cfg.trainer.collective_timeout_s
+        self.info, self.platform = init_distributed(cfg.parallel, timeout_s, cfg.placement.rollout_ranks)
+        self.place = placement()
+        hf_dir = cfg.model.hf_config_dir or str(hf_config_dir_of(cfg.checkpoint.load_dir))
+        arch = model_arch_from_hf(hf_dir)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_dir, hf_dir)
+        ids = token_ids(self.tokenizer)
+        self.data = prompt_data(cfg, self.tokenizer)
+        plan = resolve(cfg, arch, self.place.world_size, self.platform, total_steps(cfg, self.data.sampler))
+        self.plan = plan
+        self.engine = RolloutEngine(cfg, hf_dir, self.platform, pad_token_id=ids.pad, eos_token_ids=ids.eos, plan=plan)
+        reward = RewardManager(self.tokenizer, cfg.reward, cfg.data.max_response_length, list(ids.eos))
+        self.scorer = RolloutScorer(reward, self.info.world_size, self.info.rank)
+        segments = plan.partial or PartialPlan(cfg.data.max_response_length, 1)
+        self.buffer = PartialRollout(self.engine, segments, cfg.data.max_response_length)
+        self.sampling = SamplingSpec.for_training(cfg, ids.eos)
+        self.val_sampling = SamplingSpec.for_validation(cfg, ids.eos)
+        self.receiver = BridgeReceiver(self.place.bridge, self.engine)
+        self.leader = self.info.rank == 0
+        self.queue, self.control = StoreQueue(self.place.store, timeout_s), Control(self.place.store, timeout_s)
+        self.version = self.start_version = -1
+        self.put_groups = 0
+        self.stats = {"rounds": 0, "groups_generated": 0, "groups_kept": 0, "busy_s": 0.0, "idle_s": 0.0}
+        self.served: dict[str, Any] = {"val": None, "snap": None}
+        self.stop_request = StopRequest()
+
+    # ------------------------------------------------------------------------------------------- the loop
+
+    def fit(self) -> dict[str, float]:
+        self.stop_request.install()
+        start = broadcast_object(self.control.wait("start", "the trainer's start") if self.leader else None)
+        self.start_version = int(start["version"])  # the engine holds dummy weights until the first push
+        if start["state"]:
+            self._restore(start["state"])
+        told = False
+        while True:
+            began = time.perf_counter()
+            act = broadcast_object(self._next_action() if self.leader else None)
+            if act["weights"] is not None:
+                self.receiver.receive()
+                self.version = act["weights"]
+            if act["val"] is not None:
+                self._validate(act["val"])
+            if act["snap"] is not None:
+                self._snapshot(act["snap"])
+            if act["stop"]:
+                return {}
+            if self.leader and self.stop_request.requested and not told:
+                self.control.post("stop_requested", True)  # the trainer stops at its next step boundary
+                told = True
+            if act["generate"]:
+                self._round(act["start"])
+                self.stats["busy_s"] += time.perf_counter() - began
+            else:
+                time.sleep(IDLE_POLL_S)
+                self.stats["idle_s"] += time.perf_counter() - began
+
+    def _next_action(self) -> dict[str, Any]:
+        """On the first rollout rank: what every rollout rank does next (weights, requests, stop, a round)."""
+        c = self.control
+        announced = c.read("weights")
+        weights = announced if announced is not None and announced != self.version else None
+        version = self.version if weights is None else weights
+        val, snap = c.read("val/request"), c.read("snap/request")
+        val = val if val is not None and val != self.served["val"] and val == version else None
+        snap = snap if snap is not None and snap != self.served["snap"] else None
+        self.served["val"] = val if val is not None else self.served["val"]
+        self.served["snap"] = snap if snap is not None else self.served["snap"]
+        start = self._startable(version) if version >= 0 else 0
+        pending = version >= 0 and any(g.started for g, _ in self.buffer.pending(self.stats["rounds"]))
+        return {
+            "weights": weights,
+            "val": val,
+            "snap": snap,
+            "stop": bool(c.read("stop")),
+            "generate": pending or start > 0,
+            "start": start,
+        }
+
+    def _startable(self, version: int) -> int:
+        """How many new groups may start now: the staleness gate and the queue bound (module docstring)."""
+        budget = (version - self.start_version + self.plan.max_staleness + 1) * self.cfg.data.train_batch_size
+        started = self.put_groups + sum(g.started for g in self.buffer.groups)
+        return max(0, min(budget - started, self.plan.queue_groups - self.queue.length()))
+
+    # ------------------------------------------------------------------------------------------- a round
+
+    def _round(self, start: int) -> None:
+        """A segment for every started response in flight, and the first segment of ``start`` new groups (a new
+        generation batch drawn when too few wait); the done groups scored, filtered and queued."""
+        step = self.stats["rounds"]
+        todo = [(g, j) for g, j in self.buffer.pending(step) if g.started]
+        if start > len(self.buffer.unstarted()):
+            rows = self.data.sampler.next_batch()
+            self.buffer.add(rows, [self.data.train[i]["input_ids"] for i in rows], self.cfg.rollout.n)
+        todo += [(g, j) for g in self.buffer.unstarted()[:start] for j in range(self.cfg.rollout.n)]
+        self.buffer.advance(todo, step, self.version, self.sampling, seed_offset=step)
+        self.stats["rounds"] += 1
+        done = self.buffer.take_done(len(self.buffer.groups))
+        if done:
+            self._queue_groups(done)
+        if self.leader:
+            self.control.post(
+                "stats",
+                {
+                    **self.stats,
+                    "epoch": self.data.sampler.epoch,
+                    "buffered_responses": self.buffer.buffered_responses(),
+                },
+            )
+
+    def _queue_groups(self, done: list[Group]) -> None:
+        """Score the done groups (every rollout rank), keep the informative ones, queue them (the first rank)."""
+        items = [self.data.train[g.item] for g in done]
+        tokenizer = self.tokenizer if self.cfg.trainer.rollout_data_dir else None
+        batch, reward_metrics = score_to_batch(
+            self.scorer, self.cfg, groups_to_rollout(done, self.engine.pad_token_id), items, tokenizer
+        )
+        n = self.cfg.rollout.n
+        ids = [g.key for g in done for _ in range(n)]
+        fg = self.cfg.algorithm.filter_groups
+        keep = filter_groups(filter_metric(batch, fg.metric), ids).tolist() if fg.enable else [True] * len(ids)
+        self.stats["groups_generated"] += len(done)
+        for i, group in enumerate(done):
+            if not keep[i * n]:
+                continue
+            self.stats["groups_kept"] += 1
+            self.put_groups += 1
+            if self.leader:
+                payload = {
+                    "key": group.key,
+                    "batch": batch.select(range(i * n, (i + 1) * n)),
+                    "group": asdict(group),
+                    "min_version": min(v for r in group.responses for v in r.versions),
+                    "reward_metrics": reward_metrics,
+                }
+                self.queue.put(pickle.dumps(payload))
+
+    # ------------------------------------------------------------------------------------------- requests
+
+    def _validate(self, version: int) -> None:
+        metrics = validation_metrics(self.engine, self.scorer, self.cfg, self.data.val, self.val_sampling)
+        if self.leader:
+            self.control.post(f"val/result/{version}", metrics)
+
+    def _snapshot(self, request: int) -> None:
+        """Everything not trained yet: the data position, the responses in flight, and the queued groups (they are
+        scored again after a resume)."""
+        if not self.leader:
+            return
+        queued = [pickle.loads(p)["group"] for p in self.queue.waiting()]
+        state = {"sampler": self.data.sampler.state_dict(), "buffer": self.buffer.state_dict(), "queued": queued}
+        self.control.post(f"snap/result/{request}", state)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """A checkpoint's snapshot: the data position, the responses in flight, the queued groups as done groups
+        (oldest first) to score again."""
+        self.data.sampler.load_state_dict(state["sampler"])
+        self.buffer.load_state_dict(state["buffer"])
+        queued = [
+            Group(int(g["key"]), int(g["item"]), list(g["prompt"]), [Response(**r) for r in g["responses"]])
+            for g in state["queued"]
+        ]
+        self.buffer.groups = queued + self.buffer.groups
+
+    def close(self) -> None:
+        self.stop_request.restore()
+        self.scorer.close()
+        teardown(self.engine)
