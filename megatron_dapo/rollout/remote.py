@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import dtypes
+from megatron_dapo.rollout.sync import quiet_partial_reload_logs
 
 PREFIX = "async/"
 
@@ -75,11 +76,17 @@ class BridgeReceiver:
 
     def receive(self) -> int:
         """One whole push; returns the bytes received."""
+        with quiet_partial_reload_logs():
+            received = self._buckets()
+        self.engine.after_weight_update()
+        return received
+
+    def _buckets(self) -> int:
         received = 0
         while True:
             header = bridge_object(self.bridge)
             if header is None:
-                break
+                return received
             dtype = dtypes.from_config_name(header[0][2], "weight push") if header else torch.float32
             flat = torch.empty(sum(_numel(shape) for _, shape, _ in header), dtype=dtype)
             _broadcast(self.bridge, flat)
@@ -89,8 +96,6 @@ class BridgeReceiver:
                 offset += _numel(shape)
             self.engine.load_weights(tensors)
             received += flat.numel() * flat.element_size()
-        self.engine.after_weight_update()
-        return received
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -334,6 +334,12 @@ def _quiet_loggers(names: tuple[str, ...]):
             lg.setLevel(level)
 
 
+def quiet_partial_reload_logs():
+    """vLLM's per-layer warnings of a reload that sends part of the model (expected with buckets; the sender checks
+    that every tensor is sent once)."""
+    return _quiet_loggers(_RELOAD_LOGGERS)
+
+
 def hf_weight_buckets(names: Sequence[str], sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
     """Group HF tensor names into load buckets that never split a module: a decoder layer (``model.layers.<i>.``)
     always goes whole into one bucket, other tensors singly; buckets fill up to ``bucket_bytes`` (a larger unit gets

@@ -124,12 +124,13 @@ class RolloutWorker:
         self.served["snap"] = snap if snap is not None else self.served["snap"]
         start = self._startable(version) if version >= 0 else 0
         pending = version >= 0 and any(g.started for g, _ in self.buffer.pending(self.stats["rounds"]))
+        waiting = self.buffer.num_done() > 0  # done groups to score and queue (a resume's queued groups)
         return {
             "weights": weights,
             "val": val,
             "snap": snap,
             "stop": bool(c.read("stop")),
-            "generate": pending or start > 0,
+            "generate": pending or waiting or start > 0,
             "start": start,
         }
 

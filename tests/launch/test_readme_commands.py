@@ -20,7 +20,8 @@ each command runs at most once per session.
 Classified today:
 
 * run: ``launch/run_local.sh configs/tiny_cpu.yaml trainer.total_training_steps=20`` (on the fresh clone it makes
-  the demo model, tokenizer and data first, as the quickstart would); ``source launch/env_cuda.sh`` (and
+  the demo model, tokenizer and data first, as the quickstart would), and the two 4-step runs with partial rollout
+  and in async mode; ``source launch/env_cuda.sh`` (and
   ``launch/env_ascend.sh``, which its comment names): the variables they export;
 * bound: ``megatron-dapo check … [overrides…]`` (the model's ``config.json``; the placeholder data and checkpoint
   paths are then its only problems); the converter both ways, ``megatron-dapo export`` and the 4-process
@@ -211,6 +212,23 @@ def check_training(clone: FreshClone, command: str) -> None:
     assert (clone.root / DEMO / "run" / "checkpoints" / "latest").read_text().strip() == "global_step_20"
 
 
+def check_partial_run(clone: FreshClone, command: str) -> None:
+    clone.ok(command)
+    rows = [json.loads(line) for line in (clone.root / "outputs/partial/metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "actor/pg_loss" in r]
+    assert len(trained) == 4 and all("rollout/partial/segments_mean" in r for r in trained)
+    assert max(r["rollout/partial/buffered_responses"] for r in trained) > 0  # 1-token segments: responses carried
+
+
+def check_async_run(clone: FreshClone, command: str) -> None:
+    clone.ok(command)
+    rows = [json.loads(line) for line in (clone.root / "outputs/async/metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "actor/pg_loss" in r]
+    assert len(trained) == 4 and all(r["async/staleness/max"] <= 1 for r in trained)
+    state = json.loads((clone.root / "outputs/async/checkpoints/global_step_4/trainer_state.json").read_text())
+    assert "rollout_state" in state  # the rollout rank's snapshot is in the checkpoint
+
+
 def sourced_env(clone: FreshClone, command: str) -> dict[str, str]:
     proc = clone.sh(f"{command} && env -0")
     assert proc.returncode == 0, proc.stderr
@@ -283,6 +301,14 @@ class Entry:
 
 
 TRAINING = "launch/run_local.sh configs/tiny_cpu.yaml trainer.total_training_steps=20"
+PARTIAL = (
+    "launch/run_local.sh configs/tiny_cpu.yaml trainer.total_training_steps=4 trainer.output_dir=outputs/partial"
+    " rollout.partial_rollout.enable=true rollout.partial_rollout.max_segments=4"
+)
+ASYNC = (
+    "launch/run_local.sh configs/tiny_cpu.yaml trainer.total_training_steps=4 trainer.output_dir=outputs/async"
+    " trainer.mode=async placement.rollout_ranks=1"
+)
 HF_TO_MCORE = "python tools/checkpoint_convert/convert.py hf-to-mcore --hf-dir H --save-dir M [--dtype bf16|fp16|fp32]"
 H = f"{DEMO}/hf_model"
 # README command (as extracted: continuations joined, comments dropped) → how it is checked. README order.
@@ -290,6 +316,8 @@ COMMANDS: dict[str, Entry] = {
     "bash launch/quickstart.sh": Entry("covered", check_quickstart_is_covered),
     "bash tests/run.sh": Entry("exempt", reason="runs ruff and the whole suite, this test included; CI runs it"),
     TRAINING: Entry("run", check_training, env={"MASTER_PORT": str(TRAIN_PORT)}),
+    PARTIAL: Entry("run", check_partial_run, env={"MASTER_PORT": str(TRAIN_PORT + 2)}),
+    ASYNC: Entry("run", check_async_run, env={"MASTER_PORT": str(TRAIN_PORT + 4)}),
     "source launch/env_cuda.sh": Entry("run", check_env_scripts),
     "NNODES=16 NODE_RANK=$i MASTER_ADDR=node0 NPROC_PER_NODE=8 launch/run_node.sh configs/dapo_qwen2.5_32b.yaml"
     " checkpoint.load_dir=/ckpt/qwen2.5-32b-mcore data.train_files=[/data/dapo-math-17k.parquet]": Entry(
