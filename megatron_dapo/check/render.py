@@ -278,7 +278,17 @@ def peak_lines(m: MemoryModel, nproc_per_node: int) -> list[str]:
             else f": OVER --device-memory-gb {capacity / GIB:g} by {gib(-spare).strip()}"
         )
     level_1 = f" + vLLM weights {gib(m.vllm_host_copy).strip()} while asleep (level 1)" if m.vllm_host_copy else ""
-    return [
+    rollout = []
+    if m.rollout_rank is not None:  # trainer.mode=async: the engine is on the rollout ranks only
+        over = ""
+        if capacity is not None:
+            over = " (fits)" if m.rollout_rank <= capacity else f" (OVER --device-memory-gb {capacity / GIB:g})"
+        rollout = [
+            f"  async: the phases above are a training rank's; each of the {m.plan.rollout_world} rollout ranks holds "
+            f"{gib(m.rollout_rank).strip()} = vLLM weights + KV cache + a received bucket and vLLM's staging copy"
+            + over
+        ]
+    return rollout + [
         f"  peak per rank: {peak.name} {gib(peak.device_total).strip()}{verdict}",
         f"  pinned host memory per rank: hand-off buffers {gib(m.pinned_buffers).strip()} (kept between steps)"
         + level_1

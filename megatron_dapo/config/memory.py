@@ -651,6 +651,9 @@ class MemoryModel:
     capacity: Optional[float]  # the device's bytes (--device-memory-gb)
     problems: tuple[str, ...]
     warnings: tuple[str, ...]
+    # trainer.mode=async: a rollout rank's bytes (vLLM weights + KV cache + a received bucket and vLLM's staging
+    # copy); the phases above are then a training rank's, without the engine. None in sync mode.
+    rollout_rank: Optional[float] = None
 
     @property
     def pinned_host(self) -> float:
@@ -701,6 +704,8 @@ class MemoryModel:
             update_pipeline_stage=self.act.update_stage,
         )
         numbers.update({f"memory_{k}_bytes": v for k, v in self._term_numbers()})
+        if self.rollout_rank is not None:
+            numbers.update(memory_rollout_rank_bytes=self.rollout_rank, rollout_ranks=p.rollout_world)
         numbers.update({f"memory_phase_{ph.name}_bytes": ph.device_total for ph in self.phases})
         numbers.update({f"memory_phase_{ph.name}_host_bytes": ph.host_total for ph in self.phases})
         return numbers
@@ -797,7 +802,7 @@ def _phase_note(name: str, plan: RunPlan, update_stage: int) -> tuple[bool, str]
     handoff, sleeps, pp = plan.handoff, plan.rollout.sleeps, plan.pp
     if name == "old_log_prob" and plan.off_policy_mode == "tis":
         return False, "not run: algorithm.off_policy.mode=tis takes the rollout log-probs as the old policy"
-    if name == "old_log_prob" and plan.on_policy_update and plan.partial is None:
+    if name == "old_log_prob" and plan.on_policy_update and plan.partial is None and plan.mode == "sync":
         return False, (
             "not run: actor.old_log_prob_forward=auto with one epoch and one mini-batch per step uses the update's "
             "own forward"
@@ -807,6 +812,12 @@ def _phase_note(name: str, plan: RunPlan, update_stage: int) -> tuple[bool, str]
     if name == "update" and pp > 1:
         first = "the first holds the most micro-batches in flight" if update_stage == 0 else "the last has the logits"
         return True, f"pipeline stage {update_stage} of {pp}: {first}"
+    if plan.mode == "async" and name in ("startup", "sync", "gen", "save"):
+        what = {
+            "sync": "gathers each bucket and sends it over the bridge",
+            "gen": "waits for the rollout ranks' groups",
+        }
+        return True, f"async: no engine on a training rank; it {what.get(name, 'holds the actor only')}"
     if name == "startup":
         after = "then it sleeps" if sleeps else "it never sleeps"
         return True, f"vLLM built with the actor resident, {after}; the reference is built after it"
@@ -913,13 +924,23 @@ def memory_model(
     act = _activations(plan, arch, cfg, params.counts)
     largest = _largest_module(plan, arch, params.counts)
     bucket = max(cfg.rollout.weight_sync_bucket_mb * MIB, largest)
-    buckets = bucket + bucket * plan.rollout_bytes // plan.param_bytes  # + vLLM's staging copy in its dtype
+    staging = bucket * plan.rollout_bytes // plan.param_bytes  # vLLM's staging copy of a bucket, in its dtype
+    buckets = bucket + staging
+    rollout_rank = None
+    if plan.mode == "async":  # the engine lives on the rollout ranks: a training rank holds none of it
+        rollout_rank = state["vLLM weights"] + kv.size + 2 * staging  # + the received bucket and vLLM's staging
+        state["vLLM weights"] = state["vLLM KV cache"] = 0.0
+        buckets = bucket
     rows = plan.batches.trajectories_per_step
     own = 8 * plan.batches.log_prob_sequences_per_rank * cfg.data.max_response_length  # fp32 log-prob + entropy
     gathered = 8 * rows * cfg.data.max_response_length + own
     phases = _phases(plan, state, _step_work(act, buckets, own, gathered), act.update_stage, capacity)
+    if rollout_rank is not None:  # a training rank's phases: no engine term at all
+        phases = tuple(
+            replace(ph, device={k: v for k, v in ph.device.items() if not k.startswith("vLLM")}) for ph in phases
+        )
     startup = None
-    if plan.on_device and capacity is not None:  # vLLM's start-up rule over what is resident before the engine
+    if plan.on_device and capacity is not None and rollout_rank is None:  # vLLM's start-up rule beside the actor
         resident = {k: v for k, v in phases[0].device.items() if not k.startswith("vLLM")}
         startup = StartupFit(sum(resident.values()), capacity, cfg.rollout.gpu_memory_utilization)
         phases = (replace(phases[0], note=f"{startup.note()}; {phases[0].note}", fits=startup.fits), *phases[1:])
@@ -951,6 +972,7 @@ def memory_model(
         startup=startup,
         pinned_buffers=_pinned_buffers(plan, state),
         vllm_host_copy=state["vLLM weights"] if sleeps_level_1 else 0.0,
+        rollout_rank=rollout_rank,
         capacity=capacity,
         problems=tuple(problems),
         warnings=tuple(_over_warnings(phases, capacity, startup is not None) if capacity is not None else ()),

@@ -214,3 +214,19 @@ def test_peak_and_numbers():
     none = model_of(memory_gb=None)
     assert none.startup is None and "memory_startup_free_bytes" not in none.numbers()
     assert all(ph.fits is None for ph in none.phases) and none.warnings == ()
+
+
+def test_async_splits_the_engine_off_the_training_ranks():
+    # trainer.mode=async on 12 ranks: the first 8 train (TP 2, DP 4: the same shards as above), the last 4 hold the
+    # engines (rollout TP 2 -> 2 replicas). A training rank holds no vLLM term in any phase and offloads nothing (no
+    # engine to make room for); a rollout rank holds vLLM's weights, its KV cache (0.5 x 1 GiB less the weights) and
+    # a received bucket (16 MiB, tiny_cpu.yaml) with vLLM's bf16 staging copy of it.
+    m = model_of("trainer.mode=async", "placement.rollout_ranks=4", world=12)
+    assert (m.plan.train_world, m.plan.rollout_world, m.plan.dp_size, m.plan.rollout.dp_size) == (8, 4, 4, 2)
+    for phase in m.phases:
+        assert not [k for k in phase.device if k.startswith("vLLM")], phase
+        assert phase.host == {}, phase
+    assert m.phase("gen").device == {"actor weights": P_RANK * BF16, "grads": P_RANK * 4, "optimizer": P_RANK * 12 / 4}
+    assert m.phase("sync").device["sync buckets"] == 16 * MIB  # the gathered bucket only: no staging copy here
+    assert m.rollout_rank == P_VLLM * BF16 + (0.5 * GIB - P_VLLM * BF16) + 2 * 16 * MIB
+    assert m.numbers()["memory_rollout_rank_bytes"] == m.rollout_rank and m.startup is None

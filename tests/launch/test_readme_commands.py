@@ -316,13 +316,13 @@ COMMANDS: dict[str, Entry] = {
     "bash launch/quickstart.sh": Entry("covered", check_quickstart_is_covered),
     "bash tests/run.sh": Entry("exempt", reason="runs ruff and the whole suite, this test included; CI runs it"),
     TRAINING: Entry("run", check_training, env={"MASTER_PORT": str(TRAIN_PORT)}),
-    PARTIAL: Entry("run", check_partial_run, env={"MASTER_PORT": str(TRAIN_PORT + 2)}),
-    ASYNC: Entry("run", check_async_run, env={"MASTER_PORT": str(TRAIN_PORT + 4)}),
     "source launch/env_cuda.sh": Entry("run", check_env_scripts),
     "NNODES=16 NODE_RANK=$i MASTER_ADDR=node0 NPROC_PER_NODE=8 launch/run_node.sh configs/dapo_qwen2.5_32b.yaml"
     " checkpoint.load_dir=/ckpt/qwen2.5-32b-mcore data.train_files=[/data/dapo-math-17k.parquet]": Entry(
         "dry-run", check_cluster_launch_dry_run, reason="16 nodes x 8 GPUs, the 32B model and the DAPO data"
     ),
+    PARTIAL: Entry("run", check_partial_run, env={"MASTER_PORT": str(TRAIN_PORT + 2)}),
+    ASYNC: Entry("run", check_async_run, env={"MASTER_PORT": str(TRAIN_PORT + 4)}),
     "megatron-dapo check configs/dapo_qwen2.5_32b.yaml --nnodes 16 --nproc-per-node 8 --device-memory-gb 80"
     " [overrides…]": Entry("bound", check_check, binding={"[overrides…]": f"model.hf_config_dir={QWEN32B_DIR}"}),
     HF_TO_MCORE: Entry(
