@@ -84,7 +84,9 @@ class RolloutWorker:
 
     def fit(self) -> dict[str, float]:
         self.stop_request.install()
-        start = broadcast_object(self.control.wait("start", "the trainer's start") if self.leader else None)
+        start = broadcast_object(self._wait_for_start() if self.leader else None)
+        if start is None:
+            return {}  # the trainer stopped before generating anything (e.g. a resumed run that was complete)
         self.start_version = int(start["version"])  # the engine holds dummy weights until the first push
         if start["state"]:
             self._restore(start["state"])
@@ -110,6 +112,17 @@ class RolloutWorker:
             else:
                 time.sleep(IDLE_POLL_S)
                 self.stats["idle_s"] += time.perf_counter() - began
+
+    def _wait_for_start(self) -> Any:
+        """The trainer's start message, or None when it stops first."""
+        timeout_s = self.cfg.trainer.collective_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            start = self.control.read("start")
+            if start is not None or self.control.read("stop"):
+                return start
+            time.sleep(IDLE_POLL_S)
+        raise RuntimeError(f"the training ranks sent no start within trainer.collective_timeout_s={timeout_s:g}")
 
     def _next_action(self) -> dict[str, Any]:
         """On the first rollout rank: what every rollout rank does next (weights, requests, stop, a round)."""
