@@ -47,7 +47,26 @@ class RolloutState:
         return self.latest
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.latest = self.restored = dict(state) or None
+        self.latest = dict(state)
+        if self.latest:
+            self.restored = self.latest
+
+
+class DataPosition:
+    """The ``data_state`` component in async mode: the data position inside the rollout ranks' snapshot, under the
+    name synchronous runs use, so that either mode resumes the other's checkpoint at its data position (responses in
+    flight in the other mode are not carried over)."""
+
+    def __init__(self, state: RolloutState) -> None:
+        self.state = state
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        return self.state.latest.get("sampler")  # None (no snapshot yet) is saved as null: nothing to restore
+
+    def load_state_dict(self, position: dict[str, Any]) -> None:
+        if position and self.state.restored is None:  # a synchronous run's checkpoint: only its data position
+            empty = {"next_key": 0, "groups": []}
+            self.state.restored = {"sampler": dict(position), "buffer": empty, "queued": []}
 
 
 class RemoteRolloutPhase:
@@ -75,7 +94,8 @@ class RemoteRolloutPhase:
         self.epoch = 0
 
     def checkpoint_states(self) -> dict[str, Any]:
-        return {"rollout_state": self.state}
+        # rollout_state first: it is restored before data_state looks whether a snapshot came with the checkpoint.
+        return {"rollout_state": self.state, "data_state": DataPosition(self.state)}
 
     def engine_released(self) -> None:
         """The rollout ranks' engines never sleep."""

@@ -1,7 +1,9 @@
 """The DAPO training loop. This file is the only place that knows the order of a step; read ``fit`` top-down.
 
 Every torchrun process runs the same code (SPMD): it holds a slice of the Megatron-Core actor, a slice of the frozen
-reference (when a KL term is on) and a member of the colocated vLLM engine. Only rank 0 logs.
+reference (when a KL term is on) and a member of the colocated vLLM engine. Only rank 0 logs. With
+``trainer.mode=async`` the last ``placement.rollout_ranks`` processes run ``training/rollout_worker.py`` instead, and
+the others this trainer, whose rollout phase is their remote end (``training/async_phase.py``); the step is the same.
 """
 
 from __future__ import annotations
@@ -119,18 +121,19 @@ class DAPOTrainer:
     def _build_rollout(self, hf_dir: str) -> tuple[Optional[RolloutEngine], Any]:
         """The colocated engine (weights from the first sync) and the rollout phase that keeps it in step with the
         actor; in async mode the engines are on the rollout ranks and the phase is their remote end."""
-        cfg, sync_from = self.cfg, lambda target: WeightSync(target, self.arch, cfg)
+        cfg = self.cfg
         if self.plan.mode == "async":
             place = placement()
-            weight_sync = sync_from(BridgeSender(place.bridge, self.plan.rollout, self.platform))
-            push = lambda: weight_sync.sync(self.actor.chunks)  # noqa: E731
-            return None, RemoteRolloutPhase(cfg, self.plan, place, push, self.dumper, self.info.is_main)
+            pushes = WeightSync(BridgeSender(place.bridge, self.plan.rollout, self.platform), self.arch, cfg)
+            return None, RemoteRolloutPhase(
+                cfg, self.plan, place, lambda: pushes.sync(self.actor.chunks), self.dumper, self.info.is_main
+            )
         self.handoff.before_engine_start()
         engine = RolloutEngine(
             cfg, hf_dir, self.platform, pad_token_id=self.ids.pad, eos_token_ids=self.ids.eos, plan=self.plan
         )
         self.handoff.after_engine_start(engine)
-        weight_sync = sync_from(engine)
+        weight_sync = WeightSync(engine, self.arch, cfg)
         reward = RewardManager(self.tokenizer, cfg.reward, cfg.data.max_response_length, list(self.ids.eos))
         phase = RolloutPhase(
             cfg,

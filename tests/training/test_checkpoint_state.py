@@ -67,3 +67,40 @@ def test_registration_and_in_place_restore(tmp_path) -> None:
     moved = kl.value
     assert manager.load_component_states({"data_state": None, "trainer": {}}) == ["kl_ctrl", "data_state"]
     assert kl.value == moved and sampler.position == 1 and trainer.num_partial_batches == 2
+
+
+def test_async_rollout_state_and_the_data_position_across_modes(tmp_path) -> None:
+    """trainer.mode=async keeps the rollout ranks' snapshot as ``rollout_state`` and its data position as
+    ``data_state``: an async run resumes a synchronous run's checkpoint at its data position, and a synchronous run
+    an async one's."""
+    from megatron_dapo.training.async_phase import DataPosition, RolloutState
+
+    def async_manager() -> tuple[CheckpointManager, RolloutState]:
+        state = RolloutState()
+        return CheckpointManager(tmp_path, states={"rollout_state": state, "data_state": DataPosition(state)}), state
+
+    sync_sampler = PromptSampler(8, 2)
+    sync_sampler.next_batch()
+    from_sync = json.loads(json.dumps({"data_state": sync_sampler.state_dict()}))
+    manager, state = async_manager()
+    assert manager.load_component_states(from_sync) == ["rollout_state"]
+    assert state.restored == {
+        "sampler": sync_sampler.state_dict(),
+        "buffer": {"next_key": 0, "groups": []},
+        "queued": [],
+    }
+
+    snapshot = {"sampler": {**sync_sampler.state_dict(), "position": 3}, "buffer": {"next_key": 9, "groups": []}}
+    snapshot["queued"] = [{"key": 7, "item": 2, "prompt": [5], "responses": []}]
+    manager, state = async_manager()
+    state.latest = snapshot  # what before_save received from the rollout ranks
+    saved = json.loads(json.dumps(manager.component_states()))
+    assert saved == {"rollout_state": snapshot, "data_state": snapshot["sampler"]}
+    manager, state = async_manager()
+    assert manager.load_component_states(saved) == [] and state.restored == snapshot
+    resumed_sync = PromptSampler(8, 2)
+    resumed_sync.load_state_dict(saved["data_state"])
+    assert resumed_sync.position == 3
+    # Before any snapshot (nothing generated yet) there is no data position to save: null, restored as nothing.
+    manager, state = async_manager()
+    assert manager.component_states() == {"rollout_state": {}, "data_state": None}
