@@ -53,6 +53,9 @@ class TrainBatch:
     # (reward.overlong_filter) and without the filler rows of an exhausted dynamic-sampling step. Default: a copy of
     # response_mask.
     loss_mask: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
+    # Multi-turn rollout: 1 on the tokens the model sampled, 0 on tool turns (rollout/multi_turn.py); None = every
+    # response token was sampled. ``model_mask`` is what advantages and the rollout-mismatch metrics read.
+    sampled_mask: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
     rollout_log_probs: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)  # the engine's, per token
     # The rollout engine's MoE routing (actor.router_replay=rollout): for every token, in each of the model's L MoE
     # layers (in layer order, dense layers left out), the K experts it was routed to. Integer [B, P, L, K] (prompt
@@ -83,6 +86,11 @@ class TrainBatch:
     advantages: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
     returns: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
     rollout_is_weights: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)  # truncated IS weights
+
+    @property
+    def model_mask(self) -> torch.Tensor:
+        """The response tokens the model sampled (all of them unless a multi-turn rollout added tool turns)."""
+        return self.response_mask if self.sampled_mask is None else self.sampled_mask
 
     def __post_init__(self) -> None:
         rows, width = self.responses.shape

@@ -74,6 +74,7 @@ from megatron_dapo.parallel import broadcast_object, init_distributed, teardown
 from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.reward.math_dapo import INVALID_ANSWER
 from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.multi_turn import build_generator, tool_schemas
 from megatron_dapo.rollout.sync import load_hf_weights_into_engine
 from megatron_dapo.rollout.types import SamplingSpec
 from megatron_dapo.training.checkpoint import CONFIG_FILE, LATEST, CheckpointError, resolve_resume
@@ -488,7 +489,7 @@ def run_eval(
 
         tokenizer = load_tokenizer(cfg.model.tokenizer_dir, hf_dir)  # --tokenizer is in the config by now
         ids = token_ids(tokenizer)
-        dataset = build_dataset(cfg.data.val_files, tokenizer, cfg.data, name="eval")
+        dataset = build_dataset(cfg.data.val_files, tokenizer, cfg.data, name="eval", tools=tool_schemas(cfg))
         items = [dataset[i] for i in range(len(dataset))]
         sampling = SamplingSpec.for_validation(cfg, ids.eos)
 
@@ -500,7 +501,11 @@ def run_eval(
             dtypes.from_config_name(engine.rollout_plan.dtype, "rollout.dtype"),
             cfg.rollout.weight_sync_bucket_mb,
         )
-        rollout = engine.generate([it["input_ids"] for it in items], sampling, seed_offset=0)
+        generator = build_generator(cfg, engine, tokenizer)  # multi-turn with tools when the config says so
+        try:
+            rollout = generator.generate(items, sampling, seed_offset=0)
+        finally:
+            generator.close()
 
         # 3. Scoring and the report, on rank 0.
         summary: Optional[dict] = None

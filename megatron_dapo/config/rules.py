@@ -135,6 +135,13 @@ def _rollout_ranges(out: _Problems, r: RolloutConfig) -> None:
     out.need("rollout.sleep_level", r.sleep_level, r.sleep_level in (None, 1, 2), "null (platform default), 1 or 2")
     out.positive_int("rollout.partial_rollout.max_segments", r.partial_rollout.max_segments)
     out.positive_int("rollout.partial_rollout.segment_length", r.partial_rollout.segment_length, True)
+    mt = r.multi_turn
+    out.positive_int("rollout.multi_turn.max_assistant_turns", mt.max_assistant_turns, True)
+    out.positive_int("rollout.multi_turn.max_parallel_calls", mt.max_parallel_calls)
+    out.positive_int("rollout.multi_turn.max_tool_response_length", mt.max_tool_response_length)
+    out.need("rollout.multi_turn.tool_timeout_s", mt.tool_timeout_s, mt.tool_timeout_s > 0, "a value > 0 (seconds)")
+    out.positive_int("rollout.multi_turn.max_concurrent_tool_calls", mt.max_concurrent_tool_calls)
+    out.positive_int("rollout.multi_turn.tool_memory_mb", mt.tool_memory_mb, True)
     v = r.val_kwargs
     _sampling_ranges(out, "rollout.val_kwargs", v.temperature, v.top_p, v.top_k)
     out.positive_int("rollout.val_kwargs.n", v.n)
@@ -317,7 +324,29 @@ def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     steps = cfg.trainer.total_training_steps
     if steps is not None:
         problems += lr_schedule_problems(cfg.actor.optim, steps, "trainer.total_training_steps")
-    return problems + _off_policy_problems(cfg) + _async_problems(cfg)
+    return problems + _off_policy_problems(cfg) + _async_problems(cfg) + _multi_turn_problems(cfg)
+
+
+def _multi_turn_problems(cfg: ExperimentConfig) -> list[str]:
+    """Multi-turn rollout against the rest of the config (what it does not combine with yet is refused by name)."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return []
+    problems = []
+    if not mt.tool_config_path:
+        problems.append("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path (a tool YAML)")
+    others = {
+        "rollout.partial_rollout.enable=true": cfg.rollout.partial_rollout.enable,
+        "trainer.mode=async": cfg.trainer.mode == "async",
+        "actor.router_replay=rollout": cfg.actor.router_replay == "rollout",
+    }
+    for name, on in others.items():
+        if on:
+            problems.append(
+                f"rollout.multi_turn.enable=true with {name}: multi-turn rollout runs synchronously and without "
+                "routing replay for now (docs/agent.md); set one of them off"
+            )
+    return problems
 
 
 def _async_problems(cfg: ExperimentConfig) -> list[str]:

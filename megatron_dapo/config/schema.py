@@ -175,6 +175,24 @@ class PartialRolloutConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollout with tool calls (docs/agent.md), under verl's ``rollout.multi_turn`` keys: a response
+    alternates model turns and tool turns until the model answers without a tool call, ``max_assistant_turns`` is
+    reached or ``data.max_response_length`` tokens are used. Only the model's tokens are trained (the loss mask)."""
+
+    enable: bool = False
+    tool_config_path: Optional[str] = None  # a verl-style tool YAML (agent/tools.py)
+    max_assistant_turns: Optional[int] = None  # None = until the response budget is used
+    max_parallel_calls: int = 1  # tool calls executed per model turn (later ones are dropped, as verl)
+    max_tool_response_length: int = 256  # characters of a tool's text kept (verl)
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    format: Literal["hermes"] = "hermes"  # the tool-call format (Qwen2.5/Qwen3 chat templates)
+    tool_timeout_s: float = 30.0  # per call; a late call is answered "error: ... timed out"
+    max_concurrent_tool_calls: int = 16  # per rank
+    tool_memory_mb: Optional[int] = None  # the address-space limit of the tool process; None = none
+
+
+@dataclass
 class RolloutConfig:
     tensor_model_parallel_size: int = 1
     n: int = 8
@@ -203,6 +221,7 @@ class RolloutConfig:
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     partial_rollout: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from megatron_dapo.config import DataConfig
 from megatron_dapo.data.prompts import prompt_text, truncate_prompt
@@ -30,7 +30,14 @@ class RLDataset:
     - ``index``: the item's position in this dataset (after filtering), i.e. the sampler's index.
     """
 
-    def __init__(self, rows: Sequence[dict], tokenizer: Any, data_config: DataConfig, name: str = "dataset") -> None:
+    def __init__(
+        self,
+        rows: Sequence[dict],
+        tokenizer: Any,
+        data_config: DataConfig,
+        name: str = "dataset",
+        tools: Optional[list[dict]] = None,
+    ) -> None:
         self.name = name
         self.config = data_config
         max_length = data_config.max_prompt_length
@@ -39,7 +46,7 @@ class RLDataset:
         if not rows:
             raise DataError(f"{name}: no rows")
 
-        texts, places = _prompt_texts(rows, tokenizer, data_config, name)
+        texts, places = _prompt_texts(rows, tokenizer, data_config, name, tools)
         all_ids = _tokenize(tokenizer, texts)
         self.num_filtered = 0
         self._items: list[dict] = []
@@ -54,6 +61,7 @@ class RLDataset:
                 {
                     "input_ids": ids,
                     "raw_prompt": text,
+                    "prompt_messages": row[data_config.prompt_key],  # the multi-turn reward's conversation starts here
                     "data_source": row["data_source"],
                     "ground_truth": row["reward_model"]["ground_truth"],
                     "extra_info": dict(row.get("extra_info") or {}),
@@ -84,15 +92,16 @@ class RLDataset:
 
 
 def _prompt_texts(
-    rows: Sequence[dict], tokenizer: Any, data_config: DataConfig, name: str
+    rows: Sequence[dict], tokenizer: Any, data_config: DataConfig, name: str, tools: Optional[list[dict]] = None
 ) -> tuple[list[str], list[str]]:
-    """Validate every row; returns the prompts' texts (chat template applied) and the rows' locations (messages)."""
+    """Validate every row; returns the prompts' texts (chat template applied, given the ``tools`` schemas of a
+    multi-turn run, which templates such as Qwen's list in the system turn) and the rows' locations (messages)."""
     texts: list[str] = []
     places: list[str] = []
     for i, row in enumerate(rows):
         where = row_location(row, f"{name}: row {i}")
         validate_row(row, where, data_config.prompt_key)
-        texts.append(prompt_text(row[data_config.prompt_key], tokenizer, data_config.apply_chat_template, where))
+        texts.append(prompt_text(row[data_config.prompt_key], tokenizer, data_config.apply_chat_template, where, tools))
         places.append(where)
     return texts, places
 
@@ -107,7 +116,11 @@ def _tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 
 
 def build_dataset(
-    files: Sequence[str | Path], tokenizer: Any, data_config: DataConfig, name: str = "dataset"
+    files: Sequence[str | Path],
+    tokenizer: Any,
+    data_config: DataConfig,
+    name: str = "dataset",
+    tools: Optional[list[dict]] = None,
 ) -> RLDataset:
     """``load_rows`` + ``RLDataset``: the dataset of ``data.train_files`` or ``data.val_files``."""
-    return RLDataset(load_rows(files, data_config.prompt_key), tokenizer, data_config, name=name)
+    return RLDataset(load_rows(files, data_config.prompt_key), tokenizer, data_config, name=name, tools=tools)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 from megatron_dapo.data.rows import DataError
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 
 
-def prompt_text(prompt: Any, tokenizer: Any, apply_chat_template: bool, where: str = "prompt") -> str:
+def prompt_text(
+    prompt: Any, tokenizer: Any, apply_chat_template: bool, where: str = "prompt", tools: Optional[list] = None
+) -> str:
     """The text fed to the tokenizer for one prompt.
 
     - a list of messages with ``apply_chat_template``: the tokenizer's chat template with the generation prompt
@@ -27,7 +29,8 @@ def prompt_text(prompt: Any, tokenizer: Any, apply_chat_template: bool, where: s
             f"{where}: the tokenizer has no chat_template; set data.apply_chat_template=false to use the raw text"
         )
     try:
-        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        kwargs = {"tools": tools} if tools else {}  # multi-turn: the tool schemas, as verl passes them
+        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as exc:  # jinja raises template-defined errors (e.g. "roles must alternate")
         raise DataError(f"{where}: the chat template failed on this prompt: {exc}") from exc
     if not isinstance(text, str):  # some processors return a list for batched input

@@ -261,6 +261,27 @@ class ReplicaResults:
         if self._verdict_group is None and "gloo" not in str(dist.get_backend()):
             self._verdict_group = dist.new_group(backend="gloo", timeout=timeout)
 
+    def gather_objects(self, objects: list) -> list:
+        """Leaders' picklable lists on every rank, concatenated in replica order (see ``gather``)."""
+        holder: list = [None]
+        if self.tp_rank == 0:
+            parts: list = [objects]
+            if self._leader_group is not None:
+                parts = [None] * (self.world_size // self.tp_size)
+                dist.all_gather_object(parts, objects, group=self._leader_group)
+            holder = [parts]
+        if self._replica_group is not None:
+            dist.broadcast_object_list(holder, src=self.dp_rank * self.tp_size, group=self._replica_group)
+        return [obj for part in holder[0] for obj in part]
+
+    def broadcast_in_replica(self, obj: Any) -> Any:
+        """The replica leader's ``obj`` on each of its TP ranks (itself when the replica has one rank)."""
+        if self._replica_group is None:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=self.dp_rank * self.tp_size, group=self._replica_group)
+        return holder[0]
+
     def gather(self, rows: list) -> list[Row]:
         """Every replica's rows on every rank, sorted by (prompt, sample); raises if TP peers sampled differently.
 
@@ -472,6 +493,38 @@ class RolloutEngine:
             outputs = self._seeded(lambda: self._llm_generate(inputs, params), seed_offset)
             rows = [(k, 0, *_completion(out), None) for k, out in zip(share, outputs)]
         return [Segment(r[2], r[3], r[4]) for r in self._results.gather(rows)]
+
+    # ------------------------------------------------------------------- request level (rollout/multi_turn.py)
+
+    def add_request(
+        self, request_id: str, token_ids: Sequence[int], sampling: SamplingSpec, max_tokens: int, seed_key: tuple
+    ) -> None:
+        """Queue one request on this rank's engine member (not collective: a replica's TP ranks must add the same
+        requests in the same order between the same ``step`` calls). ``seed_key`` seeds it where seeds are per
+        request; with engine seeding, ``seeded_session`` reseeds once for the whole session."""
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_awake("add_request")
+        seed = request_seed(self.cfg.rollout.seed, *seed_key) if self.per_request_seed else None
+        params = _sampling_params(dataclasses.replace(sampling, n=1, max_tokens=max_tokens), seed)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it ends
+        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": [int(t) for t in token_ids]}, params)
+
+    def step(self) -> list[tuple[str, Segment]]:
+        """One engine step: the requests that ended in it, as (request id, segment)."""
+        return [(out.request_id, Segment(*_completion(out))) for out in self.llm.llm_engine.step() if out.finished]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.llm.llm_engine.has_unfinished_requests())
+
+    def seeded_session(self, run: Callable[[], Any], seed_offset: int) -> Any:
+        """``run()`` (a session of ``add_request``/``step`` calls) under the replica's RNG discipline."""
+        return self._seeded(run, seed_offset)
+
+    def gather_objects(self, objects: list) -> list:
+        """Every replica's ``objects`` on every rank, concatenated in replica order (collective over all ranks; TP
+        peers pass their leader's objects, which are the ones kept)."""
+        return self._results.gather_objects(objects)
 
     def _llm_generate(self, inputs: list[list[int]], params: list) -> list:
         return self.llm.generate([{"prompt_token_ids": ids} for ids in inputs], params, use_tqdm=False)

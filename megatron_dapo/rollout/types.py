@@ -131,6 +131,11 @@ class RolloutBatch:
     # Partial rollout only: the policy version (training step whose weights the engine held) of each response token,
     # ``[B, T]`` int64, 0 on padding (rollout/partial.py).
     token_versions: Optional[torch.Tensor] = None
+    # Multi-turn only (rollout/multi_turn.py): ``loss_mask[B, T]`` 1 on the tokens the model sampled, 0 on tool
+    # output and template tokens (their rollout log-prob is 0); ``turns`` per row: the conversation for the reward
+    # (``messages``), ``num_turns`` (assistant turns), ``tool_calls`` and the tools' step rewards (``tool_rewards``).
+    loss_mask: Optional[torch.Tensor] = None
+    turns: Optional[list[dict]] = None
 
     def __len__(self) -> int:
         return int(self.responses.shape[0])

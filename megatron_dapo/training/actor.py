@@ -500,7 +500,7 @@ class MegatronActor:
                 log_probs,
                 entropy,
                 loss_mask=mb.loss_mask,
-                response_mask=mb.response_mask,
+                response_mask=mb.loss_mask,  # the tokens the rollout sampled (and that are trained)
                 advantages=mb.advantages,
                 cfg=self.cfg,
                 norm=norm,

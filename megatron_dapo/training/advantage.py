@@ -27,7 +27,7 @@ def batch_advantages(
             rewards,
             batch.old_log_probs,
             batch.ref_log_probs,
-            batch.response_mask,
+            batch.model_mask,
             kl_ctrl.value,
             algorithm.kl_penalty,
         )
@@ -41,7 +41,7 @@ def batch_advantages(
         scores=rewards.sum(-1),
         group_ids=batch.group_ids,
         # Filler groups of an exhausted step are not trained: keep them out of batch-level statistics.
-        response_mask=batch.response_mask * trained_rows.unsqueeze(-1),
+        response_mask=batch.model_mask * trained_rows.unsqueeze(-1),
         token_level_rewards=rewards,
         norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
         gamma=algorithm.gamma,
@@ -49,6 +49,6 @@ def batch_advantages(
     batch.advantages, batch.returns = advantages.float(), returns.float()
     if is_threshold and batch.old_log_probs is not None:
         batch.rollout_is_weights = compute_rollout_is_weights(
-            batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, is_threshold
+            batch.old_log_probs, batch.rollout_log_probs, batch.model_mask, is_threshold
         )
     return metrics

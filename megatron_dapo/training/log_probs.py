@@ -32,7 +32,7 @@ def batch_log_probs(
 ) -> dict[str, float]:
     """Fill ``batch.old_log_probs`` (None on the on-policy path) and ``batch.ref_log_probs`` (with a reference);
     ``version`` is the policy version the actor holds. Returns the staleness, mismatch and IS-weight metrics."""
-    metrics = staleness_metrics(batch.token_versions, batch.response_mask, version)
+    metrics = staleness_metrics(batch.token_versions, batch.model_mask, version)
     stale = metrics["async/staleness/max"] > 0
     if plan.off_policy_mode == "tis":
         batch.old_log_probs = batch.rollout_log_probs
@@ -41,11 +41,11 @@ def batch_log_probs(
             old = actor.compute_log_probs(batch, temperature)
         batch.old_log_probs = old["log_probs"]
         metrics["perf/padding_ratio/old_log_prob"] = old["padding_ratio"]
-        metrics.update(logprob_diff_metrics(old["log_probs"], batch.rollout_log_probs, batch.response_mask))
+        metrics.update(logprob_diff_metrics(old["log_probs"], batch.rollout_log_probs, batch.model_mask))
         metrics.update(nonfinite_count(batch.old_log_probs, batch, "actor/num_nonfinite_old_log_probs"))
         if plan.is_threshold is not None:
             metrics.update(
-                is_weight_metrics(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, plan.is_threshold)
+                is_weight_metrics(batch.old_log_probs, batch.rollout_log_probs, batch.model_mask, plan.is_threshold)
             )
     if ref is not None:
         with timed("ref", timings):

@@ -54,7 +54,7 @@ def compute_data_metrics(
         max_response_length = int(batch.responses.shape[1])
     scores = batch.token_level_scores.sum(-1)
     rewards = (batch.token_level_rewards if batch.token_level_rewards is not None else batch.token_level_scores).sum(-1)
-    response_mask = batch.response_mask.bool()
+    response_mask = batch.model_mask.bool()
 
     aborted = response_length == 0
     if bool(aborted.all()):

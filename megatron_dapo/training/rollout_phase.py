@@ -19,6 +19,7 @@ from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import partial_plan
 from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.multi_turn import build_generator
 from megatron_dapo.rollout.types import SamplingSpec
 from megatron_dapo.training.loggers import RolloutDumper
 from megatron_dapo.training.metrics import compute_val_metrics, reduce_metrics
@@ -51,8 +52,9 @@ class RolloutPhase:
         self.train_sampling = SamplingSpec.for_training(cfg, eos_ids)
         self.val_sampling = SamplingSpec.for_validation(cfg, eos_ids)
         partial = partial_plan(cfg)
+        self.generator = build_generator(cfg, engine, tokenizer)
         self.source = (
-            WholeGroups(engine, data, self.train_sampling)
+            WholeGroups(self.generator, data, self.train_sampling)
             if partial is None
             else PartialGroups(engine, data, self.train_sampling, partial, cfg.data.max_response_length, cfg.rollout.n)
         )
@@ -99,6 +101,7 @@ class RolloutPhase:
 
     def close(self) -> None:
         self.scorer.close()
+        self.generator.close()
 
     def collect(self, step: int, weights_step: int, timings: dict) -> Optional[tuple[TrainBatch, dict]]:
         """Generate and score rounds of groups (``rollout_sources``), keeping informative groups, until the training
@@ -182,17 +185,22 @@ class RolloutPhase:
         """Generate with the validation sampling parameters on the whole validation set; accuracy per data source.
         The engine is left awake with the current weights for the next rollout."""
         self.prepare_engine(weights_step, timings)
-        return validation_metrics(self.engine, self.scorer, self.cfg, self.data.val, self.val_sampling)
+        return validation_metrics(self.generator, self.scorer, self.cfg, self.data.val, self.val_sampling)
 
 
 def validation_metrics(
-    engine: RolloutEngine, scorer: RolloutScorer, cfg: ExperimentConfig, val: Any, sampling: SamplingSpec
+    generator: Any, scorer: RolloutScorer, cfg: ExperimentConfig, val: Any, sampling: SamplingSpec
 ) -> dict[str, float]:
-    """The whole validation set generated with the validation sampling and scored: accuracy per data source."""
+    """The whole validation set generated (``generator``: ``rollout/multi_turn.py``'s ``SingleTurn`` or
+    ``MultiTurnRollout``) with the validation sampling and scored: accuracy per data source, and the tools' use
+    (``val-aux/tool/*``) in a multi-turn run."""
     items = [val[i] for i in range(len(val))]
-    rollout = engine.generate([it["input_ids"] for it in items], sampling, seed_offset=0)
+    generator.metrics()  # the training rounds' counts are reported with their step, not here
+    rollout = generator.generate(items, sampling, seed_offset=0)
     batch, _ = score_to_batch(scorer, cfg, rollout, items)
-    return compute_val_metrics(batch.data_source, batch.acc.tolist(), sampling.n)
+    metrics = compute_val_metrics(batch.data_source, batch.acc.tolist(), sampling.n)
+    metrics.update({f"val-aux/{k}": v for k, v in generator.metrics().items()})
+    return metrics
 
 
 def nonfinite_count(values: torch.Tensor, batch: TrainBatch, metric: str) -> dict[str, float]:

@@ -20,6 +20,7 @@ from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import PartialPlan
 from megatron_dapo.data import PromptSampler, build_dataset
 from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.multi_turn import tool_schemas
 from megatron_dapo.rollout.partial import PartialRollout, groups_to_rollout, segments_of
 from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec
 
@@ -34,21 +35,20 @@ class PromptData:
 
 
 class WholeGroups:
-    """Synchronous rollout: every round is a new generation batch, generated whole."""
+    """Synchronous rollout: every round is a new generation batch, generated whole by the run's ``generator``
+    (single-turn, or multi-turn with tools: ``rollout/multi_turn.py``)."""
 
-    def __init__(self, engine: RolloutEngine, data: PromptData, sampling: SamplingSpec) -> None:
-        self.engine, self.data, self.sampling = engine, data, sampling
+    def __init__(self, generator: Any, data: PromptData, sampling: SamplingSpec) -> None:
+        self.generator, self.data, self.sampling = generator, data, sampling
 
     def round(self, step: int, version: int, need: int, index: int) -> Round:
         items = [self.data.train[i] for i in self.data.sampler.next_batch()]
-        rollout = self.engine.generate(
-            [it["input_ids"] for it in items], self.sampling, seed_offset=step * 1000 + index
-        )
+        rollout = self.generator.generate(items, self.sampling, seed_offset=step * 1000 + index)
         ids = [f"{step}-{index}-{int(i)}" for i in rollout.prompt_index]
         return rollout, items, ids
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        return self.generator.metrics()
 
 
 class PartialGroups:
@@ -112,8 +112,11 @@ class PartialGroups:
 
 
 def prompt_data(cfg: ExperimentConfig, tokenizer) -> PromptData:
-    train = build_dataset(cfg.data.train_files, tokenizer, cfg.data, name="train")
-    val = build_dataset(cfg.data.val_files, tokenizer, cfg.data, name="val") if cfg.data.val_files else None
+    tools = tool_schemas(cfg)
+    train = build_dataset(cfg.data.train_files, tokenizer, cfg.data, name="train", tools=tools)
+    val = None
+    if cfg.data.val_files:
+        val = build_dataset(cfg.data.val_files, tokenizer, cfg.data, name="val", tools=tools)
     gen_batch_size = cfg.data.gen_batch_size or cfg.data.train_batch_size
     return PromptData(train, val, PromptSampler(len(train), gen_batch_size, cfg.data.shuffle, cfg.data.seed))
 

@@ -34,6 +34,7 @@ from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.parallel import broadcast_object, init_distributed, placement, teardown
 from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.multi_turn import SingleTurn
 from megatron_dapo.rollout.partial import Group, PartialRollout, Response, groups_to_rollout
 from megatron_dapo.rollout.remote import BridgeReceiver, Control, StoreQueue
 from megatron_dapo.rollout.types import SamplingSpec
@@ -209,7 +210,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------------------------------- requests
 
     def _validate(self, version: int) -> None:
-        metrics = validation_metrics(self.engine, self.scorer, self.cfg, self.data.val, self.val_sampling)
+        metrics = validation_metrics(SingleTurn(self.engine), self.scorer, self.cfg, self.data.val, self.val_sampling)
         if self.leader:
             self.control.post(f"val/result/{version}", metrics)
 

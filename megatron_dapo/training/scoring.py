@@ -21,13 +21,13 @@ from megatron_dapo.rollout.types import RolloutBatch
 
 
 def reward_inputs(rollout: RolloutBatch, items: list[dict]) -> tuple[list, list, list]:
-    """The data source, ground truth and extra info of each rollout row's prompt."""
+    """The data source, ground truth and extra info of each rollout row's prompt; in a multi-turn rollout the extra
+    info also holds the row's conversation (``messages``), ``num_turns``, ``tool_calls`` and ``tool_rewards``."""
     rows = rollout.prompt_index.tolist()
-    return (
-        [items[i]["data_source"] for i in rows],
-        [items[i]["ground_truth"] for i in rows],
-        [items[i]["extra_info"] for i in rows],
-    )
+    extras = [items[i]["extra_info"] for i in rows]
+    if rollout.turns is not None:
+        extras = [{**extra, **turns} for extra, turns in zip(extras, rollout.turns)]
+    return [items[i]["data_source"] for i in rows], [items[i]["ground_truth"] for i in rows], extras
 
 
 class RolloutScorer:
@@ -82,7 +82,8 @@ def score_to_batch(
     info; with a ``tokenizer``, the prompt and response texts too (for the rollout dump)."""
     rows = rollout.prompt_index.tolist()
     result = scorer(rollout, items)
-    loss_mask = rollout.response_mask.clone()
+    # Multi-turn: only the tokens the model sampled are trained (tool turns are not).
+    loss_mask = (rollout.response_mask if rollout.loss_mask is None else rollout.loss_mask).clone()
     if cfg.reward.overlong_filter:
         loss_mask[result.overlong] = 0
     batch = TrainBatch(
@@ -91,6 +92,7 @@ def score_to_batch(
         responses=rollout.responses,
         response_mask=rollout.response_mask,
         loss_mask=loss_mask,
+        sampled_mask=rollout.loss_mask,
         rollout_log_probs=rollout.rollout_log_probs,
         token_versions=rollout.token_versions,
         truncated=rollout.truncated,
