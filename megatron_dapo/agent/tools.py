@@ -36,7 +36,7 @@ from typing import Any, Optional
 import yaml
 
 from megatron_dapo.agent.hermes import ToolCall
-from megatron_dapo.config.schema import ConfigError
+from megatron_dapo.errors import ConfigError
 from megatron_dapo.user_code import load_python_file
 
 __all__ = ["BaseTool", "ToolResult", "ToolRunner", "ToolSpec", "build_tools", "read_tool_config"]

@@ -1,6 +1,6 @@
 """The run's input files, as ``megatron-dapo check`` checks them: the checkpoints (metadata, manifest and
 architecture; no tensor data), every data row (and the tokenized prompts of a sample), and each reward function,
-called once per data source on that source's first row."""
+called once per data source on that source's first row; a multi-turn run's tools, built and created once."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_dapo.config import extra_function_spec
+from megatron_dapo.agent.tools import read_tool_config
+from megatron_dapo.config import ConfigError, extra_function_spec
 from megatron_dapo.config.plan import uses_reference
 from megatron_dapo.config.schema import ExperimentConfig
 from megatron_dapo.data.prompts import prompt_text, truncate_prompt
@@ -285,6 +286,56 @@ class InputChecker:
                 f"{context}: raised {type(exc).__name__}: {exc}; fix the function (the trainer would score every "
                 f"such response reward.error_score={self.cfg.reward.error_score:g})"
             )
+
+    # ----------------------------------------------------------------------------------------- tools
+
+    def check_tools(self) -> None:
+        """A multi-turn run's tool YAML: read, every class imported and built in the tool process, ``create`` and
+        ``release`` called once (with the ``tools_kwargs`` of the first data row that has them), and every tool that
+        a checked row's ``extra_info.tools_kwargs`` names defined."""
+        mt = self.cfg.rollout.multi_turn
+        if not mt.enable or not mt.tool_config_path:
+            return  # a missing path is a config rule's problem
+        path = mt.tool_config_path
+        try:
+            specs = read_tool_config(path)
+        except ConfigError as exc:
+            self.problems.append(str(exc))
+            return
+        names = {s.name for s in specs}
+        first_kwargs: Optional[dict] = None
+        for where, row in (self.data_sources[k] for k in sorted(self.data_sources)):
+            kwargs = (row.get("extra_info") or {}).get("tools_kwargs")
+            unknown = sorted(set(kwargs or {}) - names)
+            if unknown:
+                self.problems.append(
+                    f"{where}: extra_info.tools_kwargs names {unknown}, which {path} does not define "
+                    f"(tools: {sorted(names)})"
+                )
+            first_kwargs = first_kwargs if first_kwargs is not None else kwargs
+        problem = _try_tools(specs, first_kwargs, mt.tool_timeout_s)
+        if problem:
+            self.problems.append(f"rollout.multi_turn.tool_config_path={path}: {problem}")
+            return
+        tools = ", ".join(sorted(names))
+        self.lines.append(f"  rollout.multi_turn.tool_config_path: {path}: {tools} (built, create/release ok)")
+
+
+def _try_tools(specs: list, tools_kwargs: Optional[dict], timeout_s: float) -> Optional[str]:
+    """Build the tools in their own process, as the rollout does, and create and release one instance."""
+    from megatron_dapo.agent.host import ToolHost  # starts a process: only for multi-turn configs
+
+    with ToolHost(specs, timeout_s) as host:
+        try:
+            host.start()
+        except RuntimeError as exc:
+            return str(exc)
+        try:
+            created = host.create("check-0", tools_kwargs).result(timeout=timeout_s + 10)
+            host.release("check-0").result(timeout=timeout_s + 10)
+        except TimeoutError:
+            return f"create/release did not return within {timeout_s:g} s (rollout.multi_turn.tool_timeout_s)"
+        return f"create failed: {created}" if isinstance(created, str) else None
 
 
 def _bind(fn: Any, source: str, response: str, truth: Any, extra: Any) -> Callable[[], Any]:

@@ -249,6 +249,7 @@ class _Checker:
         if self.range_ok:
             inputs.check_data()
         inputs.check_rewards()
+        inputs.check_tools()
         self.problems.extend(inputs.problems)
         lines = [f"megatron-dapo check {self.config_path or '(defaults)'} {' '.join(self.overrides)}".rstrip()]
         model = self.memory(self.resolve_plan()) if layout_ok else None

@@ -1,5 +1,5 @@
 """The experiment configuration's typed sections: one dataclass per YAML section, read once (``load.py``) and
-passed down. Nothing here imports the rest of the package: every other module may import it.
+passed down. Nothing here imports the rest of the package (but ``errors``): every other module may import it.
 """
 
 from __future__ import annotations
@@ -7,23 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown, of the wrong type or inconsistent with another value.
-
-    ``problems`` lists every problem found (a check that collects several reports them all at once).
-    """
-
-    def __init__(self, message: str, problems: Optional[list[str]] = None) -> None:
-        super().__init__(message)
-        self.problems = problems if problems is not None else [message]
-
-    @classmethod
-    def of(cls, problems: list[str]) -> ConfigError:
-        if len(problems) == 1:
-            return cls(problems[0])
-        return cls(f"{len(problems)} config problems:\n  - " + "\n  - ".join(problems), problems)
-
+from megatron_dapo.errors import ConfigError  # noqa: F401 - re-exported: defined in a light module (no torch)
 
 # --------------------------------------------------------------------------------------------------- sections
 

@@ -196,7 +196,8 @@ class MetricsLogger:
 
 class RolloutDumper:
     """Writes a step's samples to ``<rollout_data_dir>/<step>.jsonl``: one ``{prompt, response, score, step}`` row
-    per sample (verl's ``trainer.rollout_data_dir``), with the sample's group id as ``uid`` when given."""
+    per sample (verl's ``trainer.rollout_data_dir``), with the sample's group id as ``uid`` when given and any
+    per-sample ``extras`` (a multi-turn rollout's token ids and loss mask) merged in."""
 
     def __init__(self, rollout_data_dir: str) -> None:
         self.dir = Path(rollout_data_dir)
@@ -209,6 +210,7 @@ class RolloutDumper:
         responses: Sequence[str],
         scores: Sequence[float],
         uids: Optional[Sequence[str]] = None,
+        extras: Optional[Sequence[dict]] = None,
     ) -> Path:
         if not len(prompts) == len(responses) == len(scores):
             raise ValueError(
@@ -221,5 +223,7 @@ class RolloutDumper:
                 row = {"prompt": prompt, "response": response, "score": float(score), "step": step}
                 if uids is not None:
                     row["uid"] = uids[i]
+                if extras is not None:
+                    row.update(extras[i])
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
         return path

@@ -158,7 +158,8 @@ class RolloutPhase:
         batch.group_ids = group_ids
         if self.dumper is not None:
             uids = [str(gid[-1]) for gid in group_ids]  # (generation batch, group id) → the group id
-            self.dumper.dump(step, batch.prompt_text, batch.response_text, batch.seq_rewards.tolist(), uids)
+            rewards = batch.seq_rewards.tolist()
+            self.dumper.dump(step, batch.prompt_text, batch.response_text, rewards, uids, turn_extras(batch))
         return batch, metrics
 
     def _partial_batch(
@@ -201,6 +202,17 @@ def validation_metrics(
     metrics = compute_val_metrics(batch.data_source, batch.acc.tolist(), sampling.n)
     metrics.update({f"val-aux/{k}": v for k, v in generator.metrics().items()})
     return metrics
+
+
+def turn_extras(batch: TrainBatch) -> Optional[list[dict]]:
+    """A multi-turn batch's per-sample token ids and loss mask (1 = sampled by the model), for the rollout dump."""
+    if batch.sampled_mask is None:
+        return None
+    lengths = batch.response_mask.sum(-1).tolist()
+    return [
+        {"response_ids": batch.responses[r, :n].tolist(), "loss_mask": batch.sampled_mask[r, :n].tolist()}
+        for r, n in enumerate(lengths)
+    ]
 
 
 def nonfinite_count(values: torch.Tensor, batch: TrainBatch, metric: str) -> dict[str, float]:

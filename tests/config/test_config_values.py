@@ -33,6 +33,9 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
         ("data.train_batch_size=0", "data.train_batch_size=0"),
         ("rollout.val_kwargs.n=0", "rollout.val_kwargs.n=0"),
         ("model.hidden_dropout=1.0", "model.hidden_dropout=1.0: expected a value in [0, 1)"),
+        ("rollout.multi_turn.max_assistant_turns=0", "rollout.multi_turn.max_assistant_turns=0: expected an integer"),
+        ("rollout.multi_turn.tool_timeout_s=0", "rollout.multi_turn.tool_timeout_s=0.0: expected a value > 0"),
+        ("rollout.multi_turn.enable=true", "rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path"),
     ],
 )
 def test_out_of_range_values_are_rejected_naming_key_and_range(override, expected):
@@ -51,6 +54,16 @@ def test_all_problems_are_reported_at_once():
         "actor.ppo_mini_batch_size",
         "rollout.n",
     }
+
+
+def test_multi_turn_refuses_what_it_does_not_combine_with_yet():
+    base = ["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=tools.yaml"]
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIG, base + ["rollout.partial_rollout.enable=true", "trainer.mode=async"])
+    text = str(err.value)
+    assert "rollout.multi_turn.enable=true with rollout.partial_rollout.enable=true" in text
+    assert "rollout.multi_turn.enable=true with trainer.mode=async" in text
+    assert load_config(CONFIG, base).rollout.multi_turn.tool_config_path == "tools.yaml"
 
 
 def test_greedy_rollout_with_dynamic_sampling_names_the_real_cause():

@@ -1,0 +1,215 @@
+"""The tool host (``agent/host.py``): user tools in a real child process, every way a tool can fail (raise, time
+out, exit, exhaust memory, hang holding the GIL) ending as a message and a count, and the host serving on."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from megatron_dapo.agent.hermes import ToolCall
+from megatron_dapo.agent.host import ToolHost
+from megatron_dapo.agent.tools import ToolSpec
+
+USER_TOOLS = '''
+import os, re, resource, sys, time
+
+class Secret:
+    """Holds a per-sample secret (create_kwargs); a verl-style class: (config, tool_schema)."""
+    def __init__(self, config, tool_schema):
+        self.offset, self.secrets = config["offset"], {}
+    def create(self, instance_id, secret=0):
+        self.secrets[instance_id] = secret
+    def execute(self, instance_id, arguments):
+        time.sleep(arguments.get("sleep", 0))
+        return str(self.secrets[instance_id] + arguments["x"] + self.offset), 0.5, {"looked_up": 1}
+    def release(self, instance_id):
+        self.secrets.pop(instance_id)
+
+class Misbehave:
+    """Fails as the call says."""
+    def __init__(self, config, tool_schema): pass
+    def create(self, instance_id): pass
+    def release(self, instance_id): pass
+    def execute(self, instance_id, arguments):
+        how = arguments["how"]
+        if how == "probe":  # where it runs, what it imported, under what memory limit
+            limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+            return f"{os.getpid()} {'torch' in sys.modules} {limit}"
+        if how == "raise":
+            raise KeyError("boom")
+        if how == "sysexit":
+            sys.exit(4)
+        if how == "sleep":
+            time.sleep(arguments["s"])
+        if how == "exit":
+            os._exit(3)
+        if how == "hog":
+            return str(len(bytearray(arguments["mb"] * 2**20)))
+        if how == "spin":
+            while True:
+                pass
+        if how == "regex":  # catastrophic backtracking: C code that holds the GIL for ages
+            re.match(r"(a+)+$", "a" * 40 + "!")
+        return how
+'''
+
+
+def specs(tmp_path) -> list[ToolSpec]:
+    (tmp_path / "user_tools.py").write_text(USER_TOOLS)
+    schema = lambda name: {"type": "function", "function": {"name": name, "parameters": {}}}  # noqa: E731
+    return [
+        ToolSpec(f"{tmp_path / 'user_tools.py'}:Secret", {"offset": 100}, schema("secret")),
+        ToolSpec(f"{tmp_path / 'user_tools.py'}:Misbehave", {}, schema("misbehave")),
+    ]
+
+
+def counts(host: ToolHost) -> dict[str, float]:
+    return {k: v for k, v in host.metrics().items() if not k.startswith("tool/latency")}
+
+
+def expect(calls=0, errors=0, timeouts=0, unknown_tool=0, bad_call=0, crashes=0) -> dict[str, float]:
+    out = dict(calls=calls, errors=errors, timeouts=timeouts, unknown_tool=unknown_tool, bad_call=bad_call)
+    return {f"tool/{k}": float(v) for k, v in {**out, "crashes": crashes}.items()}
+
+
+def probe(host: ToolHost) -> tuple[int, str, int]:
+    """The child's pid, whether it imported torch, and its address-space limit."""
+    pid, torch, limit = host.call("p", ToolCall("misbehave", {"how": "probe"})).result(timeout=30).text.split()
+    return int(pid), torch, int(limit)
+
+
+def misbehave(host: ToolHost, how: str, **arguments):
+    return host.call("m", ToolCall("misbehave", {"how": how, **arguments}))
+
+
+def test_user_tool_from_a_file_serves_many_instances_concurrently(tmp_path):
+    with ToolHost(specs(tmp_path), timeout_s=5, max_concurrency=4) as host:
+        host.start()
+        pid, torch, _ = probe(host)
+        assert pid != os.getpid() and torch == "False"  # a child that imported no torch
+        created = [host.create(f"s{i}", {"secret": {"create_kwargs": {"secret": 10 * i}}}) for i in range(8)]
+        assert [f.result(timeout=30) for f in created] == [None] * 8
+        started = time.perf_counter()
+        futures = [host.call(f"s{i}", ToolCall("secret", {"x": i, "sleep": 0.3})) for i in range(8)]
+        results = [f.result(timeout=30) for f in futures]
+        elapsed = time.perf_counter() - started
+        assert [r.text for r in results] == [str(100 + 11 * i) for i in range(8)]  # each sample's own secret
+        assert {(r.status, r.reward, tuple(r.metrics.items())) for r in results} == {("ok", 0.5, (("looked_up", 1.0),))}
+        assert 0.55 < elapsed < 2.0  # 8 calls of 0.3 s, 4 at a time: two waves, not one, not eight
+        assert [host.release(f"s{i}").result(timeout=30) for i in range(8)] == [None] * 8
+        assert counts(host) == expect(calls=9)
+        assert 0.3 <= host.metrics()["tool/latency_max_s"] < 2.0
+        host.reset_metrics()
+        assert counts(host) == expect() and host.metrics()["tool/latency_max_s"] == 0.0
+
+
+def test_failures_become_messages_and_the_host_serves_on(tmp_path):
+    with ToolHost(specs(tmp_path), timeout_s=0.4, grace_s=10) as host:
+        host.create("m").result(timeout=30)
+        pid = probe(host)[0]
+        raised, exited = misbehave(host, "raise").result(30), misbehave(host, "sysexit").result(30)
+        assert (raised.status, raised.text) == ("error", "error: misbehave failed: KeyError: 'boom'")
+        assert (exited.status, exited.text) == ("error", "error: misbehave failed: SystemExit: 4")
+        unknown = host.call("m", ToolCall("nope", {})).result(30)
+        assert unknown.status == "unknown_tool" and unknown.text.startswith("error: no tool named 'nope'")
+        bad = host.call("m", ToolCall(error="the tool call is not valid JSON")).result(30)
+        assert (bad.status, bad.text) == ("bad_call", "error: the tool call is not valid JSON")
+        unsendable = misbehave(host, lambda: 0).result(30)  # cannot be pickled
+        assert unsendable.status == "bad_call" and unsendable.text.startswith("error: the request cannot be sent")
+        slow = misbehave(host, "sleep", s=3).result(30)  # a sync tool: its thread sleeps on
+        assert (slow.status, slow.text) == ("timeout", "error: misbehave timed out after 0.4 s")
+        started = time.perf_counter()
+        assert misbehave(host, "fine").result(30).text == "fine"
+        assert time.perf_counter() - started < 1.0 and probe(host)[0] == pid  # at once, by the same child
+        assert counts(host) == expect(calls=9, errors=2, timeouts=1, unknown_tool=1, bad_call=2)
+
+
+def test_a_tool_that_exits_crashes_the_calls_in_flight_and_the_host_restarts(tmp_path):
+    with ToolHost(specs(tmp_path), timeout_s=10) as host:
+        host.create("a", {"secret": {"create_kwargs": {"secret": 7}}}).result(timeout=30)
+        pid = probe(host)[0]
+        other = host.call("a", ToolCall("secret", {"x": 1, "sleep": 2}))  # in flight when the child dies
+        time.sleep(0.2)
+        exited = misbehave(host, "exit").result(timeout=30)
+        assert (exited.status, exited.text) == ("crashed", "error: the tool process died (exit code 3) during the call")
+        assert other.result(timeout=30).status == "crashed" and "exit code 3" in other.result().text
+        assert counts(host) == expect(calls=3, crashes=1)
+        lost = host.call("a", ToolCall("secret", {"x": 1})).result(timeout=30)  # instances died with the child
+        assert (lost.status, lost.text) == ("error", "error: secret failed: KeyError: 'a'")
+        assert probe(host)[0] != pid
+        host.create("a", {"secret": {"create_kwargs": {"secret": 7}}}).result(timeout=30)
+        assert host.call("a", ToolCall("secret", {"x": 1})).result(timeout=30).text == "108"
+        assert counts(host) == expect(calls=6, errors=1, crashes=1)
+
+
+def test_memory_limit_turns_a_huge_allocation_into_an_error(tmp_path):
+    with ToolHost(specs(tmp_path), timeout_s=10, memory_mb=256) as host:
+        pid, _, limit = probe(host)
+        assert limit == 256 * 2**20
+        assert misbehave(host, "hog", mb=64).result(timeout=30).text == str(64 * 2**20)  # under the limit: fine
+        hog = misbehave(host, "hog", mb=4096).result(timeout=30)
+        assert (hog.status, hog.text) == ("error", "error: misbehave failed: MemoryError: ")
+        assert probe(host)[0] == pid  # the same child goes on
+        assert counts(host) == expect(calls=4, errors=1)
+
+
+def test_watchdog_kills_the_child_when_a_timed_out_sync_tool_spins_on(tmp_path):
+    with ToolHost(specs(tmp_path), timeout_s=0.3, grace_s=0.4) as host:
+        pid = probe(host)[0]
+        spin = misbehave(host, "spin").result(timeout=30)
+        assert (spin.status, spin.text) == ("timeout", "error: misbehave timed out after 0.3 s")
+        assert counts(host)["tool/crashes"] == 0.0  # answered at timeout_s; its thread spins on ...
+        deadline = time.monotonic() + 10
+        while counts(host)["tool/crashes"] == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert counts(host) == expect(calls=2, timeouts=1, crashes=1)  # ... and is killed at timeout_s + grace_s
+        assert probe(host)[0] != pid  # a fresh child answers
+
+
+def test_watchdog_kills_a_tool_that_holds_the_gil(tmp_path):
+    with ToolHost(specs(tmp_path), timeout_s=0.3, grace_s=0.4) as host:
+        pid = probe(host)[0]
+        host.create("a", {"secret": {"create_kwargs": {"secret": 1}}}).result(timeout=30)
+        stuck = misbehave(host, "regex")  # the child's event loop cannot run: no timeout fires inside
+        time.sleep(0.5)  # its deadline is 0.5 s after the stuck call's: not overdue at the kill
+        bystander = host.call("a", ToolCall("secret", {"x": 1}))
+        assert (stuck.result(timeout=30).status, stuck.result().text) == (
+            "timeout",
+            "error: misbehave did not return within 0.7 s; the tool process was killed",
+        )
+        assert (bystander.result(timeout=30).status, bystander.result().text) == (
+            "crashed",
+            "error: the tool process was killed during the call (another call hung)",
+        )
+        assert counts(host) == expect(calls=3, timeouts=1, crashes=1)
+        assert probe(host)[0] != pid
+
+
+def test_a_tool_class_that_cannot_be_imported_is_a_config_error(tmp_path):
+    broken = [*specs(tmp_path), ToolSpec("no_such_module_xyz.Tool", {}, {"function": {"name": "ghost"}})]
+    with ToolHost(broken) as host, pytest.raises(RuntimeError) as err:
+        host.start()
+    assert str(err.value) == (
+        "the tools could not be built: tool class 'no_such_module_xyz.Tool' (tool 'ghost'): "
+        "ModuleNotFoundError: No module named 'no_such_module_xyz'"
+    )
+    with ToolHost(broken) as lazy:  # not started: the requests say why
+        result = lazy.call("a", ToolCall("secret", {"x": 1})).result(timeout=30)
+        assert result.status == "crashed" and result.text.startswith("error: the tool process could not start: ")
+        assert "no_such_module_xyz.Tool" in result.text
+        assert "no_such_module_xyz.Tool" in lazy.create("a").result(timeout=30)
+        assert counts(lazy) == expect(calls=1)
+
+
+def test_close_stops_the_child_and_is_idempotent(tmp_path):
+    host = ToolHost(specs(tmp_path))
+    with host:
+        pid = probe(host)[0]
+        os.kill(pid, 0)  # alive
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # stopped and reaped
+    host.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        host.call("a", ToolCall("secret", {"x": 1}))
