@@ -502,13 +502,14 @@ class RolloutEngine:
         """Queue one request on this rank's engine member (not collective: a replica's TP ranks must add the same
         requests in the same order between the same ``step`` calls). ``seed_key`` seeds it where seeds are per
         request; with engine seeding, ``seeded_session`` reseeds once for the whole session."""
+        from vllm.inputs.engine import tokens_input  # already-rendered token ids: nothing for vLLM to tokenize
         from vllm.sampling_params import RequestOutputKind
 
         self._check_awake("add_request")
         seed = request_seed(self.cfg.rollout.seed, *seed_key) if self.per_request_seed else None
         params = _sampling_params(dataclasses.replace(sampling, n=1, max_tokens=max_tokens), seed)
         params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it ends
-        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": [int(t) for t in token_ids]}, params)
+        self.llm.llm_engine.add_request(request_id, tokens_input([int(t) for t in token_ids]), params)
 
     def step(self) -> list[tuple[str, Segment]]:
         """One engine step: the requests that ended in it, as (request id, segment)."""
@@ -525,6 +526,10 @@ class RolloutEngine:
         """Every replica's ``objects`` on every rank, concatenated in replica order (collective over all ranks; TP
         peers pass their leader's objects, which are the ones kept)."""
         return self._results.gather_objects(objects)
+
+    def broadcast_in_replica(self, obj: Any) -> Any:
+        """The replica leader's ``obj`` on each of its TP ranks (collective over the replica)."""
+        return self._results.broadcast_in_replica(obj)
 
     def _llm_generate(self, inputs: list[list[int]], params: list) -> list:
         return self.llm.generate([{"prompt_token_ids": ids} for ids in inputs], params, use_tqdm=False)

@@ -89,6 +89,13 @@ SHIPPED = {
         None,
         dict(dp_size=2, rollout_dp_size=2, max_model_len=28, warmup_steps=2),
     ),
+    # launch/agent_quickstart.sh: the tool task of megatron_dapo/tasks/agent.py (MODEL_SHAPE: 128 positions)
+    "tiny_agent_cpu.yaml": (
+        {**TINY_HF, "max_position_embeddings": 128},
+        2,
+        None,
+        dict(dp_size=2, rollout_dp_size=2, max_model_len=72, warmup_steps=2),
+    ),
     # 16 nodes x 8 GPUs; DAPO-Math-17k (17,917 prompts) / gen_batch_size 1536 = 11 steps in its one epoch
     "dapo_qwen2.5_32b.yaml": (
         QWEN25_32B,

@@ -27,7 +27,8 @@ Classified today:
   paths are then its only problems); the converter both ways, ``megatron-dapo export`` and the 4-process
   ``verify.py`` (on the demo model, the training run's checkpoint and the converter's output);
 * dry-run: the 16-node ``launch/run_node.sh`` launch (needs 16 nodes × 8 GPUs, the 32B model and the DAPO data);
-* covered: ``bash launch/quickstart.sh`` (``tests/e2e/test_quickstart.py``, 60 steps: too long to run twice);
+* covered: ``bash launch/quickstart.sh`` (``tests/e2e/test_quickstart.py``, 60 steps: too long to run twice) and
+  ``bash launch/agent_quickstart.sh`` (``tests/e2e/test_agent_e2e.py``);
 * exempt: ``bash tests/run.sh`` (the whole suite, this test included; CI runs it as ``.ci/run``).
 """
 
@@ -204,6 +205,11 @@ def check_quickstart_is_covered(clone: FreshClone, command: str) -> None:
     assert '["bash", "launch/quickstart.sh"]' in covering.read_text(), f"{covering} no longer runs {command!r}"
 
 
+def check_agent_quickstart_is_covered(clone: FreshClone, command: str) -> None:
+    covering = REPO / "tests" / "e2e" / "test_agent_e2e.py"
+    assert '["bash", "launch/agent_quickstart.sh"]' in covering.read_text(), f"{covering} no longer runs {command!r}"
+
+
 def check_training(clone: FreshClone, command: str) -> None:
     proc = clone.ok(command)
     assert f"[run_local] configs/tiny_cpu.yaml: {DEMO}/hf_model/config.json is missing" in proc.stdout
@@ -323,6 +329,7 @@ COMMANDS: dict[str, Entry] = {
     ),
     PARTIAL: Entry("run", check_partial_run, env={"MASTER_PORT": str(TRAIN_PORT + 2)}),
     ASYNC: Entry("run", check_async_run, env={"MASTER_PORT": str(TRAIN_PORT + 4)}),
+    "bash launch/agent_quickstart.sh": Entry("covered", check_agent_quickstart_is_covered),
     "megatron-dapo check configs/dapo_qwen2.5_32b.yaml --nnodes 16 --nproc-per-node 8 --device-memory-gb 80"
     " [overrides…]": Entry("bound", check_check, binding={"[overrides…]": f"model.hf_config_dir={QWEN32B_DIR}"}),
     HF_TO_MCORE: Entry(

@@ -1,0 +1,147 @@
+"""Agentic RL end to end (torchrun, 2 CPU processes, vLLM + megatron-core, tools in their own process): the README's
+``bash launch/agent_quickstart.sh``, i.e. ``configs/tiny_agent_cpu.yaml`` on the tool task of
+``megatron_dapo/tasks/agent.py``.
+
+* the policy learns to call its tool with the right box and to answer the digit the tool returns (validation from
+  near chance to >= 0.9, the tool called in >= 90% of validation samples); the tool is a user class from a file,
+  loaded from a verl-style tool YAML;
+* every dumped sample's token ids and loss mask line up: mask-0 runs are exactly the chat template's tool turns (the
+  tokens ``ToolTurns`` renders for their text), mask-1 runs are model turns (a call that is followed by a tool
+  turn, the last one an answer);
+* ``megatron-dapo eval`` on the final checkpoint runs the same tools and scores what the last validation scored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from megatron_dapo.agent.chat import ToolTurns
+from tests.e2e.test_quickstart import ALARM
+from tests.e2e.test_train_e2e import REPO, launch, read_metrics, wait_ok
+
+LAST_LINE = re.compile(
+    r"first_val_acc=([0-9.]+) final_val_acc=([0-9.]+) tool_called_frac=([0-9.]+) eval_acc=([0-9.]+)"
+    r" steps=\d+ wall_s=\d+"
+)
+TOOL_TURN = re.compile(
+    r"\n<\|im_start\|>user\n<tool_response>\n(.*)\n</tool_response><\|im_end\|>\n<\|im_start\|>assistant\n", re.S
+)
+VAL_ACC = "val-core/lookup/acc/mean@1"
+
+
+def runs(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
+    """(mask value, tokens) of each maximal run of equal mask values."""
+    out: list[tuple[int, list[int]]] = []
+    for tok, m in zip(ids, mask):
+        if out and out[-1][0] == m:
+            out[-1][1].append(tok)
+        else:
+            out.append((m, [tok]))
+    return out
+
+
+def check_dumped_masks(dump: Path, tokenizer) -> int:
+    """Every sample's runs: model turn first; tool runs exactly as rendered; returns how many tool turns were seen."""
+    turns = ToolTurns(tokenizer)
+    eos = tokenizer.eos_token_id
+    tool_turns = 0
+    for path in sorted(dump.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            ids, mask = row["response_ids"], row["loss_mask"]
+            assert len(ids) == len(mask) and ids and mask[0] == 1
+            parts = runs(ids, mask)
+            for k, (m, toks) in enumerate(parts):
+                text = tokenizer.decode(toks, skip_special_tokens=False)
+                if m == 0:
+                    match = TOOL_TURN.fullmatch(text)
+                    assert match, text
+                    assert toks == turns.tokens([match.group(1)])  # token in, token out: the template's own tokens
+                    tool_turns += 1
+                    model_turn = tokenizer.decode(parts[k - 1][1], skip_special_tokens=False)
+                    assert "<tool_call>" in model_turn and parts[k - 1][1][-1] == eos
+            assert row["response"] == tokenizer.decode(ids, skip_special_tokens=True)
+    return tool_turns
+
+
+@pytest.mark.slow
+def test_agent_quickstart_learns_with_its_tool_and_masks_line_up(tmp_path):
+    out = tmp_path / "agent"
+    env = dict(os.environ, AGENT_DIR=str(out), MASTER_PORT="29975")
+    proc = subprocess.run(
+        ["bash", "launch/agent_quickstart.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1500
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    alarms = [line for line in log.splitlines() if ALARM.search(line)]
+    assert not alarms, "warning/traceback lines on a healthy run's console:\n" + "\n".join(alarms[:40])
+    match = LAST_LINE.fullmatch(proc.stdout.strip().splitlines()[-1])
+    assert match, proc.stdout[-2000:]
+    first, final, called, eval_acc = (float(match[k]) for k in (1, 2, 3, 4))
+    assert first <= 0.3 and final >= 0.9 and called >= 0.9, match[0]
+    assert eval_acc == pytest.approx(final, abs=1e-12)  # eval ran the same tools, greedy, on the same checkpoint
+
+    run = out / "run"
+    rows = read_metrics(run)
+    val = [r[VAL_ACC] for r in rows if VAL_ACC in r]
+    assert val[0] == first and val[-1] == final
+    trained = [r for r in rows if "actor/pg_loss" in r]
+    assert trained and all(r["tool/calls"] > 0 and r["tool/crashed"] == 0 and r["tool/timeout"] == 0 for r in trained)
+    tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
+    assert check_dumped_masks(run / "rollouts", tokenizer) > 1000
+
+
+@pytest.fixture(scope="module")
+def agent_task(tmp_path_factory) -> dict:
+    from megatron_dapo.tasks.agent import prepare
+    from megatron_dapo.weights.convert import convert_hf_to_mcore
+
+    root = tmp_path_factory.mktemp("agent_task")
+    info = prepare(root, seed=0, measure=False)
+    convert_hf_to_mcore(info["hf_model"], root / "mcore")
+    return {**info, "mcore": str(root / "mcore")}
+
+
+def run_one_step(task: dict, out: Path, port: int, *extra: str) -> list[dict]:
+    """One training step (and the validation before it) of configs/tiny_agent_cpu.yaml; the step's dumped samples."""
+    args = [
+        f"model.hf_config_dir={task['hf_model']}",
+        f"model.tokenizer_dir={task['tokenizer']}",
+        f"checkpoint.load_dir={task['mcore']}",
+        f"data.train_files=[{task['train']}]",
+        f"data.val_files=[{task['val']}]",
+        f"rollout.multi_turn.tool_config_path={task['tool_config']}",
+        f"trainer.output_dir={out}",
+        f"trainer.rollout_data_dir={out / 'dump'}",
+        "trainer.total_training_steps=1",
+        "actor.optim.lr_warmup_steps=0",
+        "rollout.n=8",  # CI-sized: 6 prompts x 8 per generation batch, 4 trained
+        "data.gen_batch_size=6",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "trainer.progress_bar=false",
+        *extra,
+    ]
+    env = {"NPROC_PER_NODE": "2", "MASTER_PORT": str(port)}
+    wait_ok(launch("run_local.sh", args, env, REPO / "configs" / "tiny_agent_cpu.yaml"), timeout=600)
+    return [json.loads(line) for line in (out / "dump" / "1.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_rollout_tp2_runs_tools_on_the_leader_and_matches_tp1(agent_task, tmp_path):
+    """Rollout TP 2 (one replica of 2 ranks: tools run on its first rank, results broadcast to the other) samples the
+    same conversations as rollout TP 1 (two replicas): per-request seeds, tool turns identical."""
+    tp1 = run_one_step(agent_task, tmp_path / "tp1", 29976)
+    tp2 = run_one_step(agent_task, tmp_path / "tp2", 29977, "rollout.tensor_model_parallel_size=2")
+    key = lambda r: (r["uid"], r["response_ids"])  # noqa: E731
+    assert sorted(map(key, tp1)) == sorted(map(key, tp2))
+    assert sum(0 in r["loss_mask"] for r in tp1) > 0.9 * len(tp1)  # most samples called the tool
+    val = [read_metrics(tmp_path / d)[0]["val-core/lookup/acc/mean@1"] for d in ("tp1", "tp2")]
+    assert val[0] == val[1]
