@@ -177,6 +177,66 @@ def test_reward_returning_nan_and_overlong_prompt(demo, tmp_path):
     assert len(report.problems) == 1 + 10 + 2
 
 
+TOOL_CLASSES = """
+class Box:
+    def __init__(self, config, tool_schema):
+        self.boxes = {}
+    def create(self, instance_id, boxes=None):
+        if boxes is None:
+            raise ValueError("no boxes given")
+        self.boxes[instance_id] = boxes
+    def execute(self, instance_id, arguments):
+        return str(self.boxes[instance_id][arguments["box"]])
+    def release(self, instance_id):
+        self.boxes.pop(instance_id)
+"""
+
+
+def tool_yaml(tmp_path: Path, class_names: list[str]) -> Path:
+    (tmp_path / "check_tools.py").write_text(TOOL_CLASSES)
+    entries = "".join(
+        f"  - class_name: {name}\n    tool_schema: {{type: function, function: {{name: t{i}, parameters: {{}}}}}}\n"
+        for i, name in enumerate(class_names)
+    )
+    (tmp_path / "tools.yaml").write_text("tools:\n" + entries)
+    return tmp_path / "tools.yaml"
+
+
+def rows_with_tools_kwargs(demo: dict, tmp_path: Path, tools_kwargs: dict) -> str:
+    rows = read_records(demo["val"])
+    for row in rows:
+        row["extra_info"] = {**(row.get("extra_info") or {}), "tools_kwargs": tools_kwargs}
+    path = tmp_path / "val_tools.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_tools_are_built_created_and_released_once(demo, tmp_path):
+    tools = tool_yaml(tmp_path, [f"{tmp_path / 'check_tools.py'}:Box"])
+    val = rows_with_tools_kwargs(demo, tmp_path, {"t0": {"create_kwargs": {"boxes": {"a": 3}}}})
+    multi_turn = ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools}"]
+    report = run_check(TINY, demo_overrides(demo, train=val, val=val) + multi_turn)
+    assert report.problems == [], report.problems
+    assert f"  rollout.multi_turn.tool_config_path: {tools}: t0 (built, create/release ok)" in report.render()
+
+    # The same tool without create_kwargs (the demo's rows have none): its create raises.
+    report = run_check(TINY, demo_overrides(demo) + multi_turn)
+    assert len(report.problems) == 1, report.problems
+    assert report.problems[0].startswith(f"rollout.multi_turn.tool_config_path={tools}: create failed: ")
+    assert "ValueError: no boxes given" in report.problems[0]
+
+
+def test_tool_import_errors_and_unknown_tools_kwargs_are_problems(demo, tmp_path):
+    tools = tool_yaml(tmp_path, [f"{tmp_path / 'check_tools.py'}:Box", "no_such_pkg_xyz.Tool"])
+    val = rows_with_tools_kwargs(demo, tmp_path, {"ghost": {"create_kwargs": {}}})
+    multi_turn = ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools}"]
+    report = run_check(TINY, demo_overrides(demo, train=val, val=val) + multi_turn)
+    unknown = [p for p in report.problems if "extra_info.tools_kwargs names ['ghost']" in p]
+    assert len(unknown) == 1 and f"which {tools} does not define (tools: ['t0', 't1'])" in unknown[0]
+    built = [p for p in report.problems if p.startswith(f"rollout.multi_turn.tool_config_path={tools}: ")]
+    assert len(built) == 1 and "no_such_pkg_xyz.Tool" in built[0] and "ModuleNotFoundError" in built[0], built
+
+
 def test_memory_phase_over_device_memory_is_flagged(demo):
     # CPU: nothing is offloaded and vLLM never sleeps (its 64 MiB KV cache stays). The tiny run needs ~70 MiB while
     # generating, ~98 MiB in the update and ~102 MiB in the weight sync (2 x 16 MiB buckets).
