@@ -30,7 +30,7 @@ import torch
 
 from megatron_dapo.agent.chat import ToolTurns
 from megatron_dapo.agent.hermes import ToolCall, parse_tool_calls
-from megatron_dapo.agent.tools import read_tool_config
+from megatron_dapo.agent.tools import ToolResult, read_tool_config
 from megatron_dapo.config.schema import ExperimentConfig, MultiTurnConfig
 from megatron_dapo.rollout.engine import assign_prompts
 from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec, Segment, build_rollout_batch
@@ -158,8 +158,8 @@ class MultiTurnRollout:
         """Drive every conversation to its end: engine steps, and tool turns as their results arrive."""
         leader = self.engine.tp_rank == 0
         tools = self.tools if leader else None
-        if tools is not None:
-            _settle([tools.create(c.key, kwargs.get(c.prompt_index)) for c in convs])
+        if tools is not None:  # a failed create is not fatal: the sample's calls then answer with the tool's error
+            wait([tools.create(c.key, kwargs.get(c.prompt_index)) for c in convs])
         pending: dict[str, Conversation] = {}  # request id → its conversation
         waiting: dict[str, tuple[Conversation, list[Future]]] = {}  # the leader's tool calls in flight
         for c in convs:
@@ -179,7 +179,7 @@ class MultiTurnRollout:
                 if not c.done:
                     self._queue(c, sampling, seed_offset, pending)
         if tools is not None:
-            _settle([tools.release(c.key) for c in convs])
+            wait([tools.release(c.key) for c in convs])
 
     def _queue(self, c: Conversation, sampling: SamplingSpec, seed_offset: int, pending: dict) -> None:
         """The next model turn of ``c`` as an engine request (its first turn keyed as ``generate`` keys it)."""
@@ -232,10 +232,6 @@ def _prompt_messages(item: dict) -> list[dict]:
     return [{"role": "user", "content": str(item.get("raw_prompt", ""))}]
 
 
-def _settle(futures: list[Future]) -> None:
-    wait(futures)
-
-
 def _ready(waiting: dict[str, tuple[Conversation, list[Future]]], block: bool) -> list[tuple[str, list]]:
     """The conversations whose tool calls are all answered, with the results; with ``block``, wait for one first."""
 
@@ -244,7 +240,15 @@ def _ready(waiting: dict[str, tuple[Conversation, list[Future]]], block: bool) -
 
     while block and waiting and not any(answered(fs) for _, fs in waiting.values()):
         wait([f for _, fs in waiting.values() for f in fs if not f.done()], return_when=FIRST_COMPLETED)
-    return [(key, [f.result() for f in fs]) for key, (_, fs) in waiting.items() if answered(fs)]
+    return [(key, [_result(f) for f in fs]) for key, (_, fs) in waiting.items() if answered(fs)]
+
+
+def _result(future: Future) -> Any:
+    """A call's ``ToolResult``; the executor never fails a future, but if one does the model reads why."""
+    try:
+        return future.result()
+    except Exception as exc:  # noqa: BLE001 - a tool's failure is the model's message, never the run's
+        return ToolResult(f"error: the tool call failed: {type(exc).__name__}: {exc}", status="crashed")
 
 
 def tool_metrics(infos: Sequence[dict]) -> dict[str, float]:

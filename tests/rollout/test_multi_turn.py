@@ -255,3 +255,45 @@ def test_other_samples_decode_while_a_tool_runs(tok):
     metrics = tool_metrics(batch.turns)
     assert metrics["tool/calls"] == 3.0 and metrics["tool/called_frac"] == 1.0
     assert metrics["tool/turns_per_sample"] == 2.5 and metrics["tool/error"] == 0.0
+
+
+def test_tool_tokens_get_no_advantage_and_the_reward_sees_the_conversation(tok):
+    """The multi-turn batch downstream: ``score_to_batch``'s inputs carry the conversation, the loss mask starts from
+    the sampled tokens and the advantages are zero on tool turns (float64 by hand: GRPO over two samples)."""
+    import torch
+
+    from megatron_dapo.batch import TrainBatch
+    from megatron_dapo.config.schema import AlgorithmConfig
+    from megatron_dapo.training.advantage import batch_advantages
+    from megatron_dapo.training.scoring import reward_inputs
+
+    script = {(0, 0): [CALL_A + EOS_TOKEN, "7" + EOS_TOKEN], (0, 1): [CALL_A + EOS_TOKEN, "3" + EOS_TOKEN]}
+    _, mt = rollout(tok, script, ThreadTools({"a": "7"}))
+    its = [{**items(1, tok)[0], "data_source": "lookup", "ground_truth": "7"}]
+    rollout_batch = mt.generate(its, sampling(n=2))
+    _, truths, extras = reward_inputs(rollout_batch, its)
+    assert truths == ["7", "7"] and extras[0]["tools_kwargs"] == its[0]["extra_info"]["tools_kwargs"]
+    assert [m["content"] for m in extras[1]["messages"]][-1] == "3" and extras[1]["tool_rewards"] == [0.25]
+
+    scores = torch.zeros_like(rollout_batch.rollout_log_probs)
+    lengths = rollout_batch.response_lengths
+    scores[0, lengths[0] - 1] = 1.0  # sample 0 answered 7
+    batch = TrainBatch(
+        prompts=rollout_batch.prompts,
+        prompt_mask=rollout_batch.prompt_mask,
+        responses=rollout_batch.responses,
+        response_mask=rollout_batch.response_mask,
+        loss_mask=rollout_batch.loss_mask.clone(),
+        sampled_mask=rollout_batch.loss_mask,
+        rollout_log_probs=rollout_batch.rollout_log_probs,
+        token_level_scores=scores,
+        group_ids=["g", "g"],
+        filler=torch.zeros(2, dtype=torch.bool),
+    )
+    batch_advantages(batch, AlgorithmConfig(adv_estimator="grpo"), kl_ctrl=None, is_threshold=None)
+    # GRPO over the group {1, 0}: (1 - 0.5) / std([1, 0]) = 0.5 / 0.7071 on every sampled token, 0 on tool turns
+    expected = 0.5 / torch.tensor([1.0, 0.0], dtype=torch.float64).std().item()
+    sampled = batch.model_mask.bool()
+    assert torch.allclose(batch.advantages[0][sampled[0]], torch.tensor(expected), atol=1e-6)
+    assert torch.allclose(batch.advantages[1][sampled[1]], torch.tensor(-expected), atol=1e-6)
+    assert bool((batch.advantages[~sampled] == 0).all()) and int((~sampled & batch.response_mask.bool()).sum()) > 0
