@@ -132,8 +132,7 @@ class ToolHost:
         self._closed, self._stopped = False, threading.Event()
         self._threads: list[threading.Thread] = []
         self._ids = itertools.count()
-        self._counts: dict[str, int] = dict.fromkeys(_COUNTS, 0)
-        self._latencies: list[float] = []
+        self._stats = _Stats()
 
     # ------------------------------------------------------------------------------------------- public API
 
@@ -160,18 +159,11 @@ class ToolHost:
     def metrics(self) -> dict[str, float]:
         """``tool/*`` since the last ``reset_metrics()``: calls, failures by kind, child deaths and kills
         (``tool/crashes``), call latency as the caller waited for it once sent (mean, max)."""
-        with self._lock:
-            out = {f"tool/{k}": float(v) for k, v in self._counts.items()}
-            lat = list(self._latencies)
-        out["tool/latency_mean_s"] = sum(lat) / len(lat) if lat else 0.0
-        out["tool/latency_max_s"] = max(lat) if lat else 0.0
-        return out
+        return self._stats.metrics()
 
     def reset_metrics(self) -> None:
         """Start counting afresh (the trainer reports the metrics of each step)."""
-        with self._lock:
-            self._counts = dict.fromkeys(_COUNTS, 0)
-            self._latencies = []
+        self._stats.reset()
 
     def close(self) -> None:
         """Stop the child (asked, then killed after ``grace_s``); unanswered requests resolve as ``crashed``
@@ -186,19 +178,9 @@ class ToolHost:
             self._lock.notify_all()
         self._stopped.set()
         if child is not None:
-            if child.send_lock.acquire(timeout=1.0):
-                try:
-                    child.conn.send(("stop",))
-                except Exception:  # noqa: BLE001 - the child is gone already
-                    pass
-                finally:
-                    child.send_lock.release()
-            child.process.join(self.grace_s)
-            if child.process.is_alive():
-                child.process.kill()
-                child.process.join(5.0)
+            _stop_child(child, self.grace_s)
         for request in pending + queued:
-            self._fail(request, "crashed", "the tool host was closed")
+            _fail(self._stats, request, "crashed", "the tool host was closed")
 
     def __enter__(self) -> ToolHost:
         return self
@@ -218,13 +200,13 @@ class ToolHost:
         with self._lock:
             self._check_open()
             if op == "call":
-                self._counts["calls"] += 1
+                self._stats.add("calls")
             error = self._start_error
             if error is None:
                 self._queue.append(request)
                 self._lock.notify_all()
         if error is not None:
-            self._fail(request, "crashed", f"the tool process could not start: {error}")
+            _fail(self._stats, request, "crashed", f"the tool process could not start: {error}")
         else:
             self._ensure_threads()
         return future
@@ -261,7 +243,7 @@ class ToolHost:
                     failed = [request, *self._queue]
                     self._queue.clear()
                 for r in failed:
-                    self._fail(r, "crashed", f"the tool process could not start: {exc}")
+                    _fail(self._stats, r, "crashed", f"the tool process could not start: {exc}")
                 continue
             self._send(child, request)
 
@@ -270,7 +252,7 @@ class ToolHost:
             data = ForkingPickler.dumps((request.req_id, request.op, request.instance_id, request.payload))
         except Exception as exc:  # noqa: BLE001 - this request fails, alone
             status = "bad_call" if request.op == "call" else "error"
-            self._fail(request, status, f"the request cannot be sent to the tool process: {exc!r}")
+            _fail(self._stats, request, status, f"the request cannot be sent to the tool process: {exc!r}")
             return
         with self._lock:
             closed = self._closed
@@ -285,7 +267,7 @@ class ToolHost:
                 child.pending[request.req_id] = request
                 child.calls += request.op == "call"
         if closed:
-            self._fail(request, "crashed", "the tool host was closed")
+            _fail(self._stats, request, "crashed", "the tool host was closed")
             return
         try:
             with child.send_lock:
@@ -303,7 +285,7 @@ class ToolHost:
                 if self._child is not None:
                     return self._child
             try:
-                child = self._spawn()
+                child = _spawn_child(self)
             except RuntimeError as exc:
                 with self._lock:
                     self._start_error = str(exc)
@@ -319,33 +301,6 @@ class ToolHost:
                 raise RuntimeError("ToolHost is closed")
             threading.Thread(target=self._read, args=(child,), name="tool-host-reader", daemon=True).start()
             return child
-
-    def _spawn(self) -> _Child:
-        methods = multiprocessing.get_all_start_methods()
-        ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-        ours, theirs = ctx.Pipe()
-        plain = [(s.class_name, s.config, s.schema) for s in self.specs]  # no tools-module classes in the args
-        args = (theirs, plain, self.timeout_s, self.max_concurrency, self.memory_mb)
-        process = ctx.Process(target=_child_main, args=args, name="tool-host", daemon=True)
-        process.start()
-        theirs.close()
-        message: Any = None
-        with contextlib.suppress(EOFError, OSError):
-            if ours.poll(self.start_timeout_s):
-                message = ours.recv()
-        if isinstance(message, tuple) and message[0] == "ready":
-            return _Child(process, ours)
-        process.join(1.0)
-        if process.is_alive():
-            process.kill()
-            process.join(5.0)
-        ours.close()
-        if isinstance(message, tuple) and message[0] == "init_error":
-            raise RuntimeError(f"the tools could not be built: {message[1]}")
-        if message is None and process.exitcode is not None and process.exitcode >= 0:
-            note = _Child(process, None).exit_note()
-            raise RuntimeError(f"the tool process exited while starting ({note}); see its output above")
-        raise RuntimeError(f"the tool process did not start within {self.start_timeout_s:g} s")
 
     def _read(self, child: _Child) -> None:
         """The replies of one child, until it dies or is stopped; then its unanswered requests crash."""
@@ -366,12 +321,12 @@ class ToolHost:
             died = not child.detached  # else killed by the watchdog or stopped by close(): handled there
             pending = self._detach(child) if died else []
             if died:
-                self._counts["crashes"] += 1
+                self._stats.add("crashes")
         note = child.exit_note()
         if died:
             logger.warning("tool host: the tool process died (%s); it restarts on the next request", note)
         for request in pending:
-            self._fail(request, "crashed", f"the tool process died ({note}) during the {request.op}")
+            _fail(self._stats, request, "crashed", f"the tool process died ({note}) during the {request.op}")
         child.conn.close()
 
     def _on_message(self, child: _Child, message: Any) -> None:
@@ -389,7 +344,7 @@ class ToolHost:
                 self._lock.notify_all()
             if lingering:
                 child.lingering[req_id] = request.deadline
-        self._resolve(request, reply)
+        _resolve(request, reply, self._stats)
 
     def _detach(self, child: _Child, closing: bool = False) -> list[_Request]:
         """Under the lock: ``child`` is no longer the host's; its unanswered requests, to be resolved by the caller."""
@@ -417,61 +372,133 @@ class ToolHost:
                 if not overdue and not hung:
                     continue
                 pending = self._detach(child)
-                self._counts["crashes"] += 1
+                self._stats.add("crashes")
             child.process.kill()
             logger.warning("tool host: a tool call hung past %g s; the tool process was killed", self._limit_s())
             for request in pending:
                 if request.req_id in overdue:
                     what = request.name if request.op == "call" else f"{request.op} of the tools"
-                    self._fail(
+                    _fail(
+                        self._stats,
                         request,
                         "timeout",
                         f"{what} did not return within {self._limit_s(request):g} s; the tool process was killed",
                     )
                 else:
-                    self._fail(
-                        request, "crashed", f"the tool process was killed during the {request.op} (another call hung)"
+                    _fail(
+                        self._stats,
+                        request,
+                        "crashed",
+                        f"the tool process was killed during the {request.op} (another call hung)",
                     )
 
     def _limit_s(self, request: Optional[_Request] = None) -> float:
         return round(request.deadline - request.sent if request else self.timeout_s + self.grace_s, 3)
 
-    # ------------------------------------------------------------------------------------------- answers
 
-    def _resolve(self, request: _Request, reply: Any) -> None:
-        """A request answered by the child: counted, then its future set."""
-        if request.op == "call":
-            text, reward, status, latency, metrics = reply
-            result = _tool_result(text, reward, status, latency, metrics)
-            self._count(status, time.monotonic() - request.sent)
-            _set(request.future, result)
-        elif request.op == "create":
-            if reply is not None:
-                self._count("error")
-            _set(request.future, reply)
-        else:
-            for message in reply:
-                self._count("error")
-                logger.warning("tool host: release of %r: %s", request.instance_id, message)
-            _set(request.future, None)
+def _spawn_child(host: ToolHost) -> _Child:
+    """A started tool process with its tools built, or ``RuntimeError`` saying why not."""
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    ours, theirs = ctx.Pipe()
+    plain = [(s.class_name, s.config, s.schema) for s in host.specs]  # no tools-module classes in the args
+    args = (theirs, plain, host.timeout_s, host.max_concurrency, host.memory_mb)
+    process = ctx.Process(target=_child_main, args=args, name="tool-host", daemon=True)
+    process.start()
+    theirs.close()
+    message: Any = None
+    with contextlib.suppress(EOFError, OSError):
+        if ours.poll(host.start_timeout_s):
+            message = ours.recv()
+    if isinstance(message, tuple) and message[0] == "ready":
+        return _Child(process, ours)
+    process.join(1.0)
+    if process.is_alive():
+        process.kill()
+        process.join(5.0)
+    ours.close()
+    if isinstance(message, tuple) and message[0] == "init_error":
+        raise RuntimeError(f"the tools could not be built: {message[1]}")
+    if message is None and process.exitcode is not None and process.exitcode >= 0:
+        note = _Child(process, None).exit_note()
+        raise RuntimeError(f"the tool process exited while starting ({note}); see its output above")
+    raise RuntimeError(f"the tool process did not start within {host.start_timeout_s:g} s")
 
-    def _fail(self, request: _Request, status: str, message: str) -> None:
-        """A request that the child did not answer: ``status`` is counted (``crashed`` is counted per death)."""
-        if request.op == "call":
-            self._count(status, time.monotonic() - request.sent if request.sent else None)
-            _set(request.future, _tool_result(f"error: {message}", 0.0, status, 0.0, {}))
-        elif request.op == "create":
-            self._count(status)
-            _set(request.future, message)
-        else:
-            _set(request.future, None)
 
-    def _count(self, status: str, latency: Optional[float] = None) -> None:
+def _stop_child(child: _Child, grace_s: float) -> None:
+    """Ask the child to stop; kill it after ``grace_s``."""
+    if child.send_lock.acquire(timeout=1.0):
+        try:
+            child.conn.send(("stop",))
+        except Exception:  # noqa: BLE001 - the child is gone already
+            pass
+        finally:
+            child.send_lock.release()
+    child.process.join(grace_s)
+    if child.process.is_alive():
+        child.process.kill()
+        child.process.join(5.0)
+
+
+def _resolve(request: _Request, reply: Any, stats: _Stats) -> None:
+    """A request answered by the child: counted, then its future set."""
+    if request.op == "call":
+        text, reward, status, latency, metrics = reply
+        stats.status(status, time.monotonic() - request.sent)
+        _set(request.future, _tool_result(text, reward, status, latency, metrics))
+    elif request.op == "create":
+        if reply is not None:
+            stats.status("error")
+        _set(request.future, reply)
+    else:
+        for message in reply:
+            stats.status("error")
+            logger.warning("tool host: release of %r: %s", request.instance_id, message)
+        _set(request.future, None)
+
+
+def _fail(stats: _Stats, request: _Request, status: str, message: str) -> None:
+    """A request that the child did not answer: ``status`` is counted (``crashed`` is counted per death)."""
+    if request.op == "call":
+        stats.status(status, time.monotonic() - request.sent if request.sent else None)
+        _set(request.future, _tool_result(f"error: {message}", 0.0, status, 0.0, {}))
+    elif request.op == "create":
+        stats.status(status)
+        _set(request.future, message)
+    else:
+        _set(request.future, None)
+
+
+class _Stats:
+    """The ``tool/*`` counts and call latencies, kept in the parent (they survive a restart of the child)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counts: dict[str, int] = dict.fromkeys(_COUNTS, 0)
+            self._latencies: list[float] = []
+
+    def add(self, key: str) -> None:
+        with self._lock:
+            self._counts[key] += 1
+
+    def status(self, status: str, latency: Optional[float] = None) -> None:
         with self._lock:
             if status in _STATUS_COUNT:
                 self._counts[_STATUS_COUNT[status]] += 1
             if latency is not None:
                 self._latencies.append(latency)
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            out = {f"tool/{k}": float(v) for k, v in self._counts.items()}
+            lat = list(self._latencies)
+        out["tool/latency_mean_s"] = sum(lat) / len(lat) if lat else 0.0
+        out["tool/latency_max_s"] = max(lat) if lat else 0.0
+        return out
 
 
 def _tool_result(text: str, reward: float, status: str, latency: float, metrics: dict) -> ToolResult:

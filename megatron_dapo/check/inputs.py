@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_dapo.agent.host import ToolHost
 from megatron_dapo.agent.tools import read_tool_config
 from megatron_dapo.config import ConfigError, extra_function_spec
 from megatron_dapo.config.plan import uses_reference
@@ -323,8 +324,6 @@ class InputChecker:
 
 def _try_tools(specs: list, tools_kwargs: Optional[dict], timeout_s: float) -> Optional[str]:
     """Build the tools in their own process, as the rollout does, and create and release one instance."""
-    from megatron_dapo.agent.host import ToolHost  # starts a process: only for multi-turn configs
-
     with ToolHost(specs, timeout_s) as host:
         try:
             host.start()

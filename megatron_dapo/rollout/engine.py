@@ -502,7 +502,8 @@ class RolloutEngine:
         """Queue one request on this rank's engine member (not collective: a replica's TP ranks must add the same
         requests in the same order between the same ``step`` calls). ``seed_key`` seeds it where seeds are per
         request; with engine seeding, ``seeded_session`` reseeds once for the whole session."""
-        from vllm.inputs.engine import tokens_input  # already-rendered token ids: nothing for vLLM to tokenize
+        # heavy: vLLM, imported where requests are made (token ids go in as they are: nothing to render)
+        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         self._check_awake("add_request")

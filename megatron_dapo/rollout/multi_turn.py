@@ -30,6 +30,7 @@ import torch
 
 from megatron_dapo.agent.chat import ToolTurns
 from megatron_dapo.agent.hermes import ToolCall, parse_tool_calls
+from megatron_dapo.agent.host import ToolHost
 from megatron_dapo.agent.tools import ToolResult, read_tool_config
 from megatron_dapo.config.schema import ExperimentConfig, MultiTurnConfig
 from megatron_dapo.rollout.engine import assign_prompts
@@ -293,8 +294,6 @@ def build_generator(cfg: ExperimentConfig, engine: Any, tokenizer: Any) -> Any:
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return SingleTurn(engine)
-    from megatron_dapo.agent.host import ToolHost  # the tool process: only multi-turn runs start one
-
     host = None
     if engine.tp_rank == 0:
         specs = read_tool_config(mt.tool_config_path)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import yaml
 
 from megatron_dapo.agent.hermes import parse_tool_calls
 from megatron_dapo.tasks.arithmetic import write_dataset
@@ -270,9 +271,8 @@ def run_episodes(
     hide_tool: bool = False,
     digits: str = DIGITS,
 ) -> dict[str, Any]:
-    """Play every row's episode with the HF model: turn 1, the calls run by ``LookupTool``, the tool turn rendered
-    by the chat template, turn 2; scored by ``compute_score``. ``hide_tool``: the model is shown a random digit
-    instead of the tool's result (the no-tool baseline: it can only guess).
+    """Play every row's episode with the HF model (turn 1, the calls run by ``LookupTool``, the template's tool turn,
+    turn 2; scored by ``compute_score``). ``hide_tool``: a random digit replaces the tool's result (no-tool baseline).
 
     Returns rates over all rows: ``call_ok`` (turn 1 is one valid ``lookup`` call with a ``box`` argument, then
     EOS), ``right_box`` (and it opens the prompt's box), ``answer_ok`` (of the rows that reached turn 2: one digit,
@@ -400,8 +400,6 @@ def supervised_proxy(
 def write_tool_config(path: str | Path) -> Path:
     """A verl-style tool YAML naming ``lookup_tool.py:LookupTool`` (an absolute path, so any working directory
     finds it)."""
-    import yaml
-
     tool_file = Path(__file__).resolve().with_name("lookup_tool.py")
     entry = {"class_name": f"{tool_file}:LookupTool", "config": {}, "tool_schema": TOOL_SCHEMA}
     path = Path(path)
