@@ -30,8 +30,11 @@ NPROC_PER_NODE=2 MASTER_PORT="${MASTER_PORT:-29520}" launch/run_local.sh configs
   trainer.rollout_data_dir="$OUT/run/rollouts" "$@"
 
 echo "[agent] megatron-dapo eval on the final checkpoint (greedy, with the tools)"
-python -m megatron_dapo.cli eval --model "$OUT/run/checkpoints" --data "$OUT/data/val.parquet" \
-  --output-dir "$OUT/run/eval" > /dev/null
+if ! python -m megatron_dapo.cli eval --model "$OUT/run/checkpoints" --data "$OUT/data/val.parquet" \
+  --output-dir "$OUT/run/eval" > "$OUT/run/eval.log" 2>&1; then
+  tail -n 40 "$OUT/run/eval.log"
+  exit 1
+fi
 
 python - "$OUT/run" "$START" <<'PY'
 import json, sys, time

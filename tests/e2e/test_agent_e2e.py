@@ -33,7 +33,9 @@ LAST_LINE = re.compile(
 TOOL_TURN = re.compile(
     r"\n<\|im_start\|>user\n<tool_response>\n(.*)\n</tool_response><\|im_end\|>\n<\|im_start\|>assistant\n", re.S
 )
+TOOL_TURN_START = "\n<|im_start|>user\n<tool_response>\n"
 VAL_ACC = "val-core/lookup/acc/mean@1"
+BUDGET = 48  # data.max_response_length of configs/tiny_agent_cpu.yaml
 
 
 def runs(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
@@ -62,8 +64,10 @@ def check_dumped_masks(dump: Path, tokenizer) -> int:
                 text = tokenizer.decode(toks, skip_special_tokens=False)
                 if m == 0:
                     match = TOOL_TURN.fullmatch(text)
-                    assert match, text
-                    assert toks == turns.tokens([match.group(1)])  # token in, token out: the template's own tokens
+                    if match is None:  # only the last turn of a response cut at the budget may be partial
+                        assert k == len(parts) - 1 and len(ids) == BUDGET and text.startswith(TOOL_TURN_START), text
+                    else:
+                        assert toks == turns.tokens([match.group(1)])  # token in, token out: the template's tokens
                     tool_turns += 1
                     model_turn = tokenizer.decode(parts[k - 1][1], skip_special_tokens=False)
                     assert "<tool_call>" in model_turn and parts[k - 1][1][-1] == eos
@@ -80,7 +84,9 @@ def test_agent_quickstart_learns_with_its_tool_and_masks_line_up(tmp_path):
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
-    alarms = [line for line in log.splitlines() if ALARM.search(line)]
+    # Once the task is solved most groups score all-correct, and the config caps the generation batches a step may
+    # draw (max_num_gen_batches: 4), so the trainer says it trained on fewer groups: expected here, nothing else is.
+    alarms = [line for line in log.splitlines() if ALARM.search(line) and "dynamic sampling exhausted" not in line]
     assert not alarms, "warning/traceback lines on a healthy run's console:\n" + "\n".join(alarms[:40])
     match = LAST_LINE.fullmatch(proc.stdout.strip().splitlines()[-1])
     assert match, proc.stdout[-2000:]
