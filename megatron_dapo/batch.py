@@ -179,6 +179,8 @@ class MicroBatch:
     response_tokens: torch.Tensor  # [b, T]
     response_mask: torch.Tensor  # [b, T] bool
     loss_mask: torch.Tensor  # [b, T]
+    # Multi-turn: [b, T] bool, the response tokens the model sampled (tool turns are not); None = all of them.
+    sampled_mask: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     old_log_probs: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
@@ -247,6 +249,7 @@ def make_micro_batch(batch: TrainBatch, rows: Sequence[int], seq_multiple: int =
         response_tokens=responses,
         response_mask=response_mask,
         loss_mask=batch.loss_mask[index],
+        sampled_mask=None if batch.sampled_mask is None else batch.sampled_mask[index].bool() & response_mask,
         advantages=rows_of(batch.advantages),
         old_log_probs=rows_of(batch.old_log_probs),
         ref_log_probs=rows_of(batch.ref_log_probs),
@@ -287,6 +290,7 @@ def context_parallel_slice(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroB
         response_index=torch.where(owned, local_index, 0),
         response_mask=mb.response_mask & owned,
         loss_mask=mb.loss_mask * owned.to(mb.loss_mask.dtype),
+        sampled_mask=None if mb.sampled_mask is None else mb.sampled_mask & owned,
     )
 
 

@@ -500,7 +500,8 @@ class MegatronActor:
                 log_probs,
                 entropy,
                 loss_mask=mb.loss_mask,
-                response_mask=mb.loss_mask,  # the tokens the rollout sampled (and that are trained)
+                # the tokens the rollout sampled: the train-vs-rollout mismatch is measured on them
+                response_mask=mb.response_mask if mb.sampled_mask is None else mb.sampled_mask,
                 advantages=mb.advantages,
                 cfg=self.cfg,
                 norm=norm,
