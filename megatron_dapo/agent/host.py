@@ -445,7 +445,7 @@ def _resolve(request: _Request, reply: Any, stats: _Stats) -> None:
     if request.op == "call":
         text, reward, status, latency, metrics = reply
         stats.status(status, time.monotonic() - request.sent)
-        _set(request.future, _tool_result(text, reward, status, latency, metrics))
+        _set(request.future, ToolResult(text, reward, status, latency, metrics))
     elif request.op == "create":
         if reply is not None:
             stats.status("error")
@@ -461,7 +461,7 @@ def _fail(stats: _Stats, request: _Request, status: str, message: str) -> None:
     """A request that the child did not answer: ``status`` is counted (``crashed`` is counted per death)."""
     if request.op == "call":
         stats.status(status, time.monotonic() - request.sent if request.sent else None)
-        _set(request.future, _tool_result(f"error: {message}", 0.0, status, 0.0, {}))
+        _set(request.future, ToolResult(f"error: {message}", 0.0, status, 0.0, {}))
     elif request.op == "create":
         stats.status(status)
         _set(request.future, message)
@@ -499,10 +499,6 @@ class _Stats:
         out["tool/latency_mean_s"] = sum(lat) / len(lat) if lat else 0.0
         out["tool/latency_max_s"] = max(lat) if lat else 0.0
         return out
-
-
-def _tool_result(text: str, reward: float, status: str, latency: float, metrics: dict) -> ToolResult:
-    return ToolResult(text, reward, status, latency, metrics)
 
 
 def _set(future: Future, value: Any) -> None:

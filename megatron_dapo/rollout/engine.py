@@ -83,7 +83,7 @@ from megatron_dapo.rollout.types import (
     SamplingSpec,
     Segment,
     SegmentRequest,
-    build_rollout_batch,
+    batch_of_rows,
     pack_rows,
     unpack_rows,
 )
@@ -410,14 +410,7 @@ class RolloutEngine:
                     f" data.max_prompt_length={self.cfg.data.max_prompt_length}"
                 )
         rows = self._results.gather(self._generate_share(prompts, sampling, seed_offset))
-        batch = build_rollout_batch(
-            prompts,
-            responses=[r[2] for r in rows],
-            log_probs=[r[3] for r in rows],
-            truncated=[r[4] for r in rows],
-            prompt_index=[r[0] for r in rows],
-            pad_token_id=self.pad_token_id,
-        )
+        batch = batch_of_rows(prompts, rows, self.pad_token_id)
         if rows and rows[0][5] is not None:
             batch.routed_experts = routed_experts_fields(
                 [r[5] for r in rows],

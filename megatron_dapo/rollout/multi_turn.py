@@ -34,7 +34,7 @@ from megatron_dapo.agent.host import ToolHost
 from megatron_dapo.agent.tools import ToolResult, read_tool_config
 from megatron_dapo.config.schema import ExperimentConfig, MultiTurnConfig
 from megatron_dapo.rollout.engine import assign_prompts
-from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec, Segment, build_rollout_batch
+from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec, Segment, batch_of_rows
 
 __all__ = ["Conversation", "MultiTurnRollout", "SingleTurn", "build_generator", "tool_metrics", "tool_schemas"]
 
@@ -126,21 +126,13 @@ class MultiTurnRollout:
         if convs:
             kwargs = {i: (items[i].get("extra_info") or {}).get("tools_kwargs") for i in share}
             engine.seeded_session(lambda: self._run(convs, kwargs, sampling, seed_offset), seed_offset)
-        rows = engine.gather_objects([(c.prompt_index, c.sample, c.tokens, c.log_probs, c.loss_mask, c.truncated,
-                                       c.info()) for c in convs])  # fmt: skip
+        rows = engine.gather_objects([(c.prompt_index, c.sample, c.tokens, c.log_probs, c.truncated, c) for c in convs])
         rows.sort(key=lambda r: (r[0], r[1]))
-        batch = build_rollout_batch(
-            prompts,
-            responses=[r[2] for r in rows],
-            log_probs=[r[3] for r in rows],
-            truncated=[r[5] for r in rows],
-            prompt_index=[r[0] for r in rows],
-            pad_token_id=engine.pad_token_id,
-        )
+        batch = batch_of_rows(prompts, rows, engine.pad_token_id)
         mask = torch.zeros_like(batch.response_mask)
         for row, r in enumerate(rows):
-            mask[row, : len(r[4])] = torch.as_tensor(r[4], dtype=mask.dtype)
-        batch.loss_mask, batch.turns = mask, [r[6] for r in rows]
+            mask[row, : len(r[5].loss_mask)] = torch.as_tensor(r[5].loss_mask, dtype=mask.dtype)
+        batch.loss_mask, batch.turns = mask, [r[5].info() for r in rows]
         self._infos += batch.turns
         return batch
 

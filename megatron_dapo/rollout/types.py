@@ -205,6 +205,18 @@ def build_rollout_batch(
     )
 
 
+def batch_of_rows(prompts: Sequence[Sequence[int]], rows: Sequence[tuple], pad_token_id: int) -> RolloutBatch:
+    """``build_rollout_batch`` of gathered rows ``(prompt index, sample index, tokens, log-probs, truncated, ...)``."""
+    return build_rollout_batch(
+        prompts,
+        responses=[r[2] for r in rows],
+        log_probs=[r[3] for r in rows],
+        truncated=[r[4] for r in rows],
+        prompt_index=[r[0] for r in rows],
+        pad_token_id=pad_token_id,
+    )
+
+
 # One generated response: (prompt index, sample index, tokens, log-probs, truncated, routing). The routing (routing
 # replay only) is ``[prompt + response tokens, MoE layers, top-k]`` or None; rows without it may have five items.
 Row = tuple[int, int, list[int], list[float], bool, Optional[torch.Tensor]]

@@ -23,6 +23,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from megatron_dapo.agent.chat import ToolTurns
+from megatron_dapo.config import load_config
 from tests.e2e.test_quickstart import ALARM
 from tests.e2e.test_train_e2e import REPO, launch, read_metrics, wait_ok
 
@@ -35,7 +36,7 @@ TOOL_TURN = re.compile(
 )
 TOOL_TURN_START = "\n<|im_start|>user\n<tool_response>\n"
 VAL_ACC = "val-core/lookup/acc/mean@1"
-BUDGET = 48  # data.max_response_length of configs/tiny_agent_cpu.yaml
+BUDGET = load_config(REPO / "configs" / "tiny_agent_cpu.yaml").data.max_response_length
 
 
 def runs(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
