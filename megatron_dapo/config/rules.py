@@ -328,25 +328,12 @@ def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def _multi_turn_problems(cfg: ExperimentConfig) -> list[str]:
-    """Multi-turn rollout against the rest of the config (what it does not combine with yet is refused by name)."""
+    """Multi-turn rollout against the rest of the config (it combines with partial rollout, async mode and routing
+    replay as single-turn rollout does: their own rules apply)."""
     mt = cfg.rollout.multi_turn
-    if not mt.enable:
-        return []
-    problems = []
-    if not mt.tool_config_path:
-        problems.append("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path (a tool YAML)")
-    others = {
-        "rollout.partial_rollout.enable=true": cfg.rollout.partial_rollout.enable,
-        "trainer.mode=async": cfg.trainer.mode == "async",
-        "actor.router_replay=rollout": cfg.actor.router_replay == "rollout",
-    }
-    for name, on in others.items():
-        if on:
-            problems.append(
-                f"rollout.multi_turn.enable=true with {name}: multi-turn rollout runs synchronously and without "
-                "routing replay for now (docs/agent.md); set one of them off"
-            )
-    return problems
+    if mt.enable and not mt.tool_config_path:
+        return ["rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path (a tool YAML)"]
+    return []
 
 
 def _async_problems(cfg: ExperimentConfig) -> list[str]:

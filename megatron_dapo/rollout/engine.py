@@ -506,8 +506,14 @@ class RolloutEngine:
         self.llm.llm_engine.add_request(request_id, tokens_input([int(t) for t in token_ids]), params)
 
     def step(self) -> list[tuple[str, Segment]]:
-        """One engine step: the requests that ended in it, as (request id, segment)."""
-        return [(out.request_id, Segment(*_completion(out))) for out in self.llm.llm_engine.step() if out.finished]
+        """One engine step: the requests that ended in it, as (request id, segment); with routing replay each
+        segment carries the request's ``routed_experts`` (``rollout/routing.py``)."""
+        routed = self.routing_arch is not None
+        return [
+            (out.request_id, Segment(*_completion(out), out.outputs[0].routed_experts if routed else None))
+            for out in self.llm.llm_engine.step()
+            if out.finished
+        ]
 
     def has_unfinished(self) -> bool:
         return bool(self.llm.llm_engine.has_unfinished_requests())

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import torch
@@ -34,7 +33,8 @@ from megatron_dapo.agent.host import ToolHost
 from megatron_dapo.agent.tools import ToolResult, read_tool_config
 from megatron_dapo.config.schema import ExperimentConfig, MultiTurnConfig
 from megatron_dapo.rollout.engine import assign_prompts
-from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec, Segment, batch_of_rows
+from megatron_dapo.rollout.routing import routed_experts_fields, row_routing
+from megatron_dapo.rollout.types import Conversation, RolloutBatch, SamplingSpec, Segment, attach_turns, batch_of_rows
 
 __all__ = ["Conversation", "MultiTurnRollout", "SingleTurn", "build_generator", "tool_metrics", "tool_schemas"]
 
@@ -46,6 +46,7 @@ class RequestEngine(Protocol):
     dp_rank: int
     tp_rank: int
     pad_token_id: int
+    routing_arch: Any  # the model's MoE layout with routing replay (``actor.router_replay=rollout``), else None
 
     def add_request(
         self, request_id: str, token_ids: Sequence[int], sampling: SamplingSpec, max_tokens: int, seed_key: tuple
@@ -66,40 +67,6 @@ class ToolExecutor(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
-class Conversation:
-    """One sample: its prompt, the response so far (tokens, log-probs, loss mask) and the conversation as text."""
-
-    prompt_index: int
-    sample: int
-    prompt: list[int]
-    messages: list[dict]  # the prompt's messages, then every assistant and tool turn
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    turns: int = 0  # model turns
-    tool_rewards: list[float] = field(default_factory=list)
-    tool_status: list[str] = field(default_factory=list)  # one per call: ok, or how it failed
-    tool_latency: list[float] = field(default_factory=list)
-    truncated: bool = False
-    done: bool = False
-
-    @property
-    def key(self) -> str:
-        return f"{self.prompt_index}-{self.sample}"
-
-    def info(self) -> dict:
-        """What the reward function gets in ``extra_info`` (verl's names) and what the metrics count."""
-        return {
-            "messages": self.messages,
-            "num_turns": self.turns,
-            "tool_calls": len(self.tool_status),
-            "tool_rewards": self.tool_rewards,
-            "tool_status": self.tool_status,
-            "tool_latency": self.tool_latency,
-        }
-
-
 class MultiTurnRollout:
     """Conversations of many samples, concurrently, on one engine (module docstring)."""
 
@@ -115,26 +82,56 @@ class MultiTurnRollout:
         self.engine, self.tools, self.turns, self.tokenizer, self.cfg = engine, tools, turns, tokenizer, cfg
         self.budget = int(max_response_length)
         self._infos: list[dict] = []  # of every sample generated since the last metrics()
+        self._live: set[str] = set()  # this rank's tool instances (created, not released yet)
 
     def generate(self, items: Sequence[dict], sampling: SamplingSpec, seed_offset: int = 0) -> RolloutBatch:
         """``sampling.n`` conversations per item (dataset items: ``input_ids``, ``prompt_messages``,
-        ``extra_info``); collective over all ranks. Returns the whole batch on every rank, in prompt order."""
+        ``extra_info``), each to its end; collective over all ranks. Returns the whole batch on every rank, in prompt
+        order."""
         engine = self.engine
         prompts = [list(map(int, it["input_ids"])) for it in items]
         share = assign_prompts([len(p) for p in prompts], engine.dp_size)[engine.dp_rank]
-        convs = [Conversation(i, j, prompts[i], _prompt_messages(items[i])) for i in share for j in range(sampling.n)]
-        if convs:
-            kwargs = {i: (items[i].get("extra_info") or {}).get("tools_kwargs") for i in share}
-            engine.seeded_session(lambda: self._run(convs, kwargs, sampling, seed_offset), seed_offset)
-        rows = engine.gather_objects([(c.prompt_index, c.sample, c.tokens, c.log_probs, c.truncated, c) for c in convs])
+        convs = [Conversation.of_item(items[i], i, j) for i in share for j in range(sampling.n)]
+
+        def seed_key(c: Conversation) -> tuple:  # a first turn keyed as ``generate`` keys its request
+            return (seed_offset, c.prompt_index, c.sample if c.requests == 0 else f"{c.sample}.{c.requests}")
+
+        routes = self._drive(convs, {}, sampling, seed_key, seed_offset)
+        rows = engine.gather_objects(
+            [(c.prompt_index, c.sample, c.tokens, c.log_probs, c.truncated, c, routes.get(c.key)) for c in convs]
+        )
         rows.sort(key=lambda r: (r[0], r[1]))
-        batch = batch_of_rows(prompts, rows, engine.pad_token_id)
-        mask = torch.zeros_like(batch.response_mask)
-        for row, r in enumerate(rows):
-            mask[row, : len(r[5].loss_mask)] = torch.as_tensor(r[5].loss_mask, dtype=mask.dtype)
-        batch.loss_mask, batch.turns = mask, [r[5].info() for r in rows]
+        batch = attach_turns(batch_of_rows(prompts, rows, engine.pad_token_id), [r[5] for r in rows])
+        if rows and rows[0][6] is not None:
+            width = batch.prompts.shape[1], batch.responses.shape[1]
+            batch.routed_experts = routed_experts_fields(
+                [r[6] for r in rows], [len(prompts[r[0]]) for r in rows], *width
+            )
         self._infos += batch.turns
         return batch
+
+    def advance(
+        self, convs: Sequence[Conversation], caps: Sequence[Optional[int]], sampling: SamplingSpec, seed_offset: int
+    ) -> list[Conversation]:
+        """One segment of each conversation (partial rollout, ``rollout/partial.py``); collective over all ranks.
+
+        With a cap, a segment is the model turn under way, cut after ``cap`` tokens, and when that turn ends with
+        tool calls, its tool turn: the conversation then waits between two turns (or inside a turn) for the next
+        segment. Without one (a response's last segment), the conversation runs to its end. A conversation stays on
+        the same replica from segment to segment (its tool instance lives there) and each request is seeded by its
+        own key, so the tokens depend neither on the round nor on the replica. Returns the conversations advanced,
+        in order, on every rank."""
+        engine = self.engine
+        mine = [k for k in range(len(convs)) if _replica_of(convs[k], engine.dp_size) == engine.dp_rank]
+        share = [convs[k] for k in mine]
+        limits = {convs[k].key: caps[k] for k in mine if caps[k] is not None}
+
+        def seed_key(c: Conversation) -> tuple:
+            return (c.prompt_index, c.sample, f"r{c.requests}")
+
+        self._drive(share, limits, sampling, seed_key, seed_offset)
+        rows = sorted(engine.gather_objects([(k, c) for k, c in zip(mine, share)]), key=lambda r: r[0])
+        return [c for _, c in rows]
 
     def metrics(self) -> dict[str, float]:
         """``tool/*`` over the samples generated since the last call (every rank's)."""
@@ -147,57 +144,91 @@ class MultiTurnRollout:
 
     # ------------------------------------------------------------------------------------------- the loop
 
-    def _run(self, convs: list[Conversation], kwargs: dict, sampling: SamplingSpec, seed_offset: int) -> None:
-        """Drive every conversation to its end: engine steps, and tool turns as their results arrive."""
+    def _drive(self, convs: list, limits: dict, sampling: SamplingSpec, seed_key: Any, seed_offset: int) -> dict:
+        """This replica's conversations through ``_run`` under the engine's seeding; their routing (routing replay)."""
+        if not convs:
+            return {}
+        return self.engine.seeded_session(lambda: self._run(convs, limits, sampling, seed_key), seed_offset)
+
+    def _run(self, convs: list[Conversation], limits: dict, sampling: SamplingSpec, seed_key: Any) -> dict:
+        """Drive the conversations, each to its end or, when ``limits`` caps it, through one segment: engine steps,
+        and tool turns as their results arrive. Returns each conversation's routing (routing replay only)."""
         leader = self.engine.tp_rank == 0
         tools = self.tools if leader else None
-        if tools is not None:  # a failed create is not fatal: the sample's calls then answer with the tool's error
-            wait([tools.create(c.key, kwargs.get(c.prompt_index)) for c in convs])
+        self._open_tools(convs if tools is not None else [])
         pending: dict[str, Conversation] = {}  # request id → its conversation
         waiting: dict[str, tuple[Conversation, list[Future]]] = {}  # the leader's tool calls in flight
+        routes: dict[str, tuple[Any, int]] = {}  # the last request's routing, and the tokens it covers
         for c in convs:
-            self._queue(c, sampling, seed_offset, pending)
+            self._queue(c, sampling, seed_key, pending, limits.get(c.key))
         while pending or waiting:
             for request_id, seg in self.engine.step() if self.engine.has_unfinished() else []:
                 c = pending.pop(request_id)
                 calls = self._model_turn(c, seg)
-                if calls and tools is not None:
-                    waiting[c.key] = (c, [tools.call(c.key, call) for call in calls])
-                elif calls:
-                    waiting[c.key] = (c, [])  # a TP peer: the leader's results arrive by broadcast
+                if seg.routed_experts is not None:
+                    routes[c.key] = (seg.routed_experts, len(c.tokens))
+                if calls:  # a TP peer waits with no futures: the leader's results arrive by broadcast
+                    waiting[c.key] = (c, [tools.call(c.key, call) for call in calls] if tools is not None else [])
             ready = _ready(waiting, block=not self.engine.has_unfinished()) if leader else None
             for key, results in self.engine.broadcast_in_replica(ready) or []:
                 c, _ = waiting.pop(key)
                 self._tool_turn(c, results)
-                if not c.done:
-                    self._queue(c, sampling, seed_offset, pending)
-        if tools is not None:
-            wait([tools.release(c.key) for c in convs])
+                if not c.done and key not in limits:  # a capped segment ends after its tool turn
+                    self._queue(c, sampling, seed_key, pending, None)
+        self._close_tools([c for c in convs if c.done] if tools is not None else [])
+        return {c.key: self._routing(c, *routes[c.key]) for c in convs if c.key in routes}
 
-    def _queue(self, c: Conversation, sampling: SamplingSpec, seed_offset: int, pending: dict) -> None:
-        """The next model turn of ``c`` as an engine request (its first turn keyed as ``generate`` keys it)."""
-        sample_key: Any = c.sample if c.turns == 0 else f"{c.sample}.{c.turns}"
-        request_id = f"{c.key}-{c.turns}"
+    def _open_tools(self, convs: Sequence[Conversation]) -> None:
+        """Tool instances for the conversations that have none on this rank (a new one, or one resumed from a
+        checkpoint: tool state is not checkpointed). A failed create is not fatal: the calls answer with its error."""
+        fresh = [c for c in convs if c.key not in self._live]
+        wait([self.tools.create(c.key, c.tools_kwargs) for c in fresh])
+        self._live.update(c.key for c in fresh)
+
+    def _close_tools(self, ended: Sequence[Conversation]) -> None:
+        wait([self.tools.release(c.key) for c in ended if c.key in self._live])
+        self._live.difference_update(c.key for c in ended)
+
+    def _routing(self, c: Conversation, routed_experts: Any, covered: int) -> Any:
+        """``[prompt + response, L_moe, K]`` of ``c`` from its last request's routing, which covers the prompt, every
+        earlier turn (vLLM keeps the routing of prefix-cached tokens with their KV blocks,
+        ``vllm/distributed/aux_output_connector``) and the last model turn; a tool turn after it (a response cut in
+        its tool turn) has no record and gets 0, like the unrun last token: no sampled token's log-prob sees them."""
+        routing = row_routing(routed_experts, len(c.prompt), covered, self.engine.routing_arch)
+        tail = routing.new_zeros((len(c.tokens) - covered, *routing.shape[1:]))
+        return torch.cat([routing, tail])
+
+    def _queue(self, c: Conversation, sampling: SamplingSpec, seed_key: Any, pending: dict, cap: Optional[int]) -> None:
+        """The next request of ``c``: its next model turn, or the rest of a turn a segment cut."""
         room = self.budget - len(c.tokens)
+        request_id = f"{c.key}-{c.requests}"
         self.engine.add_request(
-            request_id, c.prompt + c.tokens, sampling, room, (seed_offset, c.prompt_index, sample_key)
+            request_id, c.prompt + c.tokens, sampling, room if cap is None else min(room, cap), seed_key(c)
         )
+        c.requests += 1
         pending[request_id] = c
 
     def _model_turn(self, c: Conversation, seg: Segment) -> list[ToolCall]:
-        """Append a sampled turn; its tool calls (at most ``max_parallel_calls``), or [] when ``c`` ended."""
+        """Append sampled tokens; the turn's tool calls (at most ``max_parallel_calls``) when it ended with some,
+        else [] (``c`` ended, or a segment's cap cut the turn, which the next request continues)."""
+        if not c.open_turn:
+            c.turn_start = len(c.tokens)
         c.tokens += seg.tokens
         c.log_probs += seg.log_probs
         c.loss_mask += [1] * len(seg.tokens)
+        at_budget = len(c.tokens) >= self.budget
+        c.open_turn = seg.hit_budget and not at_budget
+        if c.open_turn:
+            return []
+        turn = c.tokens[c.turn_start :]
         c.turns += 1
-        content = self.tokenizer.decode(seg.tokens, skip_special_tokens=True)
-        c.messages.append({"role": "assistant", "content": content})
-        if seg.hit_budget:  # a turn's budget is the rest of the response's: the response is used up
+        c.messages.append({"role": "assistant", "content": self.tokenizer.decode(turn, skip_special_tokens=True)})
+        if seg.hit_budget:  # the response's budget is used up
             c.done = c.truncated = True
             return []
-        _, calls = parse_tool_calls(self.tokenizer.decode(seg.tokens, skip_special_tokens=False))
+        _, calls = parse_tool_calls(self.tokenizer.decode(turn, skip_special_tokens=False))
         max_turns = self.cfg.max_assistant_turns
-        if not calls or (max_turns is not None and c.turns >= max_turns) or len(c.tokens) >= self.budget:
+        if not calls or (max_turns is not None and c.turns >= max_turns) or at_budget:
             c.done = True
             return []
         return calls[: self.cfg.max_parallel_calls]
@@ -218,11 +249,9 @@ class MultiTurnRollout:
         c.loss_mask += [0] * len(tokens)
 
 
-def _prompt_messages(item: dict) -> list[dict]:
-    messages = item.get("prompt_messages")
-    if isinstance(messages, list):
-        return [dict(m) for m in messages]
-    return [{"role": "user", "content": str(item.get("raw_prompt", ""))}]
+def _replica_of(c: Conversation, replicas: int) -> int:
+    """The replica that advances ``c`` in every segment (so its tool instance stays where it was created)."""
+    return (c.prompt_index * 7919 + c.sample) % replicas
 
 
 def _ready(waiting: dict[str, tuple[Conversation, list[Future]]], block: bool) -> list[tuple[str, list]]:

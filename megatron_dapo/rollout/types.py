@@ -8,8 +8,8 @@ consumes; it is pure (no vLLM, no process group) so its padding rules are tested
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 import torch
 
@@ -94,6 +94,79 @@ class Segment:
     tokens: list[int]
     log_probs: list[float]
     hit_budget: bool
+    # Routing replay only: vLLM's ``routed_experts`` of the request (every token it ran: the prompt, and the output
+    # but its last token), as ``rollout/routing.py`` describes.
+    routed_experts: Any = None
+
+
+@dataclass
+class Response:
+    """One response of the request-level rollout (``rollout/partial.py``): what is generated so far, and where it
+    stands."""
+
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the policy version of each token
+    segments: int = 0
+    done: bool = False
+    truncated: bool = False  # ended at the token budget
+    last_step: int = -1  # the step that generated its last segment
+
+
+@dataclass(kw_only=True)
+class Conversation(Response):
+    """A multi-turn response (``rollout/multi_turn.py``): the prompt, the conversation as text, and per token whether
+    the model sampled it (``loss_mask``). Plain data, so that the partial-rollout buffer checkpoints it as JSON and a
+    resumed run continues it between (or inside) its turns."""
+
+    prompt_index: int  # the batch position of its prompt (a generation), or its group's key (partial rollout)
+    sample: int
+    prompt: list[int]
+    messages: list[dict]  # the prompt's messages, then every assistant and tool turn
+    tools_kwargs: Optional[dict] = None  # the dataset row's ``extra_info.tools_kwargs``
+    tag: str = ""  # keeps tool-instance ids of partial rollout's groups apart from a validation's
+    loss_mask: list[int] = field(default_factory=list)
+    turns: int = 0  # model turns
+    requests: int = 0  # engine requests made: a model turn, or a segment of one
+    turn_start: int = 0  # where the model turn being generated starts in ``tokens``
+    open_turn: bool = False  # a segment's token cap cut the model turn: the next request continues it
+    tool_rewards: list[float] = field(default_factory=list)
+    tool_status: list[str] = field(default_factory=list)  # one per call: ok, or how it failed
+    tool_latency: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of_item(cls, item: dict, prompt_index: int, sample: int, tag: str = "") -> Conversation:
+        """A new conversation of a dataset row (``input_ids``, ``prompt_messages``, ``extra_info.tools_kwargs``)."""
+        messages = item.get("prompt_messages")
+        if isinstance(messages, list):
+            messages = [dict(m) for m in messages]
+        else:
+            messages = [{"role": "user", "content": str(item.get("raw_prompt", ""))}]
+        kwargs = (item.get("extra_info") or {}).get("tools_kwargs")
+        prompt = [int(t) for t in item["input_ids"]]
+        return cls(
+            prompt_index=prompt_index, sample=sample, prompt=prompt, messages=messages, tools_kwargs=kwargs, tag=tag
+        )
+
+    @property
+    def key(self) -> str:
+        return f"{self.tag}{self.prompt_index}-{self.sample}"
+
+    def info(self) -> dict:
+        """What the reward function gets in ``extra_info`` (verl's names) and what the metrics count."""
+        return {
+            "messages": self.messages,
+            "num_turns": self.turns,
+            "tool_calls": len(self.tool_status),
+            "tool_rewards": self.tool_rewards,
+            "tool_status": self.tool_status,
+            "tool_latency": self.tool_latency,
+        }
+
+
+def response_from_dict(state: dict) -> Response:
+    """A ``Response`` or ``Conversation`` from its ``dataclasses.asdict`` (a checkpoint's buffer)."""
+    return Conversation(**state) if "messages" in state else Response(**state)
 
 
 @dataclass
@@ -215,6 +288,15 @@ def batch_of_rows(prompts: Sequence[Sequence[int]], rows: Sequence[tuple], pad_t
         prompt_index=[r[0] for r in rows],
         pad_token_id=pad_token_id,
     )
+
+
+def attach_turns(batch: RolloutBatch, convs: Sequence[Conversation]) -> RolloutBatch:
+    """A multi-turn batch's ``loss_mask`` and ``turns`` from its rows' conversations (one per row, in row order)."""
+    mask = torch.zeros_like(batch.response_mask)
+    for row, c in enumerate(convs):
+        mask[row, : len(c.loss_mask)] = torch.as_tensor(c.loss_mask, dtype=mask.dtype)
+    batch.loss_mask, batch.turns = mask, [c.info() for c in convs]
+    return batch
 
 
 # One generated response: (prompt index, sample index, tokens, log-probs, truncated, routing). The routing (routing

@@ -26,8 +26,10 @@ from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import RunPlan
 from megatron_dapo.parallel import Placement, broadcast_object
+from megatron_dapo.rollout.multi_turn import tool_metrics
 from megatron_dapo.rollout.remote import Control, StoreQueue
-from megatron_dapo.training.loggers import RolloutDumper
+from megatron_dapo.rollout.types import Conversation, response_from_dict
+from megatron_dapo.training.loggers import RolloutDumper, turn_extras
 from megatron_dapo.training.metrics import reduce_metrics
 from megatron_dapo.training.timing import timed
 
@@ -136,9 +138,12 @@ class RemoteRolloutPhase:
         metrics["async/dropped_stale_groups"] = float(self.dropped)
         metrics["async/queue_groups"] = float(queued)
         metrics["train/partial_batch"] = 0.0
+        responses = [response_from_dict(r) for g in groups for r in g["group"]["responses"]]
+        metrics.update(tool_metrics([r.info() for r in responses if isinstance(r, Conversation)]))
         if self.dumper is not None and batch.prompt_text is not None:
             uids = [f"g{key}" for _, key in batch.group_ids]
-            self.dumper.dump(step, batch.prompt_text, batch.response_text, batch.seq_rewards.tolist(), uids)
+            rewards = batch.seq_rewards.tolist()
+            self.dumper.dump(step, batch.prompt_text, batch.response_text, rewards, uids, turn_extras(batch))
         return batch, metrics
 
     def _take(self, version: int) -> tuple[list[dict], int, int, dict]:

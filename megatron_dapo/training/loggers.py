@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from megatron_dapo.batch import TrainBatch
 from megatron_dapo.training.console import format_header, format_row
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
@@ -227,3 +228,14 @@ class RolloutDumper:
                     row.update(extras[i])
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
         return path
+
+
+def turn_extras(batch: TrainBatch) -> Optional[list[dict]]:
+    """A multi-turn batch's per-sample token ids and loss mask (1 = sampled by the model), for the rollout dump."""
+    if batch.sampled_mask is None:
+        return None
+    lengths = batch.response_mask.sum(-1).tolist()
+    return [
+        {"response_ids": batch.responses[r, :n].tolist(), "loss_mask": batch.sampled_mask[r, :n].tolist()}
+        for r, n in enumerate(lengths)
+    ]

@@ -19,9 +19,9 @@ from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import partial_plan
 from megatron_dapo.rollout.engine import RolloutEngine
-from megatron_dapo.rollout.multi_turn import build_generator
+from megatron_dapo.rollout.multi_turn import MultiTurnRollout, build_generator
 from megatron_dapo.rollout.types import SamplingSpec
-from megatron_dapo.training.loggers import RolloutDumper
+from megatron_dapo.training.loggers import RolloutDumper, turn_extras
 from megatron_dapo.training.metrics import compute_val_metrics, reduce_metrics
 from megatron_dapo.training.offload import MemoryHandoff
 from megatron_dapo.training.rollout_sources import PartialGroups, PromptData, WholeGroups
@@ -56,7 +56,15 @@ class RolloutPhase:
         self.source = (
             WholeGroups(self.generator, data, self.train_sampling)
             if partial is None
-            else PartialGroups(engine, data, self.train_sampling, partial, cfg.data.max_response_length, cfg.rollout.n)
+            else PartialGroups(
+                engine,
+                data,
+                self.train_sampling,
+                partial,
+                cfg.data.max_response_length,
+                cfg.rollout.n,
+                self.generator if isinstance(self.generator, MultiTurnRollout) else None,
+            )
         )
         self.dumper, self.tokenizer, self.is_main = dumper, tokenizer, is_main
         self.engine_weights: Optional[int] = None  # the step whose weights the awake engine holds
@@ -202,17 +210,6 @@ def validation_metrics(
     metrics = compute_val_metrics(batch.data_source, batch.acc.tolist(), sampling.n)
     metrics.update({f"val-aux/{k}": v for k, v in generator.metrics().items()})
     return metrics
-
-
-def turn_extras(batch: TrainBatch) -> Optional[list[dict]]:
-    """A multi-turn batch's per-sample token ids and loss mask (1 = sampled by the model), for the rollout dump."""
-    if batch.sampled_mask is None:
-        return None
-    lengths = batch.response_mask.sum(-1).tolist()
-    return [
-        {"response_ids": batch.responses[r, :n].tolist(), "loss_mask": batch.sampled_mask[r, :n].tolist()}
-        for r, n in enumerate(lengths)
-    ]
 
 
 def nonfinite_count(values: torch.Tensor, batch: TrainBatch, metric: str) -> dict[str, float]:

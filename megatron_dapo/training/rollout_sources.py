@@ -4,7 +4,8 @@ score and filter (dynamic sampling) until the training batch is full.
 * ``WholeGroups`` (synchronous rollout): a round draws a generation batch of prompts and generates every response to
   its end with the current weights;
 * ``PartialGroups`` (``rollout.partial_rollout``): a round advances responses by one segment through the
-  request-level rollout (``rollout/partial.py``) and hands over the groups that are done, oldest first. Unfinished
+  request-level rollout (``rollout/partial.py``; conversations turn by turn in a multi-turn run) and hands over the
+  groups that are done, oldest first. Unfinished
   responses stay in its buffer (a checkpoint component) and continue at the next step with that step's weights.
 
 A round returns ``(rollout, items, group_ids)`` (the rollout's rows, the dataset rows of its prompts, a group id per
@@ -20,7 +21,7 @@ from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import PartialPlan
 from megatron_dapo.data import PromptSampler, build_dataset
 from megatron_dapo.rollout.engine import RolloutEngine
-from megatron_dapo.rollout.multi_turn import tool_schemas
+from megatron_dapo.rollout.multi_turn import MultiTurnRollout, tool_metrics, tool_schemas
 from megatron_dapo.rollout.partial import PartialRollout, groups_to_rollout, segments_of
 from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec
 
@@ -68,11 +69,13 @@ class PartialGroups:
         plan: PartialPlan,
         max_response_length: int,
         n: int,
+        conversations: Optional[MultiTurnRollout] = None,
     ) -> None:
         self.engine, self.data, self.sampling, self.n = engine, data, sampling, n
-        self.buffer = PartialRollout(engine, plan, max_response_length)
+        self.buffer = PartialRollout(engine, plan, max_response_length, conversations)
         self.max_in_flight = 2 * data.sampler.batch_size
         self._segments: list[int] = []  # of every response handed over since the last metrics()
+        self._turns: list[dict] = []  # multi-turn: the conversations handed over since the last metrics()
 
     def round(self, step: int, version: int, need: int, index: int) -> Round:
         buf = self.buffer
@@ -84,7 +87,8 @@ class PartialGroups:
             if buf.num_done() + advancing < need and buf.num_in_flight() < self.max_in_flight:
                 first_new = len(buf.groups)
                 rows = self.data.sampler.next_batch()
-                buf.add(rows, [self.data.train[i]["input_ids"] for i in rows], self.n)
+                items = [self.data.train[i] for i in rows]
+                buf.add(rows, [it["input_ids"] for it in items], self.n, items)
                 todo += [(g, j) for g in buf.groups[first_new:] for j in range(self.n)]
             buf.advance(todo, step, version, self.sampling, seed_offset=step * 1000 + index)
         groups = buf.take_done(need)
@@ -93,14 +97,19 @@ class PartialGroups:
         self._segments += segments_of(groups)
         items = [self.data.train[g.item] for g in groups]
         ids = [f"g{g.key}" for g in groups for _ in g.responses]
-        return groups_to_rollout(groups, self.engine.pad_token_id), items, ids
+        rollout = groups_to_rollout(groups, self.engine.pad_token_id)
+        self._turns += rollout.turns or []
+        return rollout, items, ids
 
     def metrics(self) -> dict[str, float]:
-        """``rollout/partial/*``: segments per response handed over since the last call, responses carried over."""
+        """``rollout/partial/*``: segments per response handed over since the last call, responses carried over;
+        ``tool/*`` of the conversations handed over in a multi-turn run."""
         segments, self._segments = self._segments, []
+        turns, self._turns = self._turns, []
         return {
             "rollout/partial/segments_mean": sum(segments) / len(segments) if segments else 0.0,
             "rollout/partial/buffered_responses": float(self.buffer.buffered_responses()),
+            **tool_metrics(turns),
         }
 
     # The buffer is checkpointed with every step (CheckpointManager component "rollout_buffer").

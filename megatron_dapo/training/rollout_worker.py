@@ -34,8 +34,8 @@ from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.parallel import broadcast_object, init_distributed, placement, teardown
 from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.rollout.engine import RolloutEngine
-from megatron_dapo.rollout.multi_turn import SingleTurn
-from megatron_dapo.rollout.partial import Group, PartialRollout, Response, groups_to_rollout
+from megatron_dapo.rollout.multi_turn import MultiTurnRollout, build_generator
+from megatron_dapo.rollout.partial import Group, PartialRollout, group_from_dict, groups_to_rollout
 from megatron_dapo.rollout.remote import BridgeReceiver, Control, StoreQueue
 from megatron_dapo.rollout.types import SamplingSpec
 from megatron_dapo.training.failure import StopRequest
@@ -69,7 +69,9 @@ class RolloutWorker:
         reward = RewardManager(self.tokenizer, cfg.reward, cfg.data.max_response_length, list(ids.eos))
         self.scorer = RolloutScorer(reward, self.info.world_size, self.info.rank)
         segments = plan.partial or PartialPlan(cfg.data.max_response_length, 1)
-        self.buffer = PartialRollout(self.engine, segments, cfg.data.max_response_length)
+        self.generator = build_generator(cfg, self.engine, self.tokenizer)  # multi-turn: tools on replica leaders
+        conversations = self.generator if isinstance(self.generator, MultiTurnRollout) else None
+        self.buffer = PartialRollout(self.engine, segments, cfg.data.max_response_length, conversations)
         self.sampling = SamplingSpec.for_training(cfg, ids.eos)
         self.val_sampling = SamplingSpec.for_validation(cfg, ids.eos)
         self.receiver = BridgeReceiver(self.place.bridge, self.engine)
@@ -163,7 +165,8 @@ class RolloutWorker:
         todo = [(g, j) for g, j in self.buffer.pending(step) if g.started]
         if start > len(self.buffer.unstarted()):
             rows = self.data.sampler.next_batch()
-            self.buffer.add(rows, [self.data.train[i]["input_ids"] for i in rows], self.cfg.rollout.n)
+            items = [self.data.train[i] for i in rows]
+            self.buffer.add(rows, [it["input_ids"] for it in items], self.cfg.rollout.n, items)
         todo += [(g, j) for g in self.buffer.unstarted()[:start] for j in range(self.cfg.rollout.n)]
         self.buffer.advance(todo, step, self.version, self.sampling, seed_offset=step)
         self.stats["rounds"] += 1
@@ -210,7 +213,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------------------------------- requests
 
     def _validate(self, version: int) -> None:
-        metrics = validation_metrics(SingleTurn(self.engine), self.scorer, self.cfg, self.data.val, self.val_sampling)
+        metrics = validation_metrics(self.generator, self.scorer, self.cfg, self.data.val, self.val_sampling)
         if self.leader:
             self.control.post(f"val/result/{version}", metrics)
 
@@ -228,13 +231,10 @@ class RolloutWorker:
         (oldest first) to score again."""
         self.data.sampler.load_state_dict(state["sampler"])
         self.buffer.load_state_dict(state["buffer"])
-        queued = [
-            Group(int(g["key"]), int(g["item"]), list(g["prompt"]), [Response(**r) for r in g["responses"]])
-            for g in state["queued"]
-        ]
-        self.buffer.groups = queued + self.buffer.groups
+        self.buffer.groups = [group_from_dict(g) for g in state["queued"]] + self.buffer.groups
 
     def close(self) -> None:
         self.stop_request.restore()
         self.scorer.close()
+        self.generator.close()
         teardown(self.engine)

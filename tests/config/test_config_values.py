@@ -56,14 +56,14 @@ def test_all_problems_are_reported_at_once():
     }
 
 
-def test_multi_turn_refuses_what_it_does_not_combine_with_yet():
-    base = ["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=tools.yaml"]
-    with pytest.raises(ConfigError) as err:
-        load_config(CONFIG, base + ["rollout.partial_rollout.enable=true", "trainer.mode=async"])
-    text = str(err.value)
-    assert "rollout.multi_turn.enable=true with rollout.partial_rollout.enable=true" in text
-    assert "rollout.multi_turn.enable=true with trainer.mode=async" in text
-    assert load_config(CONFIG, base).rollout.multi_turn.tool_config_path == "tools.yaml"
+def test_multi_turn_needs_its_tools_and_combines_with_partial_rollout_and_async():
+    on = ["rollout.multi_turn.enable=true"]
+    with pytest.raises(ConfigError, match="needs rollout.multi_turn.tool_config_path"):
+        load_config(CONFIG, on)
+    base = on + ["rollout.multi_turn.tool_config_path=tools.yaml"]
+    assert load_config(CONFIG, base + ["rollout.partial_rollout.enable=true"]).rollout.partial_rollout.enable
+    async_mode = ["trainer.mode=async", "placement.rollout_ranks=1"]
+    assert load_config(CONFIG, base + async_mode).trainer.mode == "async"
 
 
 def test_greedy_rollout_with_dynamic_sampling_names_the_real_cause():

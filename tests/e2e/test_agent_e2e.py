@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from transformers import AutoTokenizer
 from megatron_dapo.agent.chat import ToolTurns
 from megatron_dapo.config import load_config
 from tests.e2e.test_quickstart import ALARM
-from tests.e2e.test_train_e2e import REPO, launch, read_metrics, wait_ok
+from tests.e2e.test_train_e2e import REPO, assert_same_as_straight, launch, read_metrics, wait_ok
 
 LAST_LINE = re.compile(
     r"first_val_acc=([0-9.]+) final_val_acc=([0-9.]+) tool_called_frac=([0-9.]+) eval_acc=([0-9.]+)"
@@ -116,8 +117,8 @@ def agent_task(tmp_path_factory) -> dict:
     return {**info, "mcore": str(root / "mcore")}
 
 
-def run_one_step(task: dict, out: Path, port: int, *extra: str) -> list[dict]:
-    """One training step (and the validation before it) of configs/tiny_agent_cpu.yaml; the step's dumped samples."""
+def run_agent(task: dict, out: Path, port: int, steps: int, *extra: str) -> None:
+    """``steps`` training steps of configs/tiny_agent_cpu.yaml at CI size, dumping the trained samples."""
     args = [
         f"model.hf_config_dir={task['hf_model']}",
         f"model.tokenizer_dir={task['tokenizer']}",
@@ -127,7 +128,7 @@ def run_one_step(task: dict, out: Path, port: int, *extra: str) -> list[dict]:
         f"rollout.multi_turn.tool_config_path={task['tool_config']}",
         f"trainer.output_dir={out}",
         f"trainer.rollout_data_dir={out / 'dump'}",
-        "trainer.total_training_steps=1",
+        f"trainer.total_training_steps={steps}",
         "actor.optim.lr_warmup_steps=0",
         "rollout.n=8",  # CI-sized: 6 prompts x 8 per generation batch, 4 trained
         "data.gen_batch_size=6",
@@ -138,6 +139,11 @@ def run_one_step(task: dict, out: Path, port: int, *extra: str) -> list[dict]:
     ]
     env = {"NPROC_PER_NODE": "2", "MASTER_PORT": str(port)}
     wait_ok(launch("run_local.sh", args, env, REPO / "configs" / "tiny_agent_cpu.yaml"), timeout=600)
+
+
+def run_one_step(task: dict, out: Path, port: int, *extra: str) -> list[dict]:
+    """One training step (and the validation before it); the step's dumped samples."""
+    run_agent(task, out, port, 1, *extra)
     return [json.loads(line) for line in (out / "dump" / "1.jsonl").read_text().splitlines()]
 
 
@@ -152,3 +158,55 @@ def test_rollout_tp2_runs_tools_on_the_leader_and_matches_tp1(agent_task, tmp_pa
     assert sum(0 in r["loss_mask"] for r in tp1) > 0.9 * len(tp1)  # most samples called the tool
     val = [read_metrics(tmp_path / d)[0]["val-core/lookup/acc/mean@1"] for d in ("tp1", "tp2")]
     assert val[0] == val[1]
+
+
+# Partial rollout over conversations: segments of 4 tokens, the third runs to the end. A solved episode's call (6
+# tokens) is cut inside (segment 1), continued by a second request that ends with the call, then its tool turn
+# follows (segment 2), then the answer (segment 3). A step's rounds advance every group in flight until enough are
+# done, and here every group needs the same 3 segments, so the buffer at a step boundary holds conversations that
+# are done but not trained yet (a checkpoint of conversations cut inside or between turns: the unit tests,
+# tests/rollout/test_multi_turn_partial.py, with a JSON checkpoint after every round).
+PARTIAL = [
+    "rollout.partial_rollout.enable=true",
+    "rollout.partial_rollout.max_segments=3",
+    "rollout.partial_rollout.segment_length=4",
+    "algorithm.filter_groups.enable=false",
+    "trainer.test_freq=-1",
+]
+
+
+@pytest.mark.slow
+def test_partial_rollout_over_conversations_resumes_to_the_same_run(agent_task, tmp_path):
+    """Multi-turn with partial rollout on real vLLM: conversations span three segments (a model turn continued by a
+    second request), their masks line up, and a checkpoint whose buffer holds conversations resumes to the same
+    numbers, weights and samples as the uninterrupted run."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_agent(agent_task, straight, 29978, 4, *PARTIAL, "checkpoint.save_freq=2")
+    state = json.loads((straight / "checkpoints" / "global_step_2" / "trainer_state.json").read_text())
+    buffered = [r for g in state["rollout_buffer"]["groups"] for r in g["responses"]]
+    assert buffered and all(r["segments"] == 3 and 0 in r["loss_mask"] for r in buffered)
+
+    shutil.copytree(straight / "checkpoints" / "global_step_2", resumed / "checkpoints" / "global_step_2")
+    (resumed / "checkpoints" / "latest").write_text("global_step_2\n")
+    run_agent(agent_task, resumed, 29978, 4, *PARTIAL, "checkpoint.save_freq=2", "trainer.val_before_train=false")
+    assert_same_as_straight(straight, resumed, (3, 4), tmp_path)
+    for step in (3, 4):
+        assert (resumed / "dump" / f"{step}.jsonl").read_text() == (straight / "dump" / f"{step}.jsonl").read_text()
+    rows = [r for r in read_metrics(straight) if "actor/pg_loss" in r]
+    assert all(r["rollout/partial/segments_mean"] > 2 and r["tool/calls"] > 0 for r in rows)
+    tokenizer = AutoTokenizer.from_pretrained(agent_task["tokenizer"])
+    assert check_dumped_masks(straight / "dump", tokenizer) > 100
+
+
+@pytest.mark.slow
+def test_async_mode_runs_conversations_on_the_rollout_rank(agent_task, tmp_path):
+    """trainer.mode=async: the rollout rank runs the conversations and their tools; the trained samples' masks line
+    up and the tool metrics reach the trainer's log."""
+    out = tmp_path / "async"
+    run_agent(agent_task, out, 29979, 2, "trainer.mode=async", "placement.rollout_ranks=1", "trainer.test_freq=2")
+    rows = read_metrics(out)
+    trained = [r for r in rows if "actor/pg_loss" in r]
+    assert len(trained) == 2 and all(r["tool/calls"] > 0 and r["tool/crashed"] == 0 for r in trained)
+    assert any("val-aux/tool/called_frac" in r for r in rows)
+    tokenizer = AutoTokenizer.from_pretrained(agent_task["tokenizer"])
+    assert check_dumped_masks(out / "dump", tokenizer) > 10
