@@ -72,6 +72,10 @@ class TrainBatch:
     seq_rewards: Optional[torch.Tensor] = field(default=None, metadata=_ROW)  # [B] final reward (= scores' row sum)
     verifier_scores: Optional[torch.Tensor] = field(default=None, metadata=_ROW)  # [B] the reward function's score
     acc: Optional[torch.Tensor] = field(default=None, metadata=_ROW)  # [B] 1.0 when the verifier says correct
+    # GDPO: the reward function's reward dimensions named by algorithm.gdpo_reward_keys, [B, K] (0 where a call failed)
+    reward_components: Optional[torch.Tensor] = field(default=None, metadata=_ROW)
+    # ReMax: the reward of the greedy response to each row's prompt, [B] (training/rollout_phase.py)
+    reward_baselines: Optional[torch.Tensor] = field(default=None, metadata=_ROW)
     data_source: Optional[list[str]] = field(default=None, metadata=_LIST)
     prompt_text: Optional[list[str]] = field(default=None, metadata=_LIST)  # only when rollouts are dumped
     response_text: Optional[list[str]] = field(default=None, metadata=_LIST)
@@ -80,6 +84,8 @@ class TrainBatch:
     filler: Optional[torch.Tensor] = field(default=None, metadata=_ROW)  # [B] bool: exhausted-step filler rows
     # --- log-probs (Megatron forwards)
     old_log_probs: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)  # None on the on-policy path
+    # The optimal-token-baseline estimators: Σ_v π_old(v)² at each response token (algo/logprobs.py)
+    sum_pi_squared: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
     ref_log_probs: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
     # --- advantages
     token_level_rewards: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)  # scores - KL (in reward)

@@ -4,6 +4,7 @@ Pure functions on tensors (no process groups); vocab-parallel log-probs and entr
 ``megatron_dapo.algo.logprobs``.
 """
 
+from megatron_dapo.algo import outcome_estimators  # noqa: F401 - registers verl's other estimators
 from megatron_dapo.algo.advantages import (
     compute_advantages,
     compute_grpo_advantages,

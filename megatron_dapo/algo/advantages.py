@@ -1,4 +1,5 @@
-"""Outcome-reward advantage estimators: GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline (verl 0.9.1 semantics).
+"""Outcome-reward advantage estimators: GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline (verl 0.9.1 semantics);
+verl's other critic-free ones are in ``algo/outcome_estimators.py``.
 
 Shapes: ``B`` responses, ``T`` response tokens (right-padded). ``scores[B]`` is the sequence-level reward (verl:
 ``token_level_rewards.sum(-1)``); ``response_mask[B, T]`` marks valid response tokens. ``group_ids[B]`` names the
@@ -217,6 +218,16 @@ class AdvantageInputs:
     norm_adv_by_std_in_grpo: bool = True
     gamma: float = 1.0
     epsilon: float = 1e-6
+    # ReMax: the reward of each row's prompt's greedy response, [B] (algo/outcome_estimators.py).
+    reward_baselines: torch.Tensor | None = None
+    # GDPO: the scorer's reward dimensions named by algorithm.gdpo_reward_keys, [B, K], and their weights.
+    reward_components: torch.Tensor | None = None
+    reward_weights: Sequence[float] | None = None
+    # The optimal-token-baseline estimators: the old policy's log-probs, its Σ π² per token, and the truncated-IS
+    # weights against the rollout when the run has them, all [B, T].
+    old_log_probs: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
+    rollout_is_weights: torch.Tensor | None = None
 
 
 @register_adv_estimator("grpo")

@@ -289,3 +289,40 @@ def response_log_probs(
     )
     shape = response_index.shape
     return log_probs.view(shape), (entropy.view(shape) if with_entropy else None)
+
+
+@torch.no_grad()
+def response_sum_pi_squared(
+    logits: torch.Tensor,
+    response_index: torch.Tensor,
+    true_vocab_size: int,
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    *,
+    chunk_tokens: int = 64,
+) -> torch.Tensor:
+    """``Σ_v π(v)²`` of softmax(logits / temperature) at every response position (``[b, T]`` float32; float64 for
+    float64 logits), for the optimal-token-baseline estimators (verl's ``sum_pi_squared``): with the row max ``m``
+    removed, ``Σ e^{2(z-m)} / (Σ e^{z-m})²``, both sums reduced over ``tp_group``, ``chunk_tokens`` logit rows at a
+    time like ``response_log_probs`` (no ``[T, V]`` temporary). Not differentiable (an estimator input)."""
+    b, s, shard = logits.shape
+    flat = logits.reshape(-1, shard)
+    flat_index = (torch.arange(b, device=logits.device).unsqueeze(-1) * s + response_index.to(logits.device)).reshape(
+        -1
+    )
+    valid_cols = max(0, min(shard, true_vocab_size - vocab_start))
+    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+    rows, token_row = torch.unique(flat_index, sorted=True, return_inverse=True)
+    out = torch.empty(rows.numel(), dtype=compute_dtype, device=logits.device)
+    for start in range(0, rows.numel(), chunk_tokens):
+        end = min(start + chunk_tokens, rows.numel())
+        z = _scaled_rows(flat, rows[start:end], valid_cols, compute_dtype, temperature)
+        row_max = (
+            z.amax(-1) if valid_cols else torch.full((end - start,), -torch.inf, dtype=compute_dtype, device=z.device)
+        )
+        z.sub_(_all_reduce(row_max, dist.ReduceOp.MAX, group=tp_group).unsqueeze(-1))
+        exp_z = torch.exp(z)
+        sums = _all_reduce(torch.stack([exp_z.sum(-1), (exp_z * exp_z).sum(-1)]), dist.ReduceOp.SUM, tp_group)
+        out[start:end] = sums[1] / (sums[0] * sums[0])
+    return out[token_row].view(response_index.shape)

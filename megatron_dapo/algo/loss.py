@@ -10,17 +10,33 @@ micro-batches and ranks before ``loss_metrics`` turns them into verl's ``actor/*
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from megatron_dapo.algo.kl import kl_penalty
-from megatron_dapo.algo.policy_loss import agg_loss, compute_rollout_is_weights, policy_loss_metric_sums
+from megatron_dapo.algo.masked import masked_sum
+from megatron_dapo.algo.policy_loss import (
+    ROW_MEAN,
+    PolicyLossInputs,
+    agg_loss,
+    compute_rollout_is_weights,
+    policy_loss_metric_sums,
+)
 from megatron_dapo.algo.registry import POLICY_LOSSES
 from megatron_dapo.config import ActorConfig
 
-__all__ = ["LOSS_METRIC_SUMS", "LossNormalisers", "dapo_loss", "local_loss_counts", "loss_metrics"]
+__all__ = [
+    "LOSS_METRIC_SUMS",
+    "LossNormalisers",
+    "RowSum",
+    "dapo_loss",
+    "local_loss_counts",
+    "loss_metrics",
+    "partial_row_sum",
+]
 
 #: The metric sums ``dapo_loss`` returns, in a fixed order (the caller reduces them as one tensor).
 LOSS_METRIC_SUMS: tuple[str, ...] = (
@@ -39,25 +55,47 @@ LOSS_METRIC_SUMS: tuple[str, ...] = (
 @dataclass(frozen=True)
 class LossNormalisers:
     """An optimizer step's normalisers: loss tokens and sequences with at least one loss token, over every
-    micro-batch and data-parallel rank, and the response budget (``seq-mean-token-sum-norm``'s constant)."""
+    micro-batch and data-parallel rank, the response budget (``seq-mean-token-sum-norm``'s constant) and every
+    sequence, fully masked ones included (``row_count``: the divisor of losses averaged over rows, ``ROW_MEAN``,
+    such as verl's GMPO; None = ``seq_count``)."""
 
     token_count: float
     seq_count: float
     max_response_length: int
+    row_count: Optional[float] = None
 
     @classmethod
     def of(cls, loss_mask: torch.Tensor, max_response_length: Optional[int] = None) -> LossNormalisers:
         """The normalisers of a whole batch held in one place (no split)."""
-        tokens, seqs = local_loss_counts(loss_mask).tolist()
+        tokens, seqs, rows = local_loss_counts(loss_mask).tolist()
         width = loss_mask.shape[-1] if max_response_length is None else max_response_length
-        return cls(tokens, seqs, int(width))
+        return cls(tokens, seqs, int(width), rows)
 
 
 def local_loss_counts(loss_mask: torch.Tensor) -> torch.Tensor:
-    """``[2]`` float64: this part's loss tokens and sequences with at least one — summed over parts, the
-    ``LossNormalisers`` counts."""
+    """``[3]`` float64: this part's loss tokens, sequences with at least one, and sequences — summed over parts,
+    the ``LossNormalisers`` counts."""
     mask = loss_mask.to(torch.float64)
-    return torch.stack([mask.sum(), (mask.sum(-1) > 0).to(torch.float64).sum()])
+    rows = torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device)
+    return torch.stack([mask.sum(), (mask.sum(-1) > 0).to(torch.float64).sum(), rows])
+
+
+RowSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+def partial_row_sum(mask: torch.Tensor, reduce: Callable[[torch.Tensor], object]) -> RowSum:
+    """``row_sum`` for sequences split over ranks (context parallelism): this rank's masked row sums, completed by
+    ``reduce(t)``, an in-place sum of ``t`` over the ranks holding the other parts (the caller's all-reduce: this
+    module stays free of process groups). The value is the whole sequence's; the gradient flows through this rank's
+    tokens only (each rank back-propagates its own tokens, as for the per-token losses)."""
+
+    def row_sum(values: torch.Tensor) -> torch.Tensor:
+        local = masked_sum(values, mask, axis=-1)
+        total = local.detach().clone()
+        reduce(total)
+        return total + (local - local.detach())  # exactly ``total`` in value
+
+    return row_sum
 
 
 def dapo_loss(
@@ -74,16 +112,26 @@ def dapo_loss(
     rollout_log_probs: Optional[torch.Tensor] = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
     rollout_is_threshold: Optional[float] = None,
+    row_sum: Optional[RowSum] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch and its metric sums. All per-token tensors are ``[b, T]``.
 
     ``loss = agg(policy loss) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || ref))`` with ``agg`` =
-    ``agg_loss(·, loss_mask, cfg.loss_agg_mode, norm)`` and the policy loss ``cfg.policy_loss`` from the registry.
+    ``agg_loss(·, loss_mask, cfg.loss_agg_mode, norm)`` and the policy loss ``cfg.policy_loss.loss_mode`` from the
+    registry (``algo/policy_losses.py``).
 
     ``old_log_probs=None`` is the on-policy path (one epoch, one mini-batch: the policy has not moved since the
     rollout): the old policy is this forward's own log-probs, detached; the truncated-IS weights
     (``rollout_is_threshold``) and the train-vs-rollout mismatch sums (``logprob_diff_*``) then come from them.
     ``entropy`` may be None when ``entropy_coeff == 0`` (the entropy metric is then 0).
+
+    ``row_sum(x[b, T]) -> [b]`` sums a per-token tensor over each sequence's loss tokens, for the sequence-level
+    policy losses (GSPO, GMPO) and the per-sequence token counts of ``seq-mean-token-mean``: None = the local masked
+    row sum, right whenever the micro-batch holds whole sequences (packed/THD micro-batches too: the loss still sees
+    one row per sequence); the actor's hook passes one that adds the partial sums of the context-parallel ranks
+    (:func:`partial_row_sum`). A policy loss may impose its own aggregation (``terms["loss_agg_mode"]``: SAPO's
+    ``seq-mean-token-mean``, GMPO's ``ROW_MEAN`` over ``norm.row_count``); the entropy and KL terms keep
+    ``cfg.loss_agg_mode``.
     """
     on_policy = old_log_probs is None
     old = log_probs.detach() if on_policy else old_log_probs
@@ -91,18 +139,28 @@ def dapo_loss(
         rollout_is_weights = compute_rollout_is_weights(old, rollout_log_probs, response_mask, rollout_is_threshold)
     mask = loss_mask.to(log_probs.dtype)
 
-    def agg(values: torch.Tensor) -> torch.Tensor:
+    row_counts: list[torch.Tensor] = []
+
+    def agg(values: torch.Tensor, mode: str = cfg.loss_agg_mode) -> torch.Tensor:
+        seqs = norm.seq_count
+        if mode == ROW_MEAN:  # sequence losses spread over their tokens, averaged over every row
+            mode, seqs = "seq-mean-token-sum", norm.seq_count if norm.row_count is None else norm.row_count
+        if mode == "seq-mean-token-mean" and row_sum is not None and not row_counts:
+            # the per-sequence token mean divides by the whole sequence's count, not this CP rank's share
+            row_counts.append(row_sum(torch.ones_like(mask)).detach())
         return agg_loss(
             values,
             mask,
-            cfg.loss_agg_mode,
+            mode,
             global_token_count=norm.token_count,
-            global_seq_count=norm.seq_count,
+            global_seq_count=seqs,
             max_response_length=norm.max_response_length,
+            row_token_counts=row_counts[0] if row_counts else None,
         )
 
-    terms = POLICY_LOSSES.get(cfg.policy_loss)(log_probs, old, advantages, cfg, rollout_is_weights)
-    pg_loss = agg(terms["pg_losses"])
+    inputs = PolicyLossInputs(log_probs, old, advantages, mask, cfg, rollout_is_weights, row_sum)
+    terms = POLICY_LOSSES.get(cfg.policy_loss.loss_mode)(inputs)
+    pg_loss = agg(terms["pg_losses"], terms.get("loss_agg_mode", cfg.loss_agg_mode))
     loss = pg_loss
     sums = {"pg_loss": pg_loss.detach(), **policy_loss_metric_sums(terms, mask)}
     if entropy is not None:

@@ -1,11 +1,12 @@
-"""PPO clipped policy loss with decoupled clip (clip-higher), dual-clip and loss aggregation (verl 0.9.1 semantics).
+"""Loss aggregation, policy-loss metric sums and truncated IS weights (verl 0.9.1 semantics).
 
 Shapes: ``[B, T]`` per-token tensors (B responses, T response tokens); ``response_mask[B, T]`` selects the tokens
 that count. Everything is a pure function (no process groups).
 
 The loss of a micro-batch is assembled in ``algo/loss.py`` (``dapo_loss``), from the pieces here: the per-token
-policy-loss terms (a registered variant: ``vanilla`` is verl's ``compute_policy_loss_vanilla``), :func:`agg_loss`
-with explicit global normalisers, and :func:`policy_loss_metric_sums`.
+policy-loss terms of a registered variant (``algo/policy_losses.py``, verl's twelve names; ``vanilla`` is verl's
+``compute_policy_loss_vanilla``, re-exported here with :class:`PolicyLossInputs`), :func:`agg_loss` with explicit
+global normalisers, and :func:`policy_loss_metric_sums`.
 """
 
 from __future__ import annotations
@@ -15,18 +16,29 @@ from typing import Literal
 import torch
 
 from megatron_dapo.algo.masked import masked_sum
-from megatron_dapo.algo.registry import register_policy_loss
+from megatron_dapo.algo.policy_losses import (  # importing this module registers every built-in policy loss
+    LOG_RATIO_CLAMP,
+    ROW_MEAN,
+    PolicyLossInputs,
+    compute_policy_loss_terms,
+    vanilla_policy_loss,
+)
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to [-20, 20] before exp
 SEQ_TOKEN_MEAN_EPS = 1e-8  # verl: per-sequence token mean divides by (count + 1e-8)
 
 Number = int | float | torch.Tensor
+#: verl's metric (``actor/<name>``, a masked token mean) and the per-token term of a policy loss it averages.
+METRIC_TERMS: dict[str, str] = {"pg_clipfrac": "clipped", "pg_clipfrac_lower": "clipped_lower", "ppo_kl": "approx_kl"}
 
 __all__ = [
+    "LOG_RATIO_CLAMP",
     "LOSS_AGG_MODES",
     "LossAggMode",
+    "METRIC_TERMS",
+    "PolicyLossInputs",
+    "ROW_MEAN",
     "agg_loss",
     "compute_policy_loss_terms",
     "compute_rollout_is_weights",
@@ -48,6 +60,7 @@ def agg_loss(
     global_token_count: Number | None = None,
     global_seq_count: Number | None = None,
     max_response_length: Number | None = None,
+    row_token_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Aggregate a ``[B, T]`` loss matrix into a scalar.
 
@@ -62,6 +75,10 @@ def agg_loss(
       does: ``sum(loss * m) / N_seqs / C``. Pass ``max_response_length`` whenever micro-batches may be padded to
       different ``T`` so that the split form stays exact.
 
+    ``row_token_counts[B]``: each sequence's loss tokens, ``seq-mean-token-mean``'s per-sequence divisor, when the
+    rows hold only part of their sequences (context parallelism: the counts summed over the CP ranks); default
+    ``loss_mask.sum(-1)``.
+
     Passing the global normalisers (``algo/loss.py``: ``LossNormalisers``, summed over the whole batch) makes the
     result additive over any split of the batch into micro-batches/ranks. Fully masked sequences contribute
     nothing; a fully masked batch gives 0 (verl 0.9.1 gives NaN, 0/0; see ``docs/verl_config_mapping.md``).
@@ -75,7 +92,7 @@ def agg_loss(
         n = loss_mask.sum() if global_token_count is None else global_token_count
         return masked_sum(loss_mat, loss_mask) / _as_divisor(n, loss_mat)
     if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        token_counts = loss_mask.sum(dim=-1)
+        token_counts = loss_mask.sum(dim=-1) if row_token_counts is None else row_token_counts.to(loss_mat.dtype)
         seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
         if loss_agg_mode == "seq-mean-token-mean":
             seq_losses = seq_losses / (token_counts + SEQ_TOKEN_MEAN_EPS)
@@ -89,78 +106,22 @@ def agg_loss(
     raise ValueError(f"invalid loss_agg_mode {loss_agg_mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}")
 
 
-def compute_policy_loss_terms(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-    is_weights: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Per-token PPO terms, all ``[B, T]`` (nothing is masked here; aggregate with :func:`agg_loss`).
-
-    With ``r = exp(clamp(log_prob - old_log_prob, -20, 20))`` and ``A`` the advantages:
-    ``l1 = -A r``, ``l2 = -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)``, ``clipped = max(l1, l2)``;
-    for ``A < 0`` the dual clip caps the loss at ``-A * clip_ratio_c``: ``min(clipped, -A c)``.
-
-    Returns:
-        ``pg_losses``: per-token loss (times ``is_weights`` when given, as verl applies rollout IS weights);
-        ``clipped``: float indicator ``l2 > l1`` (for ``pg_clipfrac``);
-        ``clipped_lower``: float indicator that the dual clip is active (``A < 0`` and ``clipped > -A c``);
-        ``approx_kl``: ``-(clamped log-ratio)`` = ``old_log_prob - log_prob`` clamped (for ``ppo_kl``);
-        ``ratio``: ``r``.
-    """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c (dual-clip lower bound) must be > 1.0, got {clip_ratio_c}")
-    neg_approx_kl = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
-    ratio = torch.exp(neg_approx_kl)
-    losses1 = -advantages * ratio
-    losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    clip_losses1 = torch.maximum(losses1, losses2)
-    losses3 = -advantages * clip_ratio_c
-    clip_losses2 = torch.minimum(losses3, clip_losses1)
-    negative = advantages < 0
-    pg_losses = torch.where(negative, clip_losses2, clip_losses1)
-    if is_weights is not None:
-        pg_losses = pg_losses * is_weights
-    return {
-        "pg_losses": pg_losses,
-        "clipped": torch.gt(losses2, losses1).to(log_prob.dtype).detach(),
-        "clipped_lower": (torch.gt(clip_losses1, losses3) & negative).to(log_prob.dtype).detach(),
-        "approx_kl": (-neg_approx_kl).detach(),
-        "ratio": ratio,
-    }
-
-
-@register_policy_loss("vanilla")
-def vanilla_policy_loss(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    cfg,
-    is_weights: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """verl's ``vanilla`` policy loss: :func:`compute_policy_loss_terms` with the actor's clip settings
-    (``actor.clip_ratio_low/high``, ``clip_ratio_c``)."""
-    return compute_policy_loss_terms(
-        log_prob, old_log_prob, advantages, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, is_weights
-    )
-
-
 def policy_loss_metric_sums(terms: dict[str, torch.Tensor], response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Masked token sums of the metric terms of one micro-batch (detached 0-dim tensors).
 
-    Returns ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` sums and ``num_tokens``. Sum them over micro-batches
-    and ranks, then divide each by ``num_tokens + 1e-8`` to get verl's batch metrics (which are masked token means
-    whatever the loss aggregation mode).
+    Returns ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` sums (for the terms ``clipped``, ``clipped_lower``,
+    ``approx_kl`` the loss returned; a loss verl reports no such metric for leaves the term out) and ``num_tokens``.
+    Sum them over micro-batches and ranks, then divide each by ``num_tokens + 1e-8`` to get verl's batch metrics
+    (which are masked token means whatever the loss aggregation mode).
     """
-    return {
-        "pg_clipfrac": masked_sum(terms["clipped"], response_mask).detach(),
-        "pg_clipfrac_lower": masked_sum(terms["clipped_lower"], response_mask).detach(),
-        "ppo_kl": masked_sum(terms["approx_kl"], response_mask).detach(),
-        "num_tokens": response_mask.sum().to(terms["approx_kl"].dtype),
+    dtype = terms["pg_losses"].dtype
+    sums = {
+        metric: masked_sum(terms[term], response_mask).detach()
+        for metric, term in METRIC_TERMS.items()
+        if term in terms
     }
+    sums["num_tokens"] = response_mask.sum().to(dtype)
+    return sums
 
 
 @torch.no_grad()

@@ -2,14 +2,18 @@
 
 Config validation, dispatch and the implementations meet here: ``algorithm.adv_estimator`` and
 ``actor.policy_loss`` must name a registered entry, and the built-in ones register themselves where they are defined
-(``algo/advantages.py``, ``algo/policy_loss.py``). A user adds their own in a Python file named by
+(``algo/advantages.py``, ``algo/policy_losses.py``). A user adds their own in a Python file named by
 ``algorithm.user_algorithms_file``, the way custom reward functions come from ``reward.custom_function.path``::
 
-    from megatron_dapo.algo.registry import register_adv_estimator
+    from megatron_dapo.algo.registry import register_adv_estimator, register_policy_loss
 
     @register_adv_estimator("my_grpo")
     def my_grpo(inputs):                # AdvantageInputs -> (advantages[B, T], returns[B, T])
         ...
+
+    @register_policy_loss("my_pg")
+    def my_pg(inputs):                  # PolicyLossInputs -> {"pg_losses": [B, T], ...}
+        return {"pg_losses": -inputs.advantages * inputs.log_prob}
 
 Signatures are documented on :data:`ADV_ESTIMATORS` and :data:`POLICY_LOSSES`.
 """
@@ -75,8 +79,10 @@ class Registry(Generic[F]):
 
 #: ``fn(inputs: AdvantageInputs) -> (advantages[B, T], returns[B, T])`` (``algo/advantages.py``); pure.
 ADV_ESTIMATORS: Registry = Registry("advantage estimator", "algorithm.adv_estimator")
-#: ``fn(log_prob, old_log_prob, advantages, cfg: ActorConfig, is_weights) -> dict`` of ``[b, T]`` per-token tensors
-#: ``pg_losses``, ``clipped``, ``clipped_lower``, ``approx_kl`` (``algo/policy_loss.py``), unaggregated.
+#: ``fn(inputs: PolicyLossInputs) -> dict`` (``algo/policy_losses.py``): ``[b, T]`` per-token tensors, unaggregated:
+#: ``pg_losses`` (required), the metric terms ``clipped``, ``clipped_lower``, ``approx_kl`` (optional), and optionally
+#: ``loss_agg_mode`` (a str the loss imposes). Sequence sums go through ``inputs.sum_rows`` (whole sequences under
+#: context parallelism); pure.
 POLICY_LOSSES: Registry = Registry("policy loss", "actor.policy_loss")
 
 register_adv_estimator = ADV_ESTIMATORS.register

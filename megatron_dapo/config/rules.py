@@ -115,6 +115,38 @@ def _actor_ranges(out: _Problems, a: ActorConfig) -> None:
     )
     z = a.moe_z_loss_coeff
     out.need("actor.moe_z_loss_coeff", z, math.isfinite(z) and z >= 0, "a finite value >= 0 (0 = off)")
+    _policy_loss_ranges(out, a)
+
+
+# --------------------------------------------------------------------------------------------------- policy loss
+
+
+def _policy_loss_ranges(out: _Problems, a: ActorConfig) -> None:
+    """The keys of verl's policy losses (``actor.policy_loss.*``, ``actor.tau_pos/tau_neg``), checked whichever
+    loss is chosen (a bad value is a mistake either way), and what the chosen loss requires."""
+    pl = a.policy_loss
+    key = "actor.policy_loss"
+    for name, value in (("clip_cov_ratio", pl.clip_cov_ratio), ("kl_cov_ratio", pl.kl_cov_ratio)):
+        out.need(f"{key}.{name}", value, 0 < value <= 1, "a fraction in (0, 1] of the micro-batch's tokens")
+    out.finite(f"{key}.clip_cov_lb", pl.clip_cov_lb)
+    out.finite(f"{key}.clip_cov_ub", pl.clip_cov_ub)
+    if math.isfinite(pl.clip_cov_lb) and math.isfinite(pl.clip_cov_ub):
+        out.need(
+            f"{key}.clip_cov_ub",
+            pl.clip_cov_ub,
+            pl.clip_cov_ub > pl.clip_cov_lb,
+            f"a value > {key}.clip_cov_lb={pl.clip_cov_lb!r} (the covariance window (lb, ub) would be empty)",
+        )
+    ok = math.isfinite(pl.ppo_kl_coef) and pl.ppo_kl_coef >= 0
+    out.need(f"{key}.ppo_kl_coef", pl.ppo_kl_coef, ok, "a finite value >= 0")
+    beta_ok = pl.dro_beta is None or (math.isfinite(pl.dro_beta) and pl.dro_beta > 0)
+    out.need(f"{key}.dro_beta", pl.dro_beta, beta_ok, "null or a finite value > 0")
+    if pl.loss_mode == "dro" and pl.dro_beta is None:
+        out.need(f"{key}.dro_beta", None, False, "a finite value > 0 with loss_mode=dro (DRO's penalty)")
+    for name in ("tau_pos", "tau_neg"):
+        value = getattr(a, name)
+        ok = math.isfinite(value) and value > 0
+        out.need(f"actor.{name}", value, ok, "a finite value > 0 (SAPO's gate temperature divides by it)")
 
 
 def _sampling_ranges(out: _Problems, prefix: str, temperature: float, top_p: float, top_k: int) -> None:
@@ -324,7 +356,26 @@ def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     steps = cfg.trainer.total_training_steps
     if steps is not None:
         problems += lr_schedule_problems(cfg.actor.optim, steps, "trainer.total_training_steps")
-    return problems + _off_policy_problems(cfg) + _async_problems(cfg) + _multi_turn_problems(cfg)
+    return problems + _off_policy_problems(cfg) + _async_problems(cfg) + _multi_turn_problems(cfg) + _gdpo_problems(cfg)
+
+
+def _gdpo_problems(cfg: ExperimentConfig) -> list[str]:
+    """GDPO needs the reward dimensions it normalises one by one (the reward function's dict keys)."""
+    a = cfg.algorithm
+    if a.adv_estimator != "gdpo":
+        return []
+    if not a.gdpo_reward_keys:
+        return [
+            "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the keys of the reward function's returned "
+            "dict that hold the reward dimensions (e.g. [acc, format_reward])"
+        ]
+    weights = a.gdpo_reward_weights
+    if weights is not None and len(weights) != len(a.gdpo_reward_keys):
+        return [
+            f"algorithm.gdpo_reward_weights has {len(weights)} values for {len(a.gdpo_reward_keys)} "
+            "algorithm.gdpo_reward_keys: give one weight per key, or null for 1 each"
+        ]
+    return []
 
 
 def _multi_turn_problems(cfg: ExperimentConfig) -> list[str]:
@@ -394,7 +445,8 @@ def algorithm_name_problems(cfg: ExperimentConfig) -> list[str]:
             "to null"
         ]
     problems = []
-    for registry, name in ((ADV_ESTIMATORS, cfg.algorithm.adv_estimator), (POLICY_LOSSES, cfg.actor.policy_loss)):
+    names = ((ADV_ESTIMATORS, cfg.algorithm.adv_estimator), (POLICY_LOSSES, cfg.actor.policy_loss.loss_mode))
+    for registry, name in names:
         if name not in registry:
             problems.append(registry.unknown(name))
     return problems

@@ -86,6 +86,24 @@ class OptimConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    """verl's ``actor.policy_loss`` section: the registered loss (``loss_mode``) and the keys of verl's losses that
+    use them (verl 0.9.1 names and defaults; docs/verl_config_mapping.md). ``actor.policy_loss: NAME`` (a string)
+    is short for ``actor.policy_loss.loss_mode: NAME``."""
+
+    # A registered policy loss (megatron_dapo/algo/registry.py POLICY_LOSSES): verl's vanilla (dual-clip PPO), gspo,
+    # geo_mean (GMPO), sapo, cispo, gpg, dro, clip_cov, kl_cov, dppo_tv, dppo_kl, or one registered with
+    # @register_policy_loss in algorithm.user_algorithms_file.
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of the micro-batch's tokens whose gradient may be cut
+    clip_cov_lb: float = 1.0  # clip_cov: the covariance window (lb, ub) the cut tokens are drawn from
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens (top covariance) that get the |log-ratio| penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: that penalty's coefficient
+    dro_beta: Optional[float] = None  # dro: the quadratic log-ratio penalty; required (> 0) with loss_mode=dro
+
+
+@dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = 8  # prompts per mini-batch (x n responses)
     ppo_micro_batch_size_per_gpu: int = 4  # sequences per micro-batch
@@ -103,9 +121,12 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     log_prob_micro_batch_size_per_gpu: int = 8
-    # A registered policy-loss variant (megatron_dapo/algo/registry.py POLICY_LOSSES); "vanilla" is verl's
-    # compute_policy_loss_vanilla (dual-clip PPO). Add one with @register_policy_loss in algorithm.user_algorithms_file.
-    policy_loss: str = "vanilla"
+    # The policy loss: a section (verl's actor.policy_loss: loss_mode and the losses' keys), or just the name of a
+    # registered loss ("vanilla", "gspo", ...: the loss_mode, other keys at their defaults). Always a section once
+    # loaded (__post_init__). clip_ratio_low/high (and clip_ratio_c) are read by the losses verl reads them for.
+    policy_loss: str | PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    tau_pos: float = 1.0  # sapo: gate temperature where the advantage is positive (verl's actor.tau_pos)
+    tau_neg: float = 1.05  # sapo: gate temperature elsewhere (verl's actor.tau_neg)
     # The old-policy forward before the update. "auto" skips it when it is provably redundant — one epoch and one
     # mini-batch per step, so the policy has not moved since the rollout (verl's on-policy path) and no KL-in-reward
     # needs it first — and uses the training forward's detached log-probs instead; "always" recomputes it.
@@ -132,6 +153,10 @@ class ActorConfig:
     # experts the rollout engine chose (TrainBatch.*routed_experts; megatron_dapo/training/router_replay.py).
     router_replay: Literal["none", "rollout"] = "none"
     optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.policy_loss, str):  # the short form names the loss only
+            self.policy_loss = PolicyLossConfig(loss_mode=self.policy_loss)
 
 
 @dataclass
@@ -244,9 +269,15 @@ class OffPolicyConfig:
 
 @dataclass
 class AlgorithmConfig:
-    # A registered advantage estimator (megatron_dapo/algo/registry.py ADV_ESTIMATORS): grpo, rloo,
-    # reinforce_plus_plus, reinforce_plus_plus_baseline, or one added with @register_adv_estimator in the file below.
+    # A registered advantage estimator (megatron_dapo/algo/registry.py ADV_ESTIMATORS): verl's grpo, rloo,
+    # reinforce_plus_plus, reinforce_plus_plus_baseline, grpo_vectorized, rloo_vectorized, grpo_passk, opo, gpg, remax,
+    # gdpo, optimal_token_baseline, tir_optimal_token_baseline, or one added with @register_adv_estimator in the file
+    # below.
     adv_estimator: str = "grpo"
+    # GDPO: the reward function's dict keys holding the reward dimensions normalised one by one, and their weights
+    # (null: 1 each).
+    gdpo_reward_keys: Optional[list[str]] = None
+    gdpo_reward_weights: Optional[list[float]] = None
     user_algorithms_file: Optional[str] = None  # a Python file registering extra estimators / policy losses
     norm_adv_by_std_in_grpo: bool = True
     gamma: float = 1.0

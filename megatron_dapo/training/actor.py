@@ -14,13 +14,21 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.algo.logprobs import response_log_probs
-from megatron_dapo.algo.loss import LOSS_METRIC_SUMS, LossNormalisers, dapo_loss, local_loss_counts, loss_metrics
+from megatron_dapo.algo.logprobs import response_log_probs, response_sum_pi_squared
+from megatron_dapo.algo.loss import (
+    LOSS_METRIC_SUMS,
+    LossNormalisers,
+    dapo_loss,
+    local_loss_counts,
+    loss_metrics,
+    partial_row_sum,
+)
 from megatron_dapo.batch import (
     MicroBatch,
     TrainBatch,
@@ -230,6 +238,49 @@ def reduce_update_metrics(results: list[dict], actor_cfg: ActorConfig, device: t
     return loss_metrics(dict(zip(LOSS_METRIC_SUMS, sums.tolist())), actor_cfg.use_kl_loss, float(diff_max.item()))
 
 
+@dataclass(frozen=True)
+class _LogitScoring:
+    """What the loss hook reads from the last stage's vocab-parallel logits at the response positions."""
+
+    true_vocab_size: int
+    temperature: float
+    tp_rank: int
+    tp_group: Any
+
+    def _rows(self, mb: MicroBatch, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(1 if mb.packed else mb.response_index.shape[0], -1)  # packed: one sequence holds every row
+
+    def log_probs(self, logits: torch.Tensor, mb: MicroBatch, entropy_grad: bool) -> tuple:
+        """Log-probs and entropy, read straight from the full-sequence logits chunk by chunk (no gathered copy, no
+        [T, V] fp32 tensor); the gradient is written into the logits' storage, which nothing reads after the hook's
+        backward."""
+        log_probs, entropy = response_log_probs(
+            logits,
+            self._rows(mb, mb.response_index),
+            self._rows(mb, mb.response_tokens),
+            self.true_vocab_size,
+            self.temperature,
+            vocab_start=self.tp_rank * logits.shape[-1],
+            tp_group=self.tp_group,
+            entropy_requires_grad=entropy_grad,
+            grad_into_logits=True,
+        )
+        shape = mb.response_index.shape
+        return log_probs.view(shape), entropy.view(shape)
+
+    def sum_pi_squared(self, logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """``Σ π²`` at each response position (the optimal-token-baseline estimators)."""
+        sq = response_sum_pi_squared(
+            logits,
+            self._rows(mb, mb.response_index),
+            self.true_vocab_size,
+            self.temperature,
+            vocab_start=self.tp_rank * logits.shape[-1],
+            tp_group=self.tp_group,
+        )
+        return sq.view(mb.response_index.shape)
+
+
 class MegatronActor:
     """Megatron-Core model chunks (actor or frozen reference) and, for the actor, its optimizer."""
 
@@ -274,12 +325,15 @@ class MegatronActor:
     def _run(
         self,
         micro_batches: list[MicroBatch],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor, MicroBatch], tuple],
+        loss_fn: Callable[..., tuple],
         temperature: float,
         forward_only: bool,
+        sum_pi_squared: bool = False,
     ) -> list[dict]:
         """``forward_backward_func`` over ``micro_batches``; the loss hook turns the last stage's logits into response
-        log-probs and entropy at ``temperature`` and calls ``loss_fn(log_probs, entropy, micro_batch)``."""
+        log-probs and entropy at ``temperature`` and calls ``loss_fn(log_probs, entropy, micro_batch)`` (with
+        ``sum_pi_squared``, also ``sum_pi_squared=`` each response position's ``Σ π²``, for the optimal-token-baseline
+        estimators)."""
         # heavy: megatron-core
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -310,23 +364,11 @@ class MegatronActor:
                 output = model(mb.tokens, mb.position_ids, mask, **kwargs)
 
             def loss_func(logits):
-                # Response positions are read straight from the full-sequence logits, chunk by chunk (no gathered
-                # copy, no [T, V] fp32 tensor); the gradient is written into the logits' storage, which nothing
-                # reads after this hook's backward.
-                rows = 1 if mb.packed else mb.response_index.shape[0]  # packed: one sequence holds every row
-                log_probs, entropy = response_log_probs(
-                    logits,
-                    mb.response_index.reshape(rows, -1),
-                    mb.response_tokens.reshape(rows, -1),
-                    self.true_vocab_size,
-                    temperature,
-                    vocab_start=vocab_start_rank * logits.shape[-1],
-                    tp_group=tp_group,
-                    entropy_requires_grad=self.cfg.entropy_coeff != 0,
-                    grad_into_logits=True,
-                )
-                shape = mb.response_index.shape
-                return loss_fn(log_probs.view(shape), entropy.view(shape), mb)
+                scoring = _LogitScoring(self.true_vocab_size, temperature, vocab_start_rank, tp_group)
+                log_probs, entropy = scoring.log_probs(logits, mb, entropy_grad=self.cfg.entropy_coeff != 0)
+                if not sum_pi_squared:
+                    return loss_fn(log_probs, entropy, mb)
+                return loss_fn(log_probs, entropy, mb, sum_pi_squared=scoring.sum_pi_squared(logits, mb))
 
             return output, loss_func
 
@@ -384,9 +426,12 @@ class MegatronActor:
             ]
         return ranks, local, groups, micro_batches, padding_ratio
 
-    def compute_log_probs(self, batch: TrainBatch, temperature: float, calculate_entropy: bool = False) -> dict:
-        """Per-token log-probs (and entropy) of ``batch.responses`` on every rank (``[B, T]`` float32, 0 outside
-        the response mask), plus ``padding_ratio`` (padded ÷ real tokens of the forward passes)."""
+    def compute_log_probs(
+        self, batch: TrainBatch, temperature: float, calculate_entropy: bool = False, calculate_sum_pi_squared=False
+    ) -> dict:
+        """Per-token log-probs (and entropy, and ``sum_pi_squared`` = ``Σ π²``) of ``batch.responses`` on every rank
+        (``[B, T]`` float32, 0 outside the response mask), plus ``padding_ratio`` (padded ÷ real tokens of the
+        forward passes)."""
         from megatron.core import (
             parallel_state as ps,
         )  # heavy: megatron-core
@@ -397,31 +442,30 @@ class MegatronActor:
             batch, self.cfg.log_prob_micro_batch_size_per_gpu
         )
 
-        def keep(log_probs, entropy, mb: MicroBatch):
-            return log_probs.sum() * 0.0, {
-                "log_probs": log_probs * mb.response_mask,
-                "entropy": entropy * mb.response_mask,
-            }
+        def keep(log_probs, entropy, mb: MicroBatch, sum_pi_squared=None):
+            stats = [log_probs, entropy] + ([sum_pi_squared] if sum_pi_squared is not None else [])
+            return log_probs.sum() * 0.0, {"stats": torch.stack(stats) * mb.response_mask}
 
-        results = self._run(micro_batches, keep, temperature, forward_only=True)
+        results = self._run(micro_batches, keep, temperature, True, calculate_sum_pi_squared)
         device = self.device
-        out = torch.zeros((2, len(local), local.responses.shape[1]), dtype=torch.float32, device=device)
+        out = torch.zeros((3, len(local), local.responses.shape[1]), dtype=torch.float32, device=device)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             for positions, res in zip(groups, results):
                 index = torch.as_tensor(positions, dtype=torch.long, device=device)
-                out[0, index] = res["log_probs"].float()
-                out[1, index] = res["entropy"].float()
+                out[: len(res["stats"]), index] = res["stats"].float()
         out = from_last_stage(out)
         if ps.get_context_parallel_world_size() > 1:  # each CP rank holds the tokens predicted in its chunks
             dist.all_reduce(out, group=ps.get_context_parallel_group())
         gathered = [torch.empty_like(out) for _ in range(ps.get_data_parallel_world_size())]
         dist.all_gather(gathered, out, group=ps.get_data_parallel_group())
-        full = torch.zeros((2, len(batch), out.shape[-1]), dtype=torch.float32)
+        full = torch.zeros((3, len(batch), out.shape[-1]), dtype=torch.float32)
         for rank_rows, part in zip(ranks, gathered):  # back to the batch's row order
             full[:, torch.as_tensor(rank_rows, dtype=torch.long)] = part.cpu()
         result = {"log_probs": full[0], "padding_ratio": padding_ratio}
         if calculate_entropy:
             result["entropy"] = full[1]
+        if calculate_sum_pi_squared:
+            result["sum_pi_squared"] = full[2]
         return result
 
     # ------------------------------------------------------------------------------------------- update
@@ -491,11 +535,17 @@ class MegatronActor:
         counts = local_loss_counts(local.loss_mask).to(self.device)
         dist.all_reduce(counts, group=ps.get_data_parallel_group())
         width = max_response_length or int(mini_batch.responses.shape[1])
-        norm = LossNormalisers(counts[0].item(), counts[1].item(), width)
+        norm = LossNormalisers(counts[0].item(), counts[1].item(), width, counts[2].item())
         # Undo megatron's 1/num_microbatches and DDP's 1/dp (with CP, megatron's x cp and DDP's 1/(dp x cp) cancel).
         scale = len(micro_batches) * ps.get_data_parallel_world_size()
+        cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
 
         def loss_hook(log_probs, entropy, mb: MicroBatch):
+            # Sequence-level losses (GSPO, GMPO) need whole-sequence sums: under CP each rank holds part of every
+            # row, so its partial sums are all-reduced over the CP group (packed/THD rows are whole: CP is off).
+            row_sum = None
+            if cp_group is not None:
+                row_sum = partial_row_sum(mb.loss_mask, lambda t: dist.all_reduce(t, group=cp_group))
             loss, sums = dapo_loss(
                 log_probs,
                 entropy,
@@ -510,6 +560,7 @@ class MegatronActor:
                 rollout_log_probs=mb.rollout_log_probs,
                 rollout_is_weights=mb.rollout_is_weights,
                 rollout_is_threshold=rollout_is_threshold,
+                row_sum=row_sum,
             )
             return loss * scale, sums
 

@@ -35,6 +35,10 @@ def batch_advantages(
         kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=int(rewards.shape[0]))
         metrics.update(kl_metrics)
     batch.token_level_rewards = rewards
+    if is_threshold and batch.old_log_probs is not None:  # before the estimator: the token baselines weigh by them
+        batch.rollout_is_weights = compute_rollout_is_weights(
+            batch.old_log_probs, batch.rollout_log_probs, batch.model_mask, is_threshold
+        )
     trained_rows = ~batch.filler
     advantages, returns = compute_advantages(
         algorithm.adv_estimator,
@@ -45,10 +49,12 @@ def batch_advantages(
         token_level_rewards=rewards,
         norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
         gamma=algorithm.gamma,
+        reward_baselines=batch.reward_baselines,
+        reward_components=batch.reward_components,
+        reward_weights=algorithm.gdpo_reward_weights,
+        old_log_probs=batch.old_log_probs,
+        sum_pi_squared=batch.sum_pi_squared,
+        rollout_is_weights=batch.rollout_is_weights,
     )
     batch.advantages, batch.returns = advantages.float(), returns.float()
-    if is_threshold and batch.old_log_probs is not None:
-        batch.rollout_is_weights = compute_rollout_is_weights(
-            batch.old_log_probs, batch.rollout_log_probs, batch.model_mask, is_threshold
-        )
     return metrics

@@ -29,17 +29,21 @@ def batch_log_probs(
     version: int,
     temperature: float,
     timings: dict[str, float],
+    sum_pi_squared: bool = False,
 ) -> dict[str, float]:
     """Fill ``batch.old_log_probs`` (None on the on-policy path) and ``batch.ref_log_probs`` (with a reference);
-    ``version`` is the policy version the actor holds. Returns the staleness, mismatch and IS-weight metrics."""
+    ``version`` is the policy version the actor holds. With ``sum_pi_squared`` (the optimal-token-baseline
+    estimators) the proximal forward always runs and also fills ``batch.sum_pi_squared``. Returns the staleness,
+    mismatch and IS-weight metrics."""
     metrics = staleness_metrics(batch.token_versions, batch.model_mask, version)
     stale = metrics["async/staleness/max"] > 0
-    if plan.off_policy_mode == "tis":
+    if plan.off_policy_mode == "tis" and not sum_pi_squared:
         batch.old_log_probs = batch.rollout_log_probs
-    elif stale or not plan.on_policy_update:
+    elif stale or not plan.on_policy_update or sum_pi_squared:
         with timed("old_log_prob", timings):
-            old = actor.compute_log_probs(batch, temperature)
-        batch.old_log_probs = old["log_probs"]
+            old = actor.compute_log_probs(batch, temperature, calculate_sum_pi_squared=sum_pi_squared)
+        batch.old_log_probs = old["log_probs"] if plan.off_policy_mode != "tis" else batch.rollout_log_probs
+        batch.sum_pi_squared = old.get("sum_pi_squared")
         metrics["perf/padding_ratio/old_log_prob"] = old["padding_ratio"]
         metrics.update(logprob_diff_metrics(old["log_probs"], batch.rollout_log_probs, batch.model_mask))
         metrics.update(nonfinite_count(batch.old_log_probs, batch, "actor/num_nonfinite_old_log_probs"))

@@ -25,7 +25,7 @@ from megatron_dapo.training.loggers import RolloutDumper, turn_extras
 from megatron_dapo.training.metrics import compute_val_metrics, reduce_metrics
 from megatron_dapo.training.offload import MemoryHandoff
 from megatron_dapo.training.rollout_sources import PartialGroups, PromptData, WholeGroups
-from megatron_dapo.training.scoring import RolloutScorer, score_to_batch
+from megatron_dapo.training.scoring import RolloutScorer, greedy_baselines, score_to_batch
 from megatron_dapo.training.timing import timed
 
 log = logging.getLogger("megatron_dapo.trainer")
@@ -136,6 +136,11 @@ class RolloutPhase:
             rollout, items, ids = got
             with timed("reward", timings):
                 gen_batch, rmetrics = self._score(rollout, items)
+            if cfg.algorithm.adv_estimator == "remax":  # the greedy baseline of each prompt (verl: gen_max)
+                with timed("gen_max", timings):
+                    gen_batch.reward_baselines = greedy_baselines(
+                        self.generator, self.scorer, cfg, rollout, items, self.train_sampling, step * 1000 + 999
+                    )
             reward_metrics.append(rmetrics)
             reward_metrics.append(
                 nonfinite_count(gen_batch.rollout_log_probs, gen_batch, "rollout/num_nonfinite_log_probs")

@@ -41,7 +41,7 @@ from megatron_dapo.rollout.types import SamplingSpec
 from megatron_dapo.training.failure import StopRequest
 from megatron_dapo.training.rollout_phase import filter_metric, validation_metrics
 from megatron_dapo.training.rollout_sources import prompt_data, total_steps
-from megatron_dapo.training.scoring import RolloutScorer, score_to_batch
+from megatron_dapo.training.scoring import RolloutScorer, greedy_baselines, score_to_batch
 from megatron_dapo.weights.dist_format import hf_config_dir_of
 
 log = logging.getLogger("megatron_dapo.rollout_worker")
@@ -187,9 +187,13 @@ class RolloutWorker:
         """Score the done groups (every rollout rank), keep the informative ones, queue them (the first rank)."""
         items = [self.data.train[g.item] for g in done]
         tokenizer = self.tokenizer if self.cfg.trainer.rollout_data_dir else None
-        batch, reward_metrics = score_to_batch(
-            self.scorer, self.cfg, groups_to_rollout(done, self.engine.pad_token_id), items, tokenizer
-        )
+        rollout = groups_to_rollout(done, self.engine.pad_token_id)
+        batch, reward_metrics = score_to_batch(self.scorer, self.cfg, rollout, items, tokenizer)
+        if self.cfg.algorithm.adv_estimator == "remax":  # greedy baselines with the weights of this round
+            seed = self.stats["rounds"]
+            batch.reward_baselines = greedy_baselines(
+                self.generator, self.scorer, self.cfg, rollout, items, self.sampling, seed
+            )
         n = self.cfg.rollout.n
         ids = [g.key for g in done for _ in range(n)]
         fg = self.cfg.algorithm.filter_groups

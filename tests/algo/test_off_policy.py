@@ -31,7 +31,7 @@ class RecordedForward:
     def __init__(self, proximal: torch.Tensor) -> None:
         self.proximal, self.calls = proximal, 0
 
-    def compute_log_probs(self, batch, temperature):
+    def compute_log_probs(self, batch, temperature, calculate_sum_pi_squared=False):
         self.calls += 1
         return {"log_probs": self.proximal.clone(), "padding_ratio": 0.0}
 

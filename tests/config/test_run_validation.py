@@ -314,9 +314,9 @@ def test_user_algorithms_file_registers_new_names(tmp_path):
         "    out = (inputs.scores - inputs.scores.mean()).unsqueeze(-1) * inputs.response_mask\n"
         "    return out, out\n"
         "@register_policy_loss('test_run_validation_loss')\n"
-        "def loss(log_prob, old_log_prob, advantages, cfg, is_weights=None):\n"
-        "    zero = torch.zeros_like(log_prob)\n"
-        "    return {'pg_losses': -advantages * log_prob, 'clipped': zero, 'clipped_lower': zero,\n"
+        "def loss(inputs):\n"
+        "    zero = torch.zeros_like(inputs.log_prob)\n"
+        "    return {'pg_losses': -inputs.advantages * inputs.log_prob, 'clipped': zero, 'clipped_lower': zero,\n"
         "            'approx_kl': zero}\n"
     )
     cfg = tiny(

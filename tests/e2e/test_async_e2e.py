@@ -27,9 +27,9 @@ from megatron_dapo.algo.policy_loss import vanilla_policy_loss
 from megatron_dapo.algo.registry import register_policy_loss
 
 @register_policy_loss("slow_vanilla")
-def slow_vanilla(log_prob, old_log_prob, advantages, cfg, is_weights=None):
+def slow_vanilla(inputs):
     time.sleep({delay})  # a slow trainer: every micro-batch's loss takes this long
-    return vanilla_policy_loss(log_prob, old_log_prob, advantages, cfg, is_weights)
+    return vanilla_policy_loss(inputs)
 """
 
 SLOW_SCORER = """
