@@ -13,6 +13,8 @@ CORE = [
     "psutil",
     "pyarrow",
     "tqdm",
+    # checkpoint manifests: XXH3-64 checksums (megatron_dapo/weights/integrity.py)
+    "xxhash>=3.0",
 ]
 
 EXTRAS = {

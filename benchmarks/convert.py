@@ -4,13 +4,15 @@
 Makes a ~1 GB Qwen2-shaped HF checkpoint with random fp32 weights, written straight to safetensors shards (no
 nn.Module), then in the same run times
 
-* copy:    ``shutil.copyfile`` of every file of the HF directory (the floor for moving the bytes once), and
+* copy:    ``shutil.copyfile`` of every file of the HF directory (the floor for moving the bytes once),
+* durable copy: the same followed by an ``fsync`` of every copy (the conversion fsyncs what it publishes: on a disk
+           slower than memory, the copy above never waits for the disk and the conversion must), and
 * convert: ``convert_hf_to_mcore`` (a layout-free dist checkpoint) in a child process, which reports its resident
            memory right before converting (baseline, after a warm-up conversion of a tiny checkpoint) and its peak
            (``VmHWM`` from /proc, measured in the child itself: ``getrusage(RUSAGE_CHILDREN)`` in this process would
            count the forked child's copy of this process's memory before it exec'd).
 
-Prints ``convert_vs_copy=<copy_time/convert_time>`` (target >= 0.5) and
+Prints ``convert_vs_copy=<copy_time/convert_time>`` (target >= 0.5), ``convert_vs_durable_copy`` and
 ``peak_rss_mb=.. baseline_rss_mb=.. largest_tensor_mb=..`` (target: peak <= baseline + 3 x largest tensor).
 Everything generated is deleted at the end.
 
@@ -138,8 +140,9 @@ def shard_groups(sizes: dict[str, int], shards: int) -> list[list[str]]:
     return groups
 
 
-def copy_dir(src: Path, dst: Path) -> tuple[float, float]:
-    """Wall and CPU seconds (user + system, this process) of copying every file of ``src``."""
+def copy_dir(src: Path, dst: Path, durable: bool = False) -> tuple[float, float]:
+    """Wall and CPU seconds (user + system, this process) of copying every file of ``src`` (and fsyncing each copy
+    when ``durable``)."""
     if dst.exists():
         shutil.rmtree(dst)
     dst.mkdir()
@@ -147,20 +150,28 @@ def copy_dir(src: Path, dst: Path) -> tuple[float, float]:
     t0, c0 = time.perf_counter(), time.process_time()
     for p in sorted(src.iterdir()):
         shutil.copyfile(p, dst / p.name)
+        if durable:
+            fd = os.open(dst / p.name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     return time.perf_counter() - t0, time.process_time() - c0
 
 
 def time_copy_and_convert(
     root: Path, hf_dir: Path, warm_hf: Path, repeats: int
-) -> tuple[list[float], list[float], list[dict]] | None:
-    """``repeats`` rounds of a file copy and a conversion in a child process: ``(copy wall seconds, copy CPU
-    seconds, the child's reports)``, or None (after printing its stderr) if a conversion failed."""
+) -> tuple[list[float], list[float], list[float], list[dict]] | None:
+    """``repeats`` rounds of a file copy, a durable copy and a conversion in a child process: ``(copy wall seconds,
+    copy CPU seconds, durable copy wall seconds, the child's reports)``, or None (after printing its stderr) if a
+    conversion failed."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    copies, copy_cpus, children = [], [], []
+    copies, copy_cpus, durables, children = [], [], [], []
     for _ in range(repeats):
         wall, cpu = copy_dir(hf_dir, root / "copy")
         copies.append(wall)
         copy_cpus.append(cpu)
+        durables.append(copy_dir(hf_dir, root / "copy", durable=True)[0])
         shutil.rmtree(root / "copy")
         # Start each timed phase with no dirty pages from the previous one (both write ~1 GB into the cache).
         os.sync()
@@ -175,10 +186,12 @@ def time_copy_and_convert(
             return None
         children.append(json.loads(out.stdout.strip().splitlines()[-1]))
         shutil.rmtree(root / "mcore")
-    return copies, copy_cpus, children
+    return copies, copy_cpus, durables, children
 
 
-def report(copies: list[float], copy_cpus: list[float], children: list[dict], largest: int) -> None:
+def report(
+    copies: list[float], copy_cpus: list[float], durables: list[float], children: list[dict], largest: int
+) -> None:
     """Print the timings, the ``convert_vs_copy`` ratio and the peak memory against its target."""
     converts = [c["seconds"] for c in children]
     copy_t, conv_t = min(copies), min(converts)
@@ -196,6 +209,10 @@ def report(copies: list[float], copy_cpus: list[float], children: list[dict], la
         f" cpu_ratio={min(copy_cpus) / conv_cpu:.3f}"
     )
     print(f"convert_vs_copy={copy_t / conv_t:.3f}")
+    print(
+        f"durable_copy_seconds={min(durables):.3f} (all {[round(d, 3) for d in durables]})"
+        f" convert_vs_durable_copy={min(durables) / conv_t:.3f}"
+    )
     print(f"peak_rss_mb={peak:.1f} baseline_rss_mb={baseline:.1f} largest_tensor_mb={largest / 2**20:.1f}")
     budget = baseline + 3 * largest / 2**20
     print(

@@ -98,6 +98,32 @@ def partial_row_sum(mask: torch.Tensor, reduce: Callable[[torch.Tensor], object]
     return row_sum
 
 
+def _aggregator(default_mode: str, norm: LossNormalisers, mask: torch.Tensor, row_sum: Optional[RowSum]):
+    """``agg(values, mode=default_mode, values_mask=mask)``: ``agg_loss`` with the step's global normalisers (and
+    ``ROW_MEAN`` over ``norm.row_count``); under CP, ``seq-mean-token-mean`` divides each sequence by its whole
+    count of ``values_mask`` tokens (``row_sum``), one all-reduce per mask however many terms use it."""
+    row_counts: dict[int, torch.Tensor] = {}
+
+    def agg(values: torch.Tensor, mode: str = default_mode, values_mask: torch.Tensor = mask) -> torch.Tensor:
+        seqs = norm.seq_count
+        if mode == ROW_MEAN:  # sequence losses spread over their tokens, averaged over every row
+            mode, seqs = "seq-mean-token-sum", norm.seq_count if norm.row_count is None else norm.row_count
+        if mode == "seq-mean-token-mean" and row_sum is not None and id(values_mask) not in row_counts:
+            # the per-sequence token mean divides by the whole sequence's count, not this CP rank's share
+            row_counts[id(values_mask)] = row_sum((values_mask != 0).to(values.dtype)).detach()
+        return agg_loss(
+            values,
+            values_mask,
+            mode,
+            global_token_count=norm.token_count,
+            global_seq_count=seqs,
+            max_response_length=norm.max_response_length,
+            row_token_counts=row_counts.get(id(values_mask)),
+        )
+
+    return agg
+
+
 def dapo_loss(
     log_probs: torch.Tensor,
     entropy: Optional[torch.Tensor],
@@ -131,7 +157,10 @@ def dapo_loss(
     one row per sequence); the actor's hook passes one that adds the partial sums of the context-parallel ranks
     (:func:`partial_row_sum`). A policy loss may impose its own aggregation (``terms["loss_agg_mode"]``: SAPO's
     ``seq-mean-token-mean``, GMPO's ``ROW_MEAN`` over ``norm.row_count``); the entropy and KL terms keep
-    ``cfg.loss_agg_mode``.
+    ``cfg.loss_agg_mode``. A loss may also narrow the tokens its own terms count (``terms["loss_mask"]``:
+    ``bypass_mode``'s rejection sampling): the policy loss and its metric means use it, the normalisers do not
+    (``seq-mean-token-mean`` divides each sequence by its kept tokens, as verl's ``agg_loss`` on the rejection mask).
+    ``rollout_log_probs`` reach the loss as ``PolicyLossInputs.rollout_log_prob`` (``bypass_mode``'s old policy).
     """
     on_policy = old_log_probs is None
     old = log_probs.detach() if on_policy else old_log_probs
@@ -139,30 +168,16 @@ def dapo_loss(
         rollout_is_weights = compute_rollout_is_weights(old, rollout_log_probs, response_mask, rollout_is_threshold)
     mask = loss_mask.to(log_probs.dtype)
 
-    row_counts: list[torch.Tensor] = []
+    agg = _aggregator(cfg.loss_agg_mode, norm, mask, row_sum)
 
-    def agg(values: torch.Tensor, mode: str = cfg.loss_agg_mode) -> torch.Tensor:
-        seqs = norm.seq_count
-        if mode == ROW_MEAN:  # sequence losses spread over their tokens, averaged over every row
-            mode, seqs = "seq-mean-token-sum", norm.seq_count if norm.row_count is None else norm.row_count
-        if mode == "seq-mean-token-mean" and row_sum is not None and not row_counts:
-            # the per-sequence token mean divides by the whole sequence's count, not this CP rank's share
-            row_counts.append(row_sum(torch.ones_like(mask)).detach())
-        return agg_loss(
-            values,
-            mask,
-            mode,
-            global_token_count=norm.token_count,
-            global_seq_count=seqs,
-            max_response_length=norm.max_response_length,
-            row_token_counts=row_counts[0] if row_counts else None,
-        )
-
-    inputs = PolicyLossInputs(log_probs, old, advantages, mask, cfg, rollout_is_weights, row_sum)
+    inputs = PolicyLossInputs(log_probs, old, advantages, mask, cfg, rollout_is_weights, row_sum, rollout_log_probs)
     terms = POLICY_LOSSES.get(cfg.policy_loss.loss_mode)(inputs)
-    pg_loss = agg(terms["pg_losses"], terms.get("loss_agg_mode", cfg.loss_agg_mode))
+    # a loss that rejects tokens (bypass_mode's rejection sampling) returns the tokens that keep their loss; the
+    # normalisers stay the loss mask's (``norm``), so a rejected token counts in them with a zero loss
+    pg_mask = terms.get("loss_mask", mask)
+    pg_loss = agg(terms["pg_losses"], terms.get("loss_agg_mode", cfg.loss_agg_mode), pg_mask)
     loss = pg_loss
-    sums = {"pg_loss": pg_loss.detach(), **policy_loss_metric_sums(terms, mask)}
+    sums = {"pg_loss": pg_loss.detach(), **policy_loss_metric_sums(terms, pg_mask)}
     if entropy is not None:
         entropy_loss = agg(entropy)
         if cfg.entropy_coeff != 0:

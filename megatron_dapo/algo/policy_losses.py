@@ -8,7 +8,12 @@ Each entry takes one :class:`PolicyLossInputs` and returns the *unaggregated* pe
   ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and ``actor/ppo_kl`` for that loss (a term verl does not report
   is left out, and its metric then reads 0);
 * ``loss_agg_mode`` (optional ``str``): an aggregation the loss imposes whatever ``actor.loss_agg_mode`` says (verl's
-  SAPO always uses ``seq-mean-token-mean``; GMPO averages sequence losses over every row: :data:`ROW_MEAN`).
+  SAPO always uses ``seq-mean-token-mean``; GMPO averages sequence losses over every row: :data:`ROW_MEAN`);
+* ``loss_mask`` (optional, detached ``[B, T]``): the tokens whose loss counts when the loss rejects some
+  (``bypass_mode``'s rejection sampling): ``dapo_loss`` aggregates ``pg_losses`` and takes the metric means over
+  it, while the global normalisers (token and sequence counts, summed before the forward) stay those of the loss
+  mask, so a rejected token still counts in ``token-mean``'s denominator with a zero loss, as in verl's
+  ``global_batch_info`` path.
 
 Sequence-level quantities (GSPO's length-normalised log-ratio, GMPO's geometric mean) go through
 ``inputs.row_sum``, which sums a per-token tensor over each sequence's loss tokens: locally by default, and over
@@ -27,6 +32,7 @@ import torch
 
 from megatron_dapo.algo.masked import masked_mean, masked_sum
 from megatron_dapo.algo.registry import register_policy_loss
+from megatron_dapo.algo.rollout_correction import rejection_keep_mask, rollout_is_weights
 
 LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to [-20, 20] before exp
 GSPO_LOG_RATIO_MAX = 10.0  # verl's GSPO clamps the combined sequence log-ratio above at 10
@@ -54,7 +60,8 @@ class PolicyLossInputs:
 
     ``response_mask`` is the loss mask (tokens that count). ``row_sum(x) -> [B]`` sums ``x`` over each sequence's
     loss tokens, over every rank that holds part of the sequence, with gradients flowing through this rank's own
-    tokens; default: the local masked row sum (the whole sequence when it is not split).
+    tokens; default: the local masked row sum (the whole sequence when it is not split). ``rollout_log_prob``: the
+    rollout engine's log-probs of the sampled tokens (None when the batch has none); ``bypass_mode`` needs them.
     """
 
     log_prob: torch.Tensor
@@ -64,6 +71,7 @@ class PolicyLossInputs:
     cfg: Any  # config.ActorConfig (algo/ sits below the config package, so only loss.py imports it)
     is_weights: Optional[torch.Tensor] = None
     row_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    rollout_log_prob: Optional[torch.Tensor] = None
 
     def sum_rows(self, values: torch.Tensor) -> torch.Tensor:
         """``[B]``: ``values`` summed over each sequence's loss tokens (``row_sum``, or the local masked sum)."""
@@ -369,3 +377,43 @@ def kl_cov_policy_loss(inputs: PolicyLossInputs) -> Terms:
         penalised = penalised.reshape(adv.shape)
         pg_losses = torch.where(penalised, pg_losses + pl.ppo_kl_coef * abs_kl, pg_losses)
     return {"pg_losses": _with_is_weights(pg_losses, inputs.is_weights), "approx_kl": abs_kl.detach()}
+
+
+# ------------------------------------------------------------------------------------------------ rollout correction
+@register_policy_loss("bypass_mode")
+def bypass_mode_policy_loss(inputs: PolicyLossInputs) -> Terms:
+    """verl's ``bypass_mode``: the old policy *is* the rollout policy (``rollout_log_prob``, whatever
+    ``old_log_prob`` holds), with verl's rollout correction (``actor.policy_loss.rollout_correction``,
+    ``algo/rollout_correction.py``) on ``log_prob - rollout_log_prob``:
+
+    * rejection sampling (``rollout_rs``, ``rollout_rs_threshold``): the rejected tokens (whole rows for ``seq_*``)
+      leave the returned ``loss_mask``; they keep counting in the global normalisers (verl's ``global_batch_info``);
+    * ``loss_type=ppo_clip``: dual-clip PPO against the rollout log-probs, no IS weight (the ratio is the IS ratio);
+    * ``loss_type=reinforce``: ``-A * log_prob * w`` with ``w`` the detached truncated IS weights (``rollout_is``:
+      token, sequence or null = none; ``rollout_is_threshold``, ``rollout_is_batch_normalize``: over this
+      micro-batch's rows, as verl's single-process path); ``ppo_kl`` is the unclamped ``rollout - log_prob``.
+
+    ``inputs.is_weights`` (``algorithm.rollout_is_threshold``) is ignored, as verl ignores ``rollout_is_weights``.
+    """
+    rc = inputs.cfg.policy_loss.rollout_correction
+    if inputs.rollout_log_prob is None:
+        raise ValueError("actor.policy_loss.loss_mode=bypass_mode needs the rollout log-probs of the batch")
+    rollout, lp, mask = inputs.rollout_log_prob, inputs.log_prob, inputs.response_mask
+    log_ratio = (lp - rollout).detach()
+    keep = mask.to(lp.dtype).detach()
+    if rc.rollout_rs is not None:
+        keep = rejection_keep_mask(log_ratio, mask, inputs.sum_rows, rc.rollout_rs, rc.rollout_rs_threshold)
+    if rc.loss_type == "ppo_clip":
+        cfg = inputs.cfg
+        terms = compute_policy_loss_terms(lp, rollout, inputs.advantages, cfg.clip_ratio_low, cfg.clip_ratio_high,
+                                          cfg.clip_ratio_c)  # fmt: skip
+        terms.pop("ratio")
+        return {**terms, "loss_mask": keep}
+    if rc.loss_type != "reinforce":
+        raise ValueError(f"rollout_correction.loss_type must be 'ppo_clip' or 'reinforce', got {rc.loss_type!r}")
+    pg_losses = -inputs.advantages * lp
+    if rc.rollout_is is not None:
+        weights = rollout_is_weights(log_ratio, mask, inputs.sum_rows, rc.rollout_is, rc.rollout_is_threshold,
+                                     rc.rollout_is_batch_normalize)  # fmt: skip
+        pg_losses = pg_losses * weights
+    return {"pg_losses": pg_losses, "approx_kl": -log_ratio, "loss_mask": keep}

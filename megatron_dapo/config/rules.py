@@ -12,6 +12,13 @@ from typing import Any, Optional
 import megatron_dapo.algo.advantages  # noqa: F401  (the built-in estimators register themselves on import)
 import megatron_dapo.algo.policy_loss  # noqa: F401  (so do the built-in policy losses)
 from megatron_dapo.algo.registry import ADV_ESTIMATORS, POLICY_LOSSES, load_user_algorithms
+from megatron_dapo.algo.rollout_correction import (
+    IS_LEVELS,
+    LOSS_TYPES,
+    parse_is_threshold,
+    parse_rs_options,
+    parse_rs_thresholds,
+)
 from megatron_dapo.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -147,6 +154,34 @@ def _policy_loss_ranges(out: _Problems, a: ActorConfig) -> None:
         value = getattr(a, name)
         ok = math.isfinite(value) and value > 0
         out.need(f"actor.{name}", value, ok, "a finite value > 0 (SAPO's gate temperature divides by it)")
+    _rollout_correction_ranges(out, pl.rollout_correction, f"{key}.rollout_correction")
+
+
+def _rollout_correction_ranges(out: _Problems, rc: Any, key: str) -> None:
+    """``actor.policy_loss.rollout_correction.*`` (bypass_mode's IS weights and rejection sampling), by verl's rules
+    (``algo/rollout_correction.py``'s parsers), whichever loss is chosen."""
+    out.need(f"{key}.loss_type", rc.loss_type, rc.loss_type in LOSS_TYPES, " or ".join(LOSS_TYPES))
+    ok = rc.rollout_is is None or rc.rollout_is in IS_LEVELS
+    out.need(f"{key}.rollout_is", rc.rollout_is, ok, "null (no IS weight), " + " or ".join(IS_LEVELS))
+    try:
+        parse_is_threshold(rc.rollout_is_threshold)
+    except ValueError as exc:
+        expected = "a number > 0 (TIS upper bound) or a quoted 'lower_upper' string (IcePop, 0 < lower <= upper)"
+        out.need(f"{key}.rollout_is_threshold", rc.rollout_is_threshold, False, expected, str(exc))
+    if rc.rollout_rs is None:
+        return
+    try:
+        options = parse_rs_options(rc.rollout_rs)
+    except ValueError as exc:
+        out.need(f"{key}.rollout_rs", rc.rollout_rs, False, "null or comma-separated rejection options", str(exc))
+        return
+    try:
+        parse_rs_thresholds(options, rc.rollout_rs_threshold)
+    except ValueError as exc:
+        expected = (
+            f"thresholds for rollout_rs={rc.rollout_rs!r}: positive upper bounds, 'lower_upper' ratio bounds for *_k1"
+        )
+        out.need(f"{key}.rollout_rs_threshold", rc.rollout_rs_threshold, False, expected, str(exc))
 
 
 def _sampling_ranges(out: _Problems, prefix: str, temperature: float, top_p: float, top_k: int) -> None:
@@ -259,6 +294,7 @@ def range_problems(cfg: ExperimentConfig) -> list[str]:
     _algorithm_ranges(out, cfg.algorithm)
     out.extend(reward_value_problems(cfg.reward))
     _trainer_ranges(out, cfg.trainer)
+    out.extend(_lora_problems(cfg))
     ranks = cfg.placement.rollout_ranks
     out.need("placement.rollout_ranks", ranks, ranks >= 0, "an integer >= 0")
     a = cfg.async_
@@ -563,3 +599,25 @@ def validate_config(cfg: ExperimentConfig) -> None:
     problems = required_input_problems(cfg) + config_problems(cfg)
     if problems:
         raise ConfigError.of(problems)
+
+
+def _lora_problems(cfg: ExperimentConfig) -> list[str]:
+    """``actor.lora`` (megatron_dapo/models/lora.py; not yet wired into training, docs/lora.md)."""
+    lo, out = cfg.actor.lora, _Problems()
+    out.need("actor.lora.rank", lo.rank, isinstance(lo.rank, int) and lo.rank >= 0, "an integer >= 0 (0 = off)")
+    ok = math.isfinite(lo.alpha) and lo.alpha > 0
+    out.need("actor.lora.alpha", lo.alpha, ok, "a finite number > 0 (the update is scaled by alpha / rank)")
+    out.in_unit("actor.lora.dropout", lo.dropout)
+    targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    ok = bool(lo.target_modules) and all(t in targets or t == "all-linear" for t in lo.target_modules)
+    out.need("actor.lora.target_modules", lo.target_modules, ok, f"a non-empty list of {list(targets)} or [all-linear]")
+    tp = cfg.parallel.tensor_model_parallel_size
+    if isinstance(lo.rank, int) and lo.rank > 0 and isinstance(tp, int) and tp > 0 and lo.rank % tp:
+        out.need(
+            "actor.lora.rank",
+            lo.rank,
+            False,
+            f"a multiple of parallel.tensor_model_parallel_size={tp}",
+            "A of a column-parallel layer is split along the rank (as Megatron-Bridge's)",
+        )
+    return list(out)

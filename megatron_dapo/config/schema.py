@@ -86,13 +86,29 @@ class OptimConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's ``actor.policy_loss.rollout_correction`` (its ``algorithm.rollout_correction`` keys, verl 0.9.1 YAML
+    defaults), read by ``loss_mode=bypass_mode`` only (megatron_dapo/algo/rollout_correction.py)."""
+
+    loss_type: str = "ppo_clip"  # ppo_clip (the ratio against the rollout policy is the IS ratio) or reinforce
+    rollout_is: Optional[str] = None  # reinforce's IS weights: token, sequence or null (none)
+    # TIS: a number, the weights' upper bound; IcePop: "lower_upper" (quoted in YAML), weights outside zeroed.
+    rollout_is_threshold: str | float = 2.0
+    rollout_is_batch_normalize: bool = False  # divide the IS weights by their mean over the micro-batch
+    # Rejection sampling, null = off: comma-separated token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3
+    rollout_rs: Optional[str] = None
+    # Its bounds: one for every option or one per option (comma separated); *_k1 take "lower_upper" ratio bounds.
+    rollout_rs_threshold: Optional[str | float] = None
+
+
+@dataclass
 class PolicyLossConfig:
     """verl's ``actor.policy_loss`` section: the registered loss (``loss_mode``) and the keys of verl's losses that
     use them (verl 0.9.1 names and defaults; docs/verl_config_mapping.md). ``actor.policy_loss: NAME`` (a string)
     is short for ``actor.policy_loss.loss_mode: NAME``."""
 
     # A registered policy loss (megatron_dapo/algo/registry.py POLICY_LOSSES): verl's vanilla (dual-clip PPO), gspo,
-    # geo_mean (GMPO), sapo, cispo, gpg, dro, clip_cov, kl_cov, dppo_tv, dppo_kl, or one registered with
+    # geo_mean (GMPO), sapo, cispo, gpg, dro, clip_cov, kl_cov, dppo_tv, dppo_kl, bypass_mode, or one registered with
     # @register_policy_loss in algorithm.user_algorithms_file.
     loss_mode: str = "vanilla"
     clip_cov_ratio: float = 0.0002  # clip_cov: fraction of the micro-batch's tokens whose gradient may be cut
@@ -101,6 +117,24 @@ class PolicyLossConfig:
     kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens (top covariance) that get the |log-ratio| penalty
     ppo_kl_coef: float = 0.1  # kl_cov: that penalty's coefficient
     dro_beta: Optional[float] = None  # dro: the quadratic log-ratio penalty; required (> 0) with loss_mode=dro
+    # bypass_mode: the rollout correction (IS weights, rejection sampling) against the rollout log-probs
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+
+@dataclass
+class LoRAConfig:
+    """``actor.lora``: low-rank adapters on the actor's linear layers (megatron_dapo/models/lora.py, docs/lora.md).
+    NOT YET WIRED: the trainer, optimizer, weight sync and checkpoints ignore it (a rank > 0 trains nothing differently
+    yet). Names follow Megatron-Bridge's LoRA (``rank`` is its ``dim``)."""
+
+    rank: int = 0  # the adapters' rank r; 0 = off
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input ("pre") or output ("post")
+    dropout_position: Literal["pre", "post"] = "pre"
+    # Megatron-Core layer names (fused: linear_qkv = q/k/v_proj, linear_fc1 = gate/up_proj), or ["all-linear"].
+    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    lora_A_init_method: Literal["xavier", "normal", "kaiming", "zero"] = "xavier"
+    lora_B_init_method: Literal["xavier", "normal", "kaiming", "zero"] = "zero"  # zero: an untrained adapter is a no-op
 
 
 @dataclass
@@ -152,6 +186,7 @@ class ActorConfig:
     # MoE routing replay ("R3"): "rollout" makes the actor's forwards (old log-probs, update) route every token to the
     # experts the rollout engine chose (TrainBatch.*routed_experts; megatron_dapo/training/router_replay.py).
     router_replay: Literal["none", "rollout"] = "none"
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # NOT YET WIRED (docs/lora.md)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self) -> None:

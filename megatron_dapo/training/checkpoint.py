@@ -31,11 +31,12 @@ embedding/output rows load and the extra padding rows keep their initial values 
 With torch's Adam (no TransformerEngine/Apex) megatron-core's DistributedOptimizer neither restores Adam's ``step``
 nor keeps it per parameter on load; ``_restore_torch_adam_steps`` sets it from ``trainer_state.json``.
 
-Integrity: ``manifest.json`` in the step directory lists every file with its size and CRC-32
-(``megatron_dapo/weights/integrity.py``), hashed as the bytes are written: megatron-core's tensor files through our
-writer helpers (``_run_request_bounded``), rng/trainer_state/config as we write them; only megatron-core's three small
-bookkeeping files (``common.pt``, ``.metadata``, ``metadata.json``), written inside megatron-core, are hashed by rank 0
-right after they are written (page cache). ``load``/``resolve_resume`` verify sizes and checksums first (the ranks
+Integrity: ``manifest.json`` in the step directory lists every file with its size and checksum (XXH3-64; the
+version 1 manifests of older checkpoints hold CRC-32 and still verify: ``megatron_dapo/weights/integrity.py``), hashed
+as the bytes are written: megatron-core's tensor files through our writer helpers (``_run_request_bounded``),
+rng/trainer_state/config as we write them; only megatron-core's three small bookkeeping files (``common.pt``,
+``.metadata``, ``metadata.json``), written inside megatron-core, are hashed by rank 0 right after they are written
+(page cache). ``load``/``resolve_resume`` verify sizes and checksums first (the ranks
 split the files, one collective agrees) and raise ``CheckpointIntegrityError`` naming the step directory, the file
 and expected vs found ("truncated" / "corrupt"); ``resume_mode=auto`` falls back to the newest intact checkpoint
 with a warning. A checkpoint without a manifest (written before manifests existed) loads with a warning.
@@ -80,6 +81,7 @@ from typing import Any, Optional, Protocol, Union
 import torch
 import torch.multiprocessing as mp
 import yaml
+from torch.utils.serialization import config as serialization_config
 
 from megatron_dapo.models.builder import unwrap
 from megatron_dapo.parallel import agree_error, all_gather_object, barrier, parallel_layout, rank, world_size
@@ -99,7 +101,7 @@ from megatron_dapo.weights.integrity import (
     MANIFEST_NAME,
     FileRecord,
     HashingWriter,
-    file_crc32,
+    file_digest,
     first_non_finite,
     manifest_problem,
     torch_save_hashed,
@@ -207,7 +209,9 @@ def _warn_if_no_manifest(step_dir: Path) -> None:
 def _write_bucket_hashed(transform_list: list, proc_idx: int, bucket: Any, results: Any) -> None:
     """Helper-process body: megatron-core's ``write_preloaded_data`` with the file stream hashed as it is written.
 
-    Puts ``(proc_idx, write_results, size, crc32)`` or ``(proc_idx, error text)`` on ``results``.
+    Puts ``(proc_idx, write_results, size, digest)`` or ``(proc_idx, error text)`` on ``results``. torch.save's
+    own zip CRC-32 is turned off in this (forked, short-lived) process: the manifest's checksum, computed here as the
+    bytes are written, covers the file, and a second pass over every byte is what this writer avoids.
     """
     # heavy: torch.distributed.checkpoint (~1 s on top of torch)
     from torch.distributed.checkpoint.filesystem import _write_item
@@ -221,13 +225,14 @@ def _write_bucket_hashed(transform_list: list, proc_idx: int, bucket: Any, resul
 
             extra["serialization_format"] = SerializationFormat.TORCH_SAVE
         write_results = []
+        serialization_config.save.compute_crc32 = False
         with open(file_name, "wb") as raw:
             stream = HashingWriter(raw)
             for item, data in list(bytes_data) + list(tensor_data):
                 write_results.append(_write_item(*transform_list, stream, data, item, storage_key, **extra))
             raw.flush()
             os.fsync(raw.fileno())
-        results.put((proc_idx, write_results, stream.size, stream.crc))
+        results.put((proc_idx, write_results, stream.size, stream.digest))
     except BaseException as e:  # noqa: BLE001 - reported to the rank, which raises it named
         results.put((proc_idx, f"{type(e).__name__}: {e}"))
 
@@ -663,10 +668,10 @@ class CheckpointManager:
         if rank() == 0:
             records += _write_rank0_files(tmp, state_text, config)
         # Every rank's files are in place; rank 0 gets their records (this is the barrier).
-        everyone = all_gather_object([(os.path.relpath(r.path, tmp), r.size, r.crc32) for r in records])
+        everyone = all_gather_object([(os.path.relpath(r.path, tmp), r.size, r.digest) for r in records])
         if rank() == 0:
             write_manifest(
-                tmp, [FileRecord(Path(rel).as_posix(), size, crc) for recs in everyone for rel, size, crc in recs]
+                tmp, [FileRecord(Path(rel).as_posix(), size, dig) for recs in everyone for rel, size, dig in recs]
             )
             self._commit(tmp, final)
             self._rotate(keep=final)
@@ -835,7 +840,7 @@ def _write_rank0_files(tmp: Path, state_text: str, config: Optional[dict]) -> li
     for name in _MCORE_BOOKKEEPING:
         path = tmp / DIST_DIR / name
         if path.is_file():
-            records.append(FileRecord(str(path), *file_crc32(path)))
+            records.append(FileRecord(str(path), *file_digest(path)))
     return records
 
 

@@ -51,7 +51,7 @@ from megatron_dapo.weights.dist_format import (
 from megatron_dapo.weights.dist_reader import DistCheckpointReader
 from megatron_dapo.weights.dist_writer import TensorPlan, write_model_checkpoint
 from megatron_dapo.weights.errors import CheckpointError
-from megatron_dapo.weights.integrity import FileRecord, file_crc32, read_manifest, verify_files, write_manifest
+from megatron_dapo.weights.integrity import FileRecord, file_digest, read_manifest, verify_files, write_manifest
 from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore, mcore_to_hf, padded_vocab_size
 from megatron_dapo.weights.safetensors_io import (
     INDEX_NAME,
@@ -181,15 +181,42 @@ def mcore_full_shape(mapping: ParamMapping, arch: ModelArch, padded_vocab: int) 
     return tuple(hf_to_mcore(mapping, metas, arch, padded_vocab).shape)
 
 
+# Layouts whose Megatron tensor is its HF tensors' rows one after another (then zero rows: vocabulary padding).
+_ROW_STACKED = ("gate_up", "vocab")
+
+
+def read_row_stacked(reader: SafetensorsDir, names: Sequence[str], shape: tuple[int, ...]) -> Optional[torch.Tensor]:
+    """A new tensor of ``shape`` holding the HF tensors ``names``' rows one after another, each read from its file
+    straight into its place (no intermediate copy, as ``torch.cat`` of separately read tensors would make), the rows
+    past theirs zero; None when they do not stack so (mixed dtypes or row shapes): the caller builds it generally."""
+    infos = [reader.info(n) for n in names]
+    dtype = infos[0].dtype
+    if not shape or any(i.dtype != dtype or i.shape[1:] != shape[1:] for i in infos):
+        return None
+    if sum(i.shape[0] for i in infos) > shape[0]:
+        return None
+    out = torch.empty(shape, dtype=dtype)
+    row = 0
+    for info in infos:
+        dest = out[row : row + info.shape[0]]
+        if dest.numel():
+            reader.get(info.name, out=dest.reshape(-1).view(torch.uint8))
+        row += info.shape[0]
+    out[row:].zero_()
+    return out
+
+
 def _plan_hf_to_mcore(
     reader: SafetensorsDir, arch: ModelArch, padded_vocab: int, out_dtype: Optional[torch.dtype]
 ) -> list[TensorPlan]:
     """One ``TensorPlan`` per Megatron tensor, from the HF headers alone; each reads and transforms its HF tensors
-    only when the writer asks for it."""
+    only when the writer asks for it (row-stacked layouts straight into the Megatron tensor: ``read_row_stacked``)."""
 
-    def produce(m: ParamMapping):
+    def produce(m: ParamMapping, shape: tuple[int, ...]):
         def read() -> torch.Tensor:
-            full = hf_to_mcore(m, [reader.get(n) for n in m.hf], arch, padded_vocab)
+            full = read_row_stacked(reader, m.hf, shape) if m.kind in _ROW_STACKED else None
+            if full is None:
+                full = hf_to_mcore(m, [reader.get(n) for n in m.hf], arch, padded_vocab)
             return full if out_dtype is None else full.to(out_dtype)
 
         return read
@@ -198,7 +225,8 @@ def _plan_hf_to_mcore(
     for m in param_mappings(arch):
         key, index, count = checkpoint_key(m, arch)
         dtype = out_dtype or reader.info(m.hf[0]).dtype
-        plans.append(TensorPlan(key, dtype, mcore_full_shape(m, arch, padded_vocab), produce(m), index, count))
+        shape = mcore_full_shape(m, arch, padded_vocab)
+        plans.append(TensorPlan(key, dtype, shape, produce(m, shape), index, count))
     return plans
 
 
@@ -228,11 +256,13 @@ def _write_release_checkpoint(out: Path, hf_dir: Path, plans: Sequence[TensorPla
     """``out``: tracker file → ``release/`` (the tensors), ``hf_config/`` (config + tokenizer), ``manifest.json``."""
     records = write_model_checkpoint(out / RELEASE_DIR, plans, iteration=0)
     (out / TRACKER_FILE).write_text(RELEASE_DIR)
-    records.append(FileRecord(str(out / TRACKER_FILE), *file_crc32(out / TRACKER_FILE)))
+    records.append(FileRecord(str(out / TRACKER_FILE), *file_digest(out / TRACKER_FILE)))
     copy_hf_side_files(hf_dir, out / HF_CONFIG_SUBDIR)
     for p in sorted((out / HF_CONFIG_SUBDIR).iterdir()):
-        records.append(FileRecord(str(p), *file_crc32(p)))
-    write_manifest(out, [FileRecord(Path(r.path).relative_to(out).as_posix(), r.size, r.crc32) for r in records])
+        records.append(FileRecord(str(p), *file_digest(p)))
+    write_manifest(
+        out, [FileRecord(Path(r.path).relative_to(out).as_posix(), r.size, r.digest, r.algorithm) for r in records]
+    )
 
 
 def convert_hf_to_mcore(
@@ -349,7 +379,7 @@ def check_stored_tensors(reader: DistCheckpointReader, arch: ModelArch, mappings
 
 
 def verify_checkpoint_files(root: PathLike) -> None:
-    """Sizes and CRC-32s of every file against ``<root>/manifest.json`` (nothing to check without one)."""
+    """Sizes and checksums of every file against ``<root>/manifest.json`` (nothing to check without one)."""
     try:
         records = read_manifest(root)
     except ValueError as e:

@@ -9,7 +9,7 @@ A converted (model-only) checkpoint is laid out as Megatron-LM's ``save_checkpoi
         common.pt                             the non-tensor part: checkpoint_version 3.0, iteration
         metadata.json                         megatron-core's backend description (torch_dist)
     <dir>/hf_config/                          config.json + tokenizer files of the source model
-    <dir>/manifest.json                       size + CRC-32 of every file (``megatron_dapo/weights/integrity.py``)
+    <dir>/manifest.json                       size + XXH3-64 of every file (``megatron_dapo/weights/integrity.py``)
 
 Tensor keys are those of megatron-core's ``GPTModel.sharded_state_dict()`` with the TransformerEngine spec, layer-
 stacked as megatron-core stores homogeneous layers (``decoder.layers.self_attention.linear_qkv.layer_norm_weight``

@@ -1,7 +1,7 @@
 """Writing a dist_checkpointing directory (``megatron_dapo.weights.dist_format``) from one process, streaming.
 
 A torch DCP planner that plans from shapes and dtypes alone (``TensorPlan``) and produces each tensor only when it
-is written, and a writer that puts every tensor into one data file, hashed (CRC-32) as it is written; the
+is written, and a writer that puts every tensor into one data file, hashed (XXH3-64) as it is written; the
 bookkeeping files megatron-core expects (``common.pt``, ``metadata.json``) are added. Needs no torch.distributed.
 """
 
@@ -32,7 +32,7 @@ from megatron_dapo.weights.integrity import (
     HashingWriter,
     NonFiniteTensorError,
     count_non_finite,
-    file_crc32,
+    file_digest,
     first_non_finite,
     torch_save_hashed,
     write_bytes_hashed,
@@ -122,14 +122,14 @@ def _hashing_writer(directory: Path, records: list[FileRecord]):
     from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StoragePrefix, _write_item
 
     class _HashingFileSystemWriter(FileSystemWriter):
-        """One data file, tensors written in plan order, hashed (CRC-32) as they are written."""
+        """One data file, tensors written in plan order, hashed (XXH3-64) as they are written."""
 
         def write_data(self, plan, planner) -> torch.futures.Future:
             prefix: _StoragePrefix = plan.storage_data
             name = f"{prefix.prefix}0.distcp"
             results = []
             zip_crc = serialization_config.save.compute_crc32
-            # torch.save's own per-record CRC is a second pass over every byte; the manifest's CRC-32 (computed
+            # torch.save's own per-record CRC is a second pass over every byte; the manifest's checksum (computed
             # here as the bytes are written) covers the file, and torch.load does not need the zip CRC.
             serialization_config.save.compute_crc32 = False
             try:
@@ -145,7 +145,7 @@ def _hashing_writer(directory: Path, records: list[FileRecord]):
                     os.fsync(raw.fileno())
             finally:
                 serialization_config.save.compute_crc32 = zip_crc
-            records.append(FileRecord(str(directory / name), stream.size, stream.crc))
+            records.append(stream.record(directory / name))
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_result(results)
             return fut
@@ -158,7 +158,7 @@ def write_model_checkpoint(directory: PathLike, pieces: Sequence[TensorPlan], it
 
     Nothing is held beyond the piece being written: the plan is made from shapes and dtypes, and each piece is
     produced (``TensorPlan.produce``) right before it is written. Needs no torch.distributed. Returns the records
-    (absolute path, size, CRC-32) of the files written.
+    (absolute path, size, digest) of the files written.
     """
     # heavy: torch.distributed.checkpoint (~1 s on top of torch)
     import torch.distributed.checkpoint as dcp
@@ -180,5 +180,5 @@ def write_model_checkpoint(directory: PathLike, pieces: Sequence[TensorPlan], it
             raise failure[0] from None
     records.append(torch_save_hashed(common_state(iteration), directory / COMMON_FILE))
     records.append(write_bytes_hashed(directory / MCORE_METADATA_FILE, json.dumps(MCORE_BACKEND).encode()))
-    records.append(FileRecord(str(directory / DCP_METADATA_FILE), *file_crc32(directory / DCP_METADATA_FILE)))
+    records.append(FileRecord(str(directory / DCP_METADATA_FILE), *file_digest(directory / DCP_METADATA_FILE)))
     return records

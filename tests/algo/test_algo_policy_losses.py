@@ -15,9 +15,12 @@ from megatron_dapo.algo.policy_loss import LOSS_AGG_MODES, PolicyLossInputs
 from megatron_dapo.algo.registry import POLICY_LOSSES
 from megatron_dapo.batch import TrainBatch, context_parallel_slice, make_micro_batch
 from megatron_dapo.config import ActorConfig, ConfigError, config_problems, load_config
-from megatron_dapo.config.schema import PolicyLossConfig
+from megatron_dapo.config.schema import PolicyLossConfig, RolloutCorrectionConfig
 
-VERL_LOSSES = ("vanilla", "gspo", "geo_mean", "sapo", "cispo", "gpg", "dro", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl")
+VERL_LOSSES = (
+    "vanilla", "gspo", "geo_mean", "sapo", "cispo", "gpg", "dro", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl",
+    "bypass_mode",
+)  # fmt: skip
 # The settings of each loss in these tests. clip_cov and kl_cov pick their tokens from each micro-batch's own
 # statistics, as verl does; with an empty covariance window / a zero penalty coefficient the picked tokens do not
 # change the loss, which leaves what these tests check: the global aggregation.
@@ -25,6 +28,15 @@ SETTINGS = {
     "dro": {"dro_beta": 0.3},
     "clip_cov": {"clip_cov_ratio": 0.5, "clip_cov_lb": 1e6, "clip_cov_ub": 2e6},
     "kl_cov": {"kl_cov_ratio": 0.5, "ppo_kl_coef": 0.0},
+    # sequence IS weights and a sequence + a token rejection option: whole-sequence sums, and tokens rejected
+    "bypass_mode": {
+        "rollout_correction": RolloutCorrectionConfig(
+            loss_type="reinforce",
+            rollout_is="sequence",
+            rollout_rs="seq_mean_k3,token_k1",
+            rollout_rs_threshold="0.1,0.6_1.6",
+        )
+    },
 }
 SEQUENCE_LEVEL = ("gspo", "geo_mean")  # whole-sequence sums (row_sum)
 
@@ -80,6 +92,7 @@ def test_split_into_micro_batches_equals_whole(loss_mode: str, mode: str) -> Non
             cfg=cfg,
             norm=norm,
             old_log_probs=old[rows],
+            rollout_log_probs=old[rows],
             rollout_is_weights=None if is_weights is None else is_weights[rows],
         )
 
@@ -181,6 +194,7 @@ def test_context_parallel_ranks_add_up_to_the_whole_sequence(loss_mode: str, mod
             cfg=cfg,
             norm=norm,
             old_log_probs=part.old_log_probs,
+            rollout_log_probs=part.old_log_probs,
             row_sum=row_sum,
         )
 
@@ -331,3 +345,144 @@ def test_good_policy_loss_settings_have_no_problem() -> None:
     cfg = load_config(overrides=["actor.policy_loss.loss_mode=dro", "actor.policy_loss.dro_beta=0.1"])
     assert cfg.actor.policy_loss.dro_beta == 0.1
     assert not [p for p in config_problems(cfg) if "policy_loss" in p or "tau_" in p]
+
+
+# ----------------------------------------------------------------------------- bypass_mode (rollout correction)
+
+#: Every IS level and threshold form and every rejection option (alone, chained), for the split test below.
+BYPASS_SETTINGS = [
+    {"loss_type": "ppo_clip", "rollout_rs": "token_k1", "rollout_rs_threshold": "0.6_1.6"},
+    {"loss_type": "ppo_clip", "rollout_rs": "token_k2,token_k3", "rollout_rs_threshold": "0.08,0.1"},
+    {"loss_type": "reinforce", "rollout_is": "token", "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": 2.0},
+    {"loss_type": "reinforce", "rollout_is": "sequence", "rollout_rs": "seq_sum_k2", "rollout_rs_threshold": 0.3},
+    {"loss_type": "reinforce", "rollout_is_threshold": "0.5_1.5", "rollout_is": "token", "rollout_rs": "seq_sum_k3",
+     "rollout_rs_threshold": 0.3},
+    {"loss_type": "reinforce", "rollout_is_threshold": "0.2_3", "rollout_is": "sequence", "rollout_rs": "seq_mean_k1",
+     "rollout_rs_threshold": "0.8_1.2"},
+    {"loss_type": "ppo_clip", "rollout_rs": "seq_mean_k2, seq_max_k2", "rollout_rs_threshold": "0.06,0.3"},
+    {"loss_type": "reinforce", "rollout_rs": "seq_mean_k3,seq_max_k3", "rollout_rs_threshold": 0.15},
+]  # fmt: skip
+
+
+def bypass_config(mode: str, **rc) -> ActorConfig:
+    cfg = config("bypass_mode", mode)
+    cfg.policy_loss.rollout_correction = RolloutCorrectionConfig(**rc)
+    return cfg
+
+
+def bypass_loss(cfg: ActorConfig, lp, rollout, adv, mask, norm, rows=slice(None), old=None):
+    return dapo_loss(
+        lp[rows],
+        None,
+        loss_mask=mask[rows],
+        response_mask=mask[rows],
+        advantages=adv[rows],
+        cfg=cfg,
+        norm=norm,
+        old_log_probs=(rollout if old is None else old)[rows],  # the proximal log-probs, ignored by bypass_mode
+        rollout_log_probs=rollout[rows],
+    )
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("setting", range(len(BYPASS_SETTINGS)))
+def test_bypass_mode_every_correction_is_exact_under_a_split(setting: int, mode: str) -> None:
+    """Rejection sampling decides per token or per whole sequence and the IS weights are per token or per whole
+    sequence, so with the global normalisers the micro-batches still add up to the whole batch (loss, gradient,
+    metric sums); each setting rejects some tokens but not all."""
+    lp, rollout, adv, mask, _ = random_batch(seed=setting)
+    cfg = bypass_config(mode, **BYPASS_SETTINGS[setting])
+    norm = LossNormalisers.of(mask, max_response_length=8)
+    leaf = lp.clone().requires_grad_(True)
+    whole, sums_whole = bypass_loss(cfg, leaf, rollout, adv, mask, norm)
+    parts = [bypass_loss(cfg, leaf, rollout, adv, mask, norm, slice(a, b)) for a, b in ((0, 2), (2, 5), (5, 9))]
+    split = sum(loss for loss, _ in parts)
+    torch.testing.assert_close(split, whole, rtol=1e-12, atol=1e-14)
+    (grad_whole,) = torch.autograd.grad(whole, leaf)
+    (grad_split,) = torch.autograd.grad(split, leaf)
+    torch.testing.assert_close(grad_split, grad_whole, rtol=1e-12, atol=1e-14)
+    for key, value in sums_whole.items():
+        torch.testing.assert_close(sum(s[key] for _, s in parts), value, rtol=1e-12, atol=1e-14)
+    assert 0 < float(sums_whole["num_tokens"]) < float(mask.sum())  # kept tokens: some rejected, not all
+
+
+def test_bypass_mode_rejected_tokens_keep_counting_in_the_normaliser() -> None:
+    """token-mean: the kept tokens' losses over *every* loss token (verl's ``batch_num_tokens``, counted before the
+    loss); rejected tokens get no gradient; the old policy is the rollout's (the proximal log-probs are ignored)."""
+    lp, rollout, adv, mask, _ = random_batch(seed=21)
+    cfg = bypass_config("token-mean", loss_type="reinforce", rollout_rs="token_k2", rollout_rs_threshold=0.08)
+    leaf = lp.clone().requires_grad_(True)
+    loss, sums = bypass_loss(cfg, leaf, rollout, adv, mask, LossNormalisers.of(mask), old=lp + 1.0)
+    keep = (0.5 * (lp - rollout) ** 2 <= 0.08) & mask.bool()
+    assert 0 < keep.sum() < mask.sum()
+    expected = (-adv * lp)[keep].sum() / mask.sum()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-14)
+    (grad,) = torch.autograd.grad(loss, leaf)
+    assert (grad[~keep] == 0).all() and (grad[keep] != 0).any()
+    assert float(sums["num_tokens"]) == float(keep.sum())  # the metric means are over the kept tokens, as verl's
+    with pytest.raises(ValueError, match="rollout log-probs"):
+        dapo_loss(lp, None, loss_mask=mask, response_mask=mask, advantages=adv, cfg=cfg, norm=LossNormalisers.of(mask))
+
+
+def test_bypass_mode_batch_normalisation_is_per_micro_batch() -> None:
+    """``rollout_is_batch_normalize`` divides by the weights' mean over the rows the loss sees, as verl's
+    single-process path: the one setting whose value depends on the micro-batch split."""
+    lp, rollout, adv, mask, _ = random_batch(seed=5)
+    from megatron_dapo.algo.rollout_correction import rollout_is_weights
+
+    def sums(m):
+        return lambda x: (x * m).sum(-1)
+
+    for rows in (slice(None), slice(0, 4)):
+        m = mask[rows]
+        w = rollout_is_weights(lp[rows] - rollout[rows], m, sums(m), "token", 1.5, batch_normalize=True)
+        torch.testing.assert_close((w * m).sum() / m.sum(), torch.tensor(1.0, dtype=w.dtype))
+        w = rollout_is_weights(lp[rows] - rollout[rows], m, sums(m), "sequence", 1.5, batch_normalize=True)
+        seq = w.max(-1).values[m.sum(-1) > 0]
+        torch.testing.assert_close(seq.mean(), torch.tensor(1.0, dtype=w.dtype), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["actor.policy_loss.rollout_correction.loss_type=pg"], "rollout_correction.loss_type='pg': expected ppo_clip"),
+        (["actor.policy_loss.rollout_correction.rollout_is=seq"], "rollout_correction.rollout_is='seq': expected null"),
+        (["actor.policy_loss.rollout_correction.rollout_is_threshold=0"], "rollout_is_threshold=0.0: expected a num"),
+        (["actor.policy_loss.rollout_correction.rollout_is_threshold='2_1'"], "lower bound 2.0 must be <= upper"),
+        (["actor.policy_loss.rollout_correction.rollout_rs=token_k4"], "rollout_rs='token_k4': expected null or"),
+        (["actor.policy_loss.rollout_correction.rollout_rs=token_k2"], "rollout_rs_threshold=None: expected thresh"),
+        (
+            ["actor.policy_loss.rollout_correction.rollout_rs='token_k2,seq_sum_k1'",
+             "actor.policy_loss.rollout_correction.rollout_rs_threshold='1,2,3'"],
+            "exactly 2 (one per rollout_rs option)",
+        ),
+        (
+            ["actor.policy_loss.rollout_correction.rollout_rs=seq_max_k3",
+             "actor.policy_loss.rollout_correction.rollout_rs_threshold='0.5_2'"],
+            "seq_max_k3 takes a single upper bound",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_rollout_correction_values_name_the_key(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=["actor.policy_loss.loss_mode=bypass_mode", *overrides])
+    assert expected in str(error.value)
+
+
+def test_good_rollout_correction_settings_have_no_problem() -> None:
+    rc = "actor.policy_loss.rollout_correction"
+    cfg = load_config(
+        overrides=[
+            "actor.policy_loss.loss_mode=bypass_mode",
+            f"{rc}.loss_type=reinforce",
+            f"{rc}.rollout_is=sequence",
+            f"{rc}.rollout_is_threshold='0.5_5.0'",
+            f"{rc}.rollout_rs='token_k1,seq_max_k3'",
+            f"{rc}.rollout_rs_threshold='0.5_2.0,0.1'",
+        ]
+    )
+    assert cfg.actor.policy_loss.rollout_correction.rollout_is_threshold == "0.5_5.0"
+    assert not [p for p in config_problems(cfg) if "policy_loss" in p]
+    assert RolloutCorrectionConfig() == RolloutCorrectionConfig(
+        loss_type="ppo_clip", rollout_is=None, rollout_is_threshold=2.0, rollout_rs=None, rollout_rs_threshold=None
+    )  # verl's YAML defaults

@@ -30,8 +30,9 @@ from megatron_dapo.algo.logprobs import response_log_probs
 from megatron_dapo.algo.loss import LossNormalisers, dapo_loss, loss_metrics
 from megatron_dapo.algo.policy_loss import METRIC_TERMS, agg_loss, compute_rollout_is_weights
 from megatron_dapo.algo.registry import POLICY_LOSSES
+from megatron_dapo.algo.rollout_correction import RS_OPTIONS
 from megatron_dapo.config import ActorConfig
-from megatron_dapo.config.schema import PolicyLossConfig
+from megatron_dapo.config.schema import PolicyLossConfig, RolloutCorrectionConfig
 from megatron_dapo.reward.math_dapo import compute_score
 
 GOLDEN_PATH = Path(__file__).resolve().parents[1] / "fixtures" / "verl_golden.json.gz"
@@ -159,25 +160,28 @@ def variant_config(case: dict) -> ActorConfig:
     """Our config for a ``policy_loss_variants`` case: verl's ``actor.policy_loss.*`` and ``actor.tau_*`` keys."""
     settings = case["settings"]
     taus = {k: v for k, v in settings.items() if k in ("tau_pos", "tau_neg")}
+    keys = {k: v for k, v in settings.items() if k not in taus}
+    if "rollout_correction" in keys:
+        keys["rollout_correction"] = RolloutCorrectionConfig(**keys["rollout_correction"])
     return ActorConfig(
         clip_ratio_low=case["clip_ratio_low"],
         clip_ratio_high=case["clip_ratio_high"],
         clip_ratio_c=case["clip_ratio_c"],
         loss_agg_mode=case["loss_agg_mode"],
-        policy_loss=PolicyLossConfig(
-            loss_mode=case["loss_mode"], **{k: v for k, v in settings.items() if k not in taus}
-        ),
+        policy_loss=PolicyLossConfig(loss_mode=case["loss_mode"], **keys),
         **taus,
     )
 
 
 def policy_loss_variant_mismatches() -> list[str]:
     """Every registered verl loss through ``dapo_loss`` (the actor's loss) on the whole batch: the loss, its gradient
-    and the metrics verl returns for that loss (the ones it does not return read 0 here: a deliberate difference)."""
+    and the metrics verl returns for that loss (the ones it does not return read 0 here: a deliberate difference).
+    ``bypass_mode``'s old policy is the rollout's: verl's ``old_log_prob`` reaches ours as ``rollout_log_probs``."""
     bad = []
     for i, case in enumerate(GOLDEN["policy_loss_variants"]):
         log_prob = f32(case["log_prob"]).requires_grad_(True)
         mask = f32(case["response_mask"])
+        bypass = case["loss_mode"] == "bypass_mode"
         torch.manual_seed(case["torch_seed"])  # clip_cov samples the tokens it cuts as verl does
         loss, sums = dapo_loss(
             log_prob,
@@ -187,11 +191,13 @@ def policy_loss_variant_mismatches() -> list[str]:
             advantages=f32(case["advantages"]),
             cfg=variant_config(case),
             norm=LossNormalisers.of(mask),
-            old_log_probs=f32(case["old_log_prob"]),
+            # bypass_mode ignores the proximal log-probs: shifted here, the loss must not move
+            old_log_probs=f32(case["old_log_prob"]) + (0.5 if bypass else 0.0),
+            rollout_log_probs=f32(case["old_log_prob"]) if bypass else None,
             rollout_is_weights=None if case["is_weights"] is None else f32(case["is_weights"]),
         )
         loss.backward()
-        metrics = {k.split("/")[1]: v for k, v in loss_metrics(sums, use_kl_loss=False).items()}
+        metrics = {k.split("/")[1]: v for k, v in loss_metrics(sums, use_kl_loss=False).items() if k[:6] == "actor/"}
         checks = {
             "pg_loss": close(loss, case["pg_loss"]),
             "grad": close(log_prob.grad, case["grad_log_prob"]),
@@ -330,9 +336,19 @@ def test_golden_file_covers_every_area() -> None:
     assert {c["loss_agg_mode"] for c in GOLDEN["policy_loss"]} == {c["loss_agg_mode"] for c in GOLDEN["agg_loss"]}
     assert len({c["loss_agg_mode"] for c in GOLDEN["agg_loss"]}) == 4
     assert len({c["kind"] for c in GOLDEN["kl_penalty"]}) == 14
-    # verl 0.9.1's twelve policy losses but bypass_mode (not registered here: docs/verl_config_mapping.md)
+    # verl 0.9.1's twelve policy losses
     variants = {c["loss_mode"] for c in GOLDEN["policy_loss_variants"]}
-    assert variants == set(POLICY_LOSSES.names()) - {"bypass_mode"} and len(variants) == 11
+    assert variants == set(POLICY_LOSSES.names()) and len(variants) == 12
+    # bypass_mode: both loss types, every IS level and threshold form, every rejection option
+    corrections = [c["settings"].get("rollout_correction") for c in GOLDEN["policy_loss_variants"]]
+    corrections = [rc for rc in corrections if rc is not None]
+    assert {rc.get("loss_type") for rc in corrections} == {"ppo_clip", "reinforce"}
+    assert {(rc.get("rollout_is"), "_" in str(rc.get("rollout_is_threshold", ""))) for rc in corrections} >= {
+        (level, icepop) for level in ("token", "sequence") for icepop in (False, True)
+    }
+    assert any(rc.get("rollout_is_batch_normalize") for rc in corrections)
+    options = {o.strip() for rc in corrections for o in str(rc.get("rollout_rs") or "").split(",") if o.strip()}
+    assert options == set(RS_OPTIONS)
     for loss_mode in variants:
         cases = [c for c in GOLDEN["policy_loss_variants"] if c["loss_mode"] == loss_mode]
         assert {c["loss_agg_mode"] for c in cases} == {c["loss_agg_mode"] for c in GOLDEN["agg_loss"]}

@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from megatron_dapo.training.checkpoint import CheckpointIntegrityError, resolve_resume
 from megatron_dapo.weights.integrity import crc32_combine, first_non_finite
@@ -33,7 +34,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_manifest_matches_the_files(run: dict) -> None:
     step_dir = run["out"] / "ckpt" / "global_step_2"
     manifest = json.loads((step_dir / "manifest.json").read_text())
-    assert manifest["checksum"] == "crc32"
+    assert manifest["checksum"] == "xxh3_64" and manifest["version"] == 2
     on_disk = sorted(
         p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file() and p.name != "manifest.json"
     )
@@ -41,7 +42,7 @@ def test_manifest_matches_the_files(run: dict) -> None:
     assert {"dist_ckpt/.metadata", "dist_ckpt/common.pt", "rng/rank_00001.pt", "trainer_state.json"} <= set(on_disk)
     for rel, entry in manifest["files"].items():
         data = (step_dir / rel).read_bytes()  # independent reference: the bytes on disk
-        assert entry == {"size": len(data), "crc32": zlib.crc32(data)}, rel
+        assert entry == {"size": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}, rel
 
 
 def test_nan_weight_is_refused(run: dict) -> None:
@@ -80,7 +81,7 @@ def test_killed_or_stuck_writer_helper(run: dict) -> None:
     [
         ("distcp", "dist_ckpt/__0_0.distcp", r"truncated \(expected (\d+) bytes, found (\d+)\)"),
         ("rng", "rng/rank_00001.pt", r"truncated \(expected \d+ bytes, found 100\)"),
-        ("flip", "dist_ckpt/__0_1.distcp", r"corrupt \(expected crc32 [0-9a-f]{8}, found [0-9a-f]{8}\)"),
+        ("flip", "dist_ckpt/__0_1.distcp", r"corrupt \(expected xxh3_64 [0-9a-f]{16}, found [0-9a-f]{16}\)"),
     ],
 )
 def test_damaged_checkpoint(run: dict, kind: str, file: str, what: str) -> None:

@@ -38,7 +38,7 @@ def test_converted_checkpoint_truncated_or_corrupt(tiny_hf, tmp_path):
     flipped[len(data) - 10] ^= 0x01
     victim.write_bytes(bytes(flipped))
     with pytest.raises(
-        CheckpointError, match=rf"{re.escape(str(victim))}: corrupt \(expected crc32 [0-9a-f]{{8}}, found"
+        CheckpointError, match=rf"{re.escape(str(victim))}: corrupt \(expected xxh3_64 [0-9a-f]{{16}}, found"
     ):
         convert_mcore_to_hf(tmp_path / "m", tmp_path / "out")
     assert not (tmp_path / "out").exists()
