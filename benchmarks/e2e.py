@@ -10,8 +10,14 @@ Runs ``launch/run_local.sh`` for ``--steps`` steps without validation or checkpo
 ``metrics.jsonl`` (the first step is excluded: warm-up). Then, in this process, the *floor*: the same model as an HF
 transformers module, forward + backward over the same number of sequences of the step's mean length, unpadded, in
 micro-batches of the same size, one thread — divided by the number of training processes (ideal data parallelism).
-Prints one line per phase, the padding ratios, and a last line
-``e2e_s_per_step=<s> e2e_tokens_per_s=<t> update_s=<u> update_floor_s=<f> update_vs_floor=<u/f>``.
+Prints a table of the phases (mean seconds per steady step and share of the step; ``other`` is the step's time
+outside every timed phase), the start-up (``timing_s/startup*``, logged with the first step: launch → first step,
+split into imports, init, actor, engine and reference; the first weight sync is the first step's
+``update_weights``), the launch's whole wall time, the padding ratios, and a last line
+``e2e_s_per_step=<s> e2e_tokens_per_s=<t> update_s=<u> update_floor_s=<f> update_vs_floor=<u/f> startup_s=<s>``.
+
+``--profile DIR`` runs the launch under py-spy (``--subprocesses --idle``: every process's collapsed stacks in
+``DIR/e2e.txt``) to find fixed per-step costs; its timings are then inflated by the sampling.
 
     python benchmarks/e2e.py --size tiny --steps 10
     python benchmarks/e2e.py --size 70m --steps 4
@@ -81,7 +87,10 @@ def prepare(demo: Path, size: str) -> Path:
     return hf_dir
 
 
-def run_training(demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int, port: str, extra: list[str]) -> list[dict]:
+def run_training(
+    demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int, port: str, extra: list[str], profile: str = ""
+) -> tuple[list[dict], float]:
+    """The launch's metrics rows and its whole wall time (torchrun's start to its exit)."""
     mcore = tmp / "mcore"
     subprocess.run(
         [
@@ -98,7 +107,7 @@ def run_training(demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int, por
         stdout=subprocess.DEVNULL,
     )
     out = tmp / "run"
-    cmd = [
+    cmd_launch = [
         "bash",
         "launch/run_local.sh",
         "configs/tiny_cpu.yaml",
@@ -117,12 +126,25 @@ def run_training(demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int, por
         *SIZES[size]["overrides"],
         *extra,
     ]
+    if profile:  # torchrun itself (not the bash launcher) under py-spy, so that it follows the training processes
+        Path(profile).mkdir(parents=True, exist_ok=True)
+        spy = str(Path(sys.executable).with_name("py-spy"))
+        cmd = [spy, "record", "--subprocesses", "--idle", "-r", "100", "-f", "raw", "-o", f"{profile}/e2e.txt", "--"]
+        cmd += [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}", f"--master-port={port}"]
+        cmd += ["-m", "megatron_dapo.cli", "train", *cmd_launch[2:]]
+    else:
+        cmd = cmd_launch
     env = dict(os.environ, OMP_NUM_THREADS="1", NPROC_PER_NODE=str(NPROC), MASTER_PORT=port, PYTHON=sys.executable)
+    # vLLM's caches where launch/setup_env.sh puts them (shared by runs): without it every run's fresh output dir
+    # would make vLLM inspect the model class in a new subprocess again (seconds of start-up).
+    env.setdefault("VLLM_CACHE_ROOT", str(REPO / ".venv" / ".vllm_cache"))
+    started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
+    wall = time.perf_counter() - started
+    if proc.returncode != 0 or not (out / "metrics.jsonl").is_file():
         print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
-        raise SystemExit(proc.returncode)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        raise SystemExit(proc.returncode or 1)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], wall
 
 
 def update_floor_s(hf_dir: Path, num_seqs: int, seq_len: int, micro_batch: int) -> float:
@@ -148,17 +170,37 @@ def update_floor_s(hf_dir: Path, num_seqs: int, seq_len: int, micro_batch: int) 
 
 
 def print_phases(steady: list[dict], step_s: float) -> None:
-    """Mean time and share of the step of every phase, the padding ratios and the non-finite guard's cost."""
+    """Mean time and share of the step of every phase (``other``: outside every phase), the padding ratios and the
+    non-finite guard's cost."""
+    timed_s = 0.0
+    print(f"{'phase':16s} {'mean_s':>8s} {'share':>6s}")
     for phase in PHASES:
         key = f"timing_s/{phase}"
         if any(key in r for r in steady):
             t = statistics.mean(r.get(key, 0.0) for r in steady)
-            print(f"phase={phase:15s} mean_s={t:.4f} share={t / step_s:.3f}")
+            timed_s += t
+            print(f"{phase:16s} {t:8.4f} {t / step_s:6.3f}")
+    print(f"{'other':16s} {step_s - timed_s:8.4f} {(step_s - timed_s) / step_s:6.3f}")
+    print(f"{'step':16s} {step_s:8.4f} {1:6.3f}")
     for key in sorted({k for r in steady for k in r if k.startswith("perf/padding_ratio/")}):
         print(f"{key}={statistics.mean(r[key] for r in steady if key in r):.3f}")
     if any("perf/update_guard_s" in r for r in steady):  # the non-finite guard's own cost (#16)
         guard = statistics.mean(r.get("perf/update_guard_s", 0.0) for r in steady)
         print(f"update_guard_s={guard:.5f} update_guard_share_of_step={guard / step_s:.5f}")
+
+
+def print_startup(first: dict, wall_s: float, steps: int) -> float:
+    """The start-up of rank 0 (launch → first step) and its parts, the first step's phases (the first weight sync
+    among them) and the launch's whole wall time. Returns the start-up seconds (0 if the run did not log it)."""
+    startup = first.get("timing_s/startup", 0.0)
+    parts = sorted(k for k in first if k.startswith("timing_s/startup/"))
+    print(f"startup_s={startup:.3f} (launch of the training process -> first step)")
+    for key in parts:
+        print(f"  {key.removeprefix('timing_s/'):20s} {first[key]:8.3f}")
+    first_phases = " ".join(f"{p}={first[f'timing_s/{p}']:.3f}" for p in PHASES if f"timing_s/{p}" in first)
+    print(f"first step_s={first['timing_s/step']:.3f} (warm-up): {first_phases}")
+    print(f"launch wall_s={wall_s:.2f} for {steps} steps (torchrun start to exit, checkpoint at the end included)")
+    return startup
 
 
 def floor_shape(steady: list[dict], overrides: list[str]) -> tuple[int, int, int]:
@@ -178,19 +220,21 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--demo-dir", default=None, help="prepared demo (megatron_dapo.tasks.demo); default: make one")
     ap.add_argument("--port", default="29590")
+    ap.add_argument("--profile", default="", help="directory: run the launch under py-spy (collapsed stacks)")
     args, extra = ap.parse_known_args()
 
     with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
         demo = Path(args.demo_dir) if args.demo_dir else Path(tmp) / "demo"
         hf_dir = prepare(demo, args.size)
-        rows = run_training(demo, hf_dir, Path(tmp), args.size, args.steps, args.port, extra)
+        rows, wall_s = run_training(demo, hf_dir, Path(tmp), args.size, args.steps, args.port, extra, args.profile)
         rows = [r for r in rows if "timing_s/step" in r]
         first, rest = rows[0], rows[1:] or rows[:1]
         steady = [r for r in rest if "timing_s/save_checkpoint" not in r] or rest
         step_s = statistics.mean(r["timing_s/step"] for r in steady)
         tokens = statistics.mean(r["perf/total_num_tokens"] for r in steady)
-        print(f"size={args.size} first_step_s={first['timing_s/step']:.3f} (warm-up) steady_steps={len(steady)}")
+        print(f"size={args.size} steady_steps={len(steady)}")
         print_phases(steady, step_s)
+        startup = print_startup(first, wall_s, args.steps)
         update_s = statistics.mean(r.get("timing_s/update_actor", 0.0) for r in steady)
         num_seqs, seq_len, micro = floor_shape(steady, SIZES[args.size]["overrides"] + extra)
         floor = update_floor_s(hf_dir, num_seqs, seq_len, micro) / NPROC
@@ -200,7 +244,7 @@ def main() -> int:
     )
     print(
         f"e2e_s_per_step={step_s:.3f} e2e_tokens_per_s={tokens / step_s:.1f} update_s={update_s:.3f} "
-        f"update_floor_s={floor:.3f} update_vs_floor={update_s / floor:.2f}"
+        f"update_floor_s={floor:.3f} update_vs_floor={update_s / floor:.2f} startup_s={startup:.2f}"
     )
     return 0
 

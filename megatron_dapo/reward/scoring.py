@@ -147,8 +147,9 @@ def decode_responses(tokenizer: Any, ids: torch.Tensor, lengths: torch.Tensor) -
     string removed (verl)."""
     eos_text = getattr(tokenizer, "eos_token", None)
     texts = []
-    for i in range(ids.shape[0]):
-        text = tokenizer.decode(ids[i, : int(lengths[i])].tolist(), skip_special_tokens=True)
+    # One conversion of the whole batch to Python ints (not one tensor slice and ``tolist`` per row).
+    for row, length in zip(ids.tolist(), lengths.tolist()):
+        text = tokenizer.decode(row[: int(length)], skip_special_tokens=True)
         if isinstance(eos_text, str) and eos_text and text.endswith(eos_text):
             text = text[: -len(eos_text)]
         texts.append(text)
@@ -171,10 +172,9 @@ def truncated_rows(
     """``[B]`` bool: the response has ``max_response_length`` tokens and (when EOS ids are known) does not end
     with EOS."""
     truncated = lengths >= max_response_length
-    if eos_token_ids is not None:
-        for i in range(len(truncated)):
-            if truncated[i] and int(ids[i, int(lengths[i]) - 1]) in eos_token_ids:
-                truncated[i] = False
+    if eos_token_ids is not None and ids.shape[1] and bool(truncated.any()):
+        last = ids.gather(1, (lengths.long() - 1).clamp(min=0).unsqueeze(1)).squeeze(1)  # each row's last token
+        truncated &= ~torch.isin(last, torch.tensor(sorted(eos_token_ids), dtype=ids.dtype))
     return truncated
 
 

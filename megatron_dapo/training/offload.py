@@ -355,6 +355,10 @@ class MemoryHandoff:
         self.offloader = StorageOffloader(platform)
         self.phase_peaks_gb: dict[str, float] = {}
         self.phase: Optional[str] = None
+        # Whether memory is ever given back between phases: on a device (its allocator caches), or with a planned
+        # offload or an engine that sleeps. Not on CPU by default (nothing offloaded, no sleep mode): there
+        # ``_empty_cache`` skips its full garbage collection, which changes nothing there.
+        self.releases = platform.device_type != "cpu" or any((plan.params, plan.grads, plan.optimizer, plan.reference))
         platform.observe_handoff(self)
 
     # ----- phase bookkeeping
@@ -365,6 +369,10 @@ class MemoryHandoff:
         self.platform.reset_peak_memory()
 
     def _empty_cache(self) -> None:
+        """Give released memory back to the platform's allocator; nothing to do when nothing is ever released (a
+        full collection of a process holding vLLM and megatron-core costs milliseconds, several times a step)."""
+        if not self.releases:
+            return
         gc.collect()
         self.platform.empty_cache()
 
@@ -396,6 +404,7 @@ class MemoryHandoff:
 
     def after_engine_start(self, engine: Any) -> None:
         """The new engine sleeps until the first rollout (its weights are dummies until the first sync)."""
+        self.releases = self.releases or bool(getattr(engine, "sleep_supported", True))
         engine.sleep(self.plan.sleep_level)
         self._empty_cache()
         self._enter(None)

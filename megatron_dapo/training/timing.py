@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Optional
 
+import psutil
+
 from megatron_dapo.platform import Platform, get_platform
 
 
@@ -58,3 +60,32 @@ def timed(name: str, timings: dict[str, float], platform: Optional[Platform] = N
         yield
     finally:
         timings[name] = timings.get(name, 0.0) + timer.stop()
+
+
+def process_age_s() -> float:
+    """Seconds since this process was launched (its creation time, as the OS reports it): the start-up clock that
+    includes the interpreter's start and the imports, which no timer inside the process can see."""
+    return max(0.0, time.time() - psutil.Process().create_time())
+
+
+class StartupClock:
+    """A process's start-up times, ``timing_s/startup/<part>``, reported once (``pop``, with the first step):
+    ``imports`` is launch → the clock's creation (the interpreter and the imports); each ``mark(part)`` the host
+    time since the previous mark; ``mark_total`` sets ``startup``, launch → now (the first step)."""
+
+    def __init__(self) -> None:
+        self.times = {"startup/imports": process_age_s()}
+        self._last = time.perf_counter()
+
+    def mark(self, part: str) -> None:
+        now = time.perf_counter()
+        self.times[f"startup/{part}"] = now - self._last
+        self._last = now
+
+    def mark_total(self) -> None:
+        self.times["startup"] = process_age_s()
+
+    def pop(self) -> dict[str, float]:
+        """The times not reported yet ({} once reported)."""
+        times, self.times = self.times, {}
+        return times

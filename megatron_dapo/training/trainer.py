@@ -50,7 +50,7 @@ from megatron_dapo.training.rollout_sources import prompt_data, total_steps
 from megatron_dapo.training.rollout_worker import RolloutWorker
 from megatron_dapo.training.run_state import RunCounters, StepCheckpoints, stop_after_skips
 from megatron_dapo.training.scoring import RolloutScorer
-from megatron_dapo.training.timing import timed
+from megatron_dapo.training.timing import StartupClock, timed
 from megatron_dapo.weights.dist_format import hf_config_dir_of
 from megatron_dapo.weights.loading import load_mcore_checkpoint
 
@@ -59,6 +59,7 @@ log = logging.getLogger("megatron_dapo.trainer")
 
 class DAPOTrainer:
     def __init__(self, cfg: ExperimentConfig) -> None:
+        self.startup = StartupClock()  # timing_s/startup/*, logged with the first step
         self.cfg = cfg
         validate_config(cfg)
         timeout_s = cfg.trainer.collective_timeout_s
@@ -83,9 +84,13 @@ class DAPOTrainer:
         # Start-up order (verl's): the actor, then the engine with the training state off the device (vLLM checks
         # at construction that gpu_memory_utilization x the device is free), then the reference.
         self.progress, self.logger, self.dumper = _outputs(cfg, self.info.is_main, self.total_steps)
+        self.startup.mark("init")  # process groups, tokenizer, data, plan
         self._build_actor()
+        self.startup.mark("actor")
         self.engine, self.rollout = self._build_rollout(hf_dir)
+        self.startup.mark("engine")
         self._build_reference()
+        self.startup.mark("reference")
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.counters = RunCounters()
@@ -173,13 +178,7 @@ class DAPOTrainer:
         if resumed is not None:
             self._step_done(resumed)
         if self.global_step >= self.total_steps:
-            if self.info.is_main:
-                log.warning(
-                    "nothing to do: the run is complete (resumed at step %d, trainer.total_training_steps=%d); "
-                    "raise trainer.total_training_steps to train further",
-                    self.global_step,
-                    self.total_steps,
-                )
+            _nothing_to_do(self.global_step, self.total_steps, self.info.is_main)
             return {}
         self.stop_request.install()
         try:
@@ -198,6 +197,7 @@ class DAPOTrainer:
             self.logger.log(val_metrics, step=self.global_step)
             self._last_val_step = self.global_step
         self.progress.start_at(self.global_step)
+        self.startup.mark_total()  # launch → the first step (whose update_weights is the first sync)
         while self.global_step < self.total_steps:
             step_val = self.train_step(self.global_step + 1)
             if step_val is None:  # dynamic sampling exhausted with on_exhausted=stop
@@ -264,7 +264,7 @@ class DAPOTrainer:
         metrics = compute_data_metrics(
             batch, max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length
         )
-        metrics.update(compute_timing_metrics(timings, batch))
+        metrics.update(compute_timing_metrics({**timings, **self.startup.pop()}, batch))
         metrics.update(compute_throughput_metrics(batch, timings, self.info.world_size))
         metrics.update(self.handoff.metrics())
         metrics["perf/max_memory_allocated_gb"] = self.platform.max_memory_allocated_gb()
@@ -356,6 +356,16 @@ class DAPOTrainer:
         self.rollout.close()
         self.logger.close()
         teardown(self.engine)
+
+
+def _nothing_to_do(step: int, total_steps: int, is_main: bool) -> None:
+    if is_main:
+        log.warning(
+            "nothing to do: the run is complete (resumed at step %d, trainer.total_training_steps=%d); "
+            "raise trainer.total_training_steps to train further",
+            step,
+            total_steps,
+        )
 
 
 def _outputs(cfg: ExperimentConfig, is_main: bool, total_steps: int) -> tuple:

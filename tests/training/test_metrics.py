@@ -197,3 +197,17 @@ def test_timed_accumulates_and_synchronizes() -> None:
         timer.start()
     timer.stop()
     assert first >= 0.01 and timer.elapsed > first
+
+
+def test_startup_clock_reports_its_parts_once() -> None:
+    from megatron_dapo.training.timing import StartupClock
+
+    clock = StartupClock()
+    clock.mark("init")
+    clock.mark("engine")
+    clock.mark_total()
+    times = clock.pop()
+    assert set(times) == {"startup/imports", "startup/init", "startup/engine", "startup"}
+    assert all(v >= 0 for v in times.values())
+    assert times["startup"] >= times["startup/imports"]  # both from the process's launch
+    assert clock.pop() == {}  # reported with the first step only

@@ -126,3 +126,37 @@ def test_plan_follows_platform_defaults_and_config():
     p = resolve_handoff_plan(cfg, cuda)
     assert (p.params, p.grads, p.optimizer, p.reference, p.sleep_level) == (True, False, True, False, 1)
     assert resolve_handoff_plan(cfg, cpu).params is True  # explicit config wins on CPU too
+
+
+def test_garbage_collection_only_where_memory_is_given_back(monkeypatch):
+    """``_empty_cache``'s full collection runs only where something is released between phases: on a device, with
+    a planned offload, or once the engine sleeps; on CPU with nothing offloaded it is skipped (a per-step cost)."""
+    from megatron_dapo.training import offload
+    from megatron_dapo.training.offload import MemoryHandoff
+
+    collected = []
+    monkeypatch.setattr(offload.gc, "collect", lambda: collected.append(1))
+    cfg = load_config(None, [])
+    cpu, cuda = make_platform("cpu"), make_platform("cuda")
+
+    class Engine:
+        def __init__(self, sleeps: bool) -> None:
+            self.sleep_supported = sleeps
+
+        def sleep(self, level=None) -> None:
+            pass
+
+        def wake_up(self, tags=None) -> None:
+            pass
+
+    handoff = MemoryHandoff(cpu, resolve_handoff_plan(cfg, cpu), [])
+    handoff.before_engine_start()
+    handoff.after_engine_start(Engine(sleeps=False))
+    handoff.before_rollout(Engine(sleeps=False), lambda: None)
+    handoff.after_rollout(Engine(sleeps=False))
+    assert not handoff.releases and collected == []
+    handoff.after_engine_start(Engine(sleeps=True))  # an engine with a sleep mode gives memory back
+    assert handoff.releases and collected == [1]
+    offloading = resolve_handoff_plan(load_config(None, ["actor.offload_grads=true"]), cpu)
+    assert MemoryHandoff(cpu, offloading, []).releases
+    assert MemoryHandoff(cuda, resolve_handoff_plan(cfg, cuda), []).releases
