@@ -460,6 +460,13 @@ def _off_policy_problems(cfg: ExperimentConfig) -> list[str]:
             f"{cfg.algorithm.rollout_is_threshold}: both correct the behaviour/rollout mismatch; keep "
             "algorithm.off_policy (its is_threshold) and set algorithm.rollout_is_threshold to null"
         )
+    if cfg.actor.policy_loss.loss_mode == "bypass_mode" and cfg.algorithm.rollout_is_threshold is not None:
+        problems.append(
+            f"actor.policy_loss.loss_mode=bypass_mode with algorithm.rollout_is_threshold="
+            f"{cfg.algorithm.rollout_is_threshold}: bypass mode takes the rollout as the old policy and corrects with "
+            "actor.policy_loss.rollout_correction.* (the other weights are ignored); set "
+            "algorithm.rollout_is_threshold to null"
+        )
     if pr.enable and pr.segment_length is not None and pr.segment_length >= cfg.data.max_response_length:
         problems.append(
             f"rollout.partial_rollout.segment_length={pr.segment_length} covers the whole "

@@ -486,3 +486,9 @@ def test_good_rollout_correction_settings_have_no_problem() -> None:
     assert RolloutCorrectionConfig() == RolloutCorrectionConfig(
         loss_type="ppo_clip", rollout_is=None, rollout_is_threshold=2.0, rollout_rs=None, rollout_rs_threshold=None
     )  # verl's YAML defaults
+
+
+def test_bypass_mode_refuses_the_correction_it_would_ignore():
+    with pytest.raises(ConfigError, match="bypass_mode with algorithm.rollout_is_threshold=2.0"):
+        load_config(overrides=["actor.policy_loss.loss_mode=bypass_mode", "algorithm.rollout_is_threshold=2.0"])
+    assert load_config(overrides=["actor.policy_loss.loss_mode=bypass_mode"]).algorithm.rollout_is_threshold is None
