@@ -1,18 +1,20 @@
 """Benchmark: Megatron → vLLM weight sync time against a memcpy baseline, on a locally made ~0.5 GB model.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 --master_port 29790 benchmarks/weight_sync.py [--tp 1 --rollout-tp 1]
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 --master_port 29790 benchmarks/weight_sync.py --moe [--ep 2]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 --master_port 29790 benchmarks/weight_sync.py --moe [--ep 1,2]
 
 The model is Qwen2-shaped with random weights (fp32, ~120M parameters, ~480 MB), or with ``--moe`` Qwen3-MoE-shaped
 (8 layers of 16 experts, top-2, ~140M parameters): Megatron initialises it itself and vLLM starts from dummy weights,
-so only ``config.json`` is written. With ``--ep`` each expert-parallel rank holds and sends its share of the experts.
+so only ``config.json`` is written. With ``--ep`` each expert-parallel rank holds and sends its share of the experts;
+a comma-separated list (``--moe``'s default: ``1,2``) measures each layout in turn against the same engine (the
+model is rebuilt for each).
 For each bucket size the sync runs ``--repeats`` times after one warm-up sync (the first sync is several times
 slower); the fastest run counts.
 
 Baseline: on each rank, ``clone()`` (allocate + copy) of the tensors that rank's vLLM engine holds after the sync
 (the HF tensors, sliced to the rank's vLLM TP shard). Ratio = sync time / baseline on the same rank; the slowest
-rank's ratio is reported. Last line: ``weight_sync_vs_memcpy=<ratio at the default bucket size>
-logprob_max_diff=<max |vLLM − Megatron| sampled-token log-prob after the syncs>``.
+rank's ratio is reported. Last line per layout: ``ep=<EP> weight_sync_vs_memcpy=<ratio at the default bucket size>
+logprob_max_diff=<max |vLLM − Megatron| sampled-token log-prob after every sync>``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="training tensor-parallel size")
     p.add_argument("--rollout-tp", type=int, default=1)
     p.add_argument("--moe", action="store_true", help="a Qwen3-MoE model instead of the dense Qwen2 one")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
+    p.add_argument("--ep", default=None, help="expert-parallel sizes, comma-separated (with --moe; default 1,2)")
     p.add_argument("--buckets-mb", default="16,64,512", help="comma-separated bucket sizes (MiB)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work-dir", default=None, help="where config.json and vLLM's cache go (default: a temp dir)")
@@ -78,89 +80,120 @@ def timed_min(fn, repeats: int) -> float:
 def main() -> None:
     args = parse()
     from megatron_dapo.parallel import teardown
+
+    eps = [int(x) for x in (args.ep or ("1,2" if args.moe else "1")).split(",")]
+    engine, log = start(args, eps[0])
+    summary = [measure(args, ep, engine, log) for ep in eps]
+    teardown(engine)
+    for line in summary:
+        log(line, flush=True)
+
+
+def measure(args: argparse.Namespace, ep: int, engine, log) -> str:
+    """One layout: the model built at expert-parallel size ``ep``, a warm-up sync, the memcpy baseline, each bucket
+    size's fastest of ``--repeats`` syncs (log-probs checked after every sync); returns the summary line."""
     from megatron_dapo.rollout.sync import WeightSync
 
-    cfg, arch, chunks, engine, log = setup(args)
+    cfg, arch, chunks = build_model(args, ep)
     t = time.perf_counter()
     WeightSync(engine, arch, cfg).sync(chunks)
-    log(f"warm-up sync: {time.perf_counter() - t:.3f}s", flush=True)
-    memcpy_s, held_bytes = memcpy_baseline(chunks, arch, engine, args)
+    log(f"ep={ep} warm-up sync: {time.perf_counter() - t:.3f}s", flush=True)
+    diff = slowest(logprob_max_diff(chunks, arch, engine))
+    memcpy_s, held_bytes = memcpy_baseline(chunks, arch, engine, args, ep)
     default_mb = cfg.rollout.weight_sync_bucket_mb
     sizes = sorted({int(x) for x in args.buckets_mb.split(",")} | {default_mb})
     ratios = {}
     for mb in sizes:
         sync = WeightSync(engine, arch, cfg, bucket_bytes=mb * 2**20)
-        runs = [sync.sync(chunks) for _ in range(args.repeats)]
+        runs = []
+        for _ in range(args.repeats):
+            runs.append(sync.sync(chunks))
+            diff = max(diff, slowest(logprob_max_diff(chunks, arch, engine)))
         best = min(runs, key=lambda r: r["timing_s/update_weights"])
         ratio = slowest(best["timing_s/update_weights"] / memcpy_s)
         ratios[mb] = ratio
         log(
-            f"bucket_mb={mb} buckets={int(best['buckets'])} sync_s={best['timing_s/update_weights']:.3f}"
+            f"ep={ep} bucket_mb={mb} buckets={int(best['buckets'])} sync_s={best['timing_s/update_weights']:.3f}"
             f" (gather {best['timing_s/update_weights_gather']:.3f}"
-            f" convert {best['timing_s/update_weights_convert']:.3f}"
-            f" reload {best['timing_s/update_weights_load']:.3f}) memcpy_s={memcpy_s:.3f}"
+            f" load {best['timing_s/update_weights_load']:.3f}, direct={int(best['direct'])}"
+            f" local_shards={int(best['local_shards'])} expert_received_MiB="
+            f"{best['expert_received_bytes'] / 2**20:.0f}) memcpy_s={memcpy_s:.3f}"
             f" ({held_bytes / 2**20:.0f} MiB) ratio_slowest_rank={ratio:.2f}",
             flush=True,
         )
-    diff = slowest(logprob_max_diff(chunks, arch, engine))
-    teardown(engine)
-    log(f"weight_sync_vs_memcpy={ratios[default_mb]:.2f} logprob_max_diff={diff:.2e}", flush=True)
+    return f"ep={ep} weight_sync_vs_memcpy={ratios[default_mb]:.2f} logprob_max_diff={diff:.2e}"
 
 
-def setup(args: argparse.Namespace):
-    """Process groups, the model (megatron-core's random init, ``config.json`` only on disk) and the vLLM engine;
-    returns ``(cfg, arch, chunks, engine, log)`` with ``log`` printing on rank 0 only."""
+def overrides(args: argparse.Namespace, ep: int, work: str) -> list[str]:
+    return [
+        f"parallel.tensor_model_parallel_size={args.tp}",
+        f"parallel.sequence_parallel={str(args.moe and args.tp > 1).lower()}",
+        f"parallel.expert_model_parallel_size={ep}",
+        "parallel.platform=cpu",
+        "model.params_dtype=fp32",
+        f"rollout.tensor_model_parallel_size={args.rollout_tp}",
+        "rollout.kv_cache_memory_mb=64",
+        "rollout.max_num_seqs=16",
+        "rollout.n=2",
+        "rollout.seed=3",
+        "data.max_prompt_length=16",
+        "data.max_response_length=16",
+        f"trainer.output_dir={work}",
+    ]
+
+
+def work_dir(args: argparse.Namespace) -> str:
+    port = os.environ.get("MASTER_PORT", "")
+    return args.work_dir or os.path.join(tempfile.gettempdir(), f"weight_sync_bench_{port}")
+
+
+def start(args: argparse.Namespace, ep: int):
+    """Process groups, ``config.json`` on disk and the vLLM engine (dummy weights); returns ``(engine, log)`` with
+    ``log`` printing on rank 0 only."""
     from megatron_dapo.config import load_config
-    from megatron_dapo.models.builder import build_gpt_chunks
-    from megatron_dapo.models.families import model_arch_from_hf
-    from megatron_dapo.parallel import init_distributed, init_model_parallel
+    from megatron_dapo.parallel import init_distributed
     from megatron_dapo.rollout.engine import RolloutEngine
     from megatron_dapo.testing.tiny_models import tiny_hf_config
 
-    port = os.environ.get("MASTER_PORT", "")
-    work = args.work_dir or os.path.join(tempfile.gettempdir(), f"weight_sync_bench_{port}")
-    cfg = load_config(
-        None,
-        [
-            f"parallel.tensor_model_parallel_size={args.tp}",
-            f"parallel.sequence_parallel={str(args.moe and args.tp > 1).lower()}",
-            f"parallel.expert_model_parallel_size={args.ep}",
-            "parallel.platform=cpu",
-            "model.params_dtype=fp32",
-            f"rollout.tensor_model_parallel_size={args.rollout_tp}",
-            "rollout.kv_cache_memory_mb=64",
-            "rollout.max_num_seqs=16",
-            "rollout.n=2",
-            "rollout.seed=3",
-            "data.max_prompt_length=16",
-            "data.max_response_length=16",
-            f"trainer.output_dir={work}",
-        ],
-    )
+    work = work_dir(args)
+    cfg = load_config(None, overrides(args, ep, work))
     info, platform = init_distributed(cfg.parallel)
-    init_model_parallel(cfg.parallel, seed=1)
     hf_dir = os.path.join(work, "model")
     if info.rank == 0:
         family, shape = ("qwen3_moe", MOE_MODEL) if args.moe else ("qwen2", MODEL)
         tiny_hf_config(family, **shape).save_pretrained(hf_dir)  # config only: nobody reads weights from disk
     dist.barrier()
-    arch = model_arch_from_hf(hf_dir)
-    chunks = build_gpt_chunks(arch, cfg)  # megatron-core's own random init, identical on data-parallel replicas
+    engine = RolloutEngine(cfg, hf_dir, platform, pad_token_id=0, eos_token_ids=[])
+    log = print if info.rank == 0 else (lambda *a, **k: None)
+    return engine, log
+
+
+def build_model(args: argparse.Namespace, ep: int):
+    """megatron-core's groups at expert-parallel size ``ep`` and the model (its own random init, identical on
+    data-parallel replicas); returns ``(cfg, arch, chunks)``."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.models.builder import build_gpt_chunks
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.parallel import init_model_parallel
+
+    work = work_dir(args)
+    cfg = load_config(None, overrides(args, ep, work))
+    init_model_parallel(cfg.parallel, seed=1)
+    arch = model_arch_from_hf(os.path.join(work, "model"))
+    chunks = build_gpt_chunks(arch, cfg)
     for c in chunks:
         c.eval()
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
-    engine = RolloutEngine(cfg, hf_dir, platform, pad_token_id=0, eos_token_ids=[])
-    log = print if info.rank == 0 else (lambda *a, **k: None)
-    log(
-        f"model: {n_params / 1e6:.1f}M parameters per rank ({n_params * 4 / 2**20:.0f} MiB fp32),"
-        f" training TP={args.tp}, rollout TP={args.rollout_tp} (rollout DP={engine.dp_size}),"
-        f" world={info.world_size}",
-        flush=True,
-    )
-    return cfg, arch, chunks, engine, log
+    if dist.get_rank() == 0:
+        print(
+            f"model: {n_params / 1e6:.1f}M parameters per rank ({n_params * 4 / 2**20:.0f} MiB fp32),"
+            f" training TP={args.tp} EP={ep}, rollout TP={args.rollout_tp}, world={dist.get_world_size()}",
+            flush=True,
+        )
+    return cfg, arch, chunks
 
 
-def memcpy_baseline(chunks, arch, engine, args: argparse.Namespace) -> tuple[float, int]:
+def memcpy_baseline(chunks, arch, engine, args: argparse.Namespace, ep: int) -> tuple[float, int]:
     """``(seconds, bytes)`` of the fastest ``clone()`` of what this rank's engine holds after a sync. The engine
     holds every expert; with EP a rank has 1/EP of them, so each of its expert tensors is cloned EP times."""
     from megatron_dapo.weights.layout import mcore_to_hf
@@ -170,7 +203,7 @@ def memcpy_baseline(chunks, arch, engine, args: argparse.Namespace) -> tuple[flo
     for mapping, full in iter_full_tensors(chunks, arch):
         for name, tensor in zip(mapping.hf, mcore_to_hf(mapping, full, arch)):
             shard = vllm_shard(name, tensor, args.rollout_tp, engine.tp_rank).contiguous()
-            held.extend([shard] * (args.ep if mapping.is_expert else 1))
+            held.extend([shard] * (ep if mapping.is_expert else 1))
     held_bytes = sum(x.numel() * x.element_size() for x in held)
     return timed_min(lambda: [x.clone() for x in held], args.repeats), held_bytes
 

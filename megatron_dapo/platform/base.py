@@ -56,6 +56,9 @@ class Platform:
     # The engine's fused-MoE kernel pads each rollout-TP rank's expert FFN to a multiple of this; vLLM's in-place
     # reload cannot copy into a padded layer, so the weight sync needs (expert FFN / rollout TP) % this == 0.
     vllm_moe_ffn_alignment: int = 1
+    # The weight sync may write shards straight into the colocated engine's layers (rollout/vllm_direct.py). Off
+    # where that path has not run on the hardware yet: there the sync uses vLLM's own reload_weights.
+    direct_weight_sync: bool = False
     # Why parallel.context_parallel_size > 1 is refused here (None = supported).
     context_parallel_unsupported: Optional[str] = (
         "context parallelism needs TransformerEngine (CUDA) or MindSpeed (Ascend NPU) attention; megatron-core's"

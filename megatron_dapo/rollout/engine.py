@@ -536,6 +536,17 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------------- weights / memory
 
+    def local_model(self) -> Any:
+        """This rank's vLLM model (in this process with vLLM's ``external_launcher``): what a direct weight transport
+        writes into (``rollout/vllm_direct.py``)."""
+        if self.llm is None:
+            raise RuntimeError("RolloutEngine.local_model: the engine has been shut down")
+        return self.llm.apply_model(lambda model: model)[0]
+
+    def ensure_writable(self, what: str) -> None:
+        """Raise unless the engine's weights may be written now (built, and awake at least for weights)."""
+        self._check_awake(what, weights_only=True)
+
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Push full HF-named tensors into this rank's engine (vLLM shards them for its TP rank).
 

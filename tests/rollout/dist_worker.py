@@ -150,13 +150,15 @@ def main() -> None:
 
     # What a sync must push: every HF tensor of the checkpoint at its HF shape (vocab unpadded), lm_head only if untied.
     res["hf_bytes"] = sum(hf[n].numel() * 4 for m in param_mappings(arch) for n in m.hf)
+    res["expert_bytes"] = sum(hf[n].numel() * 4 for m in param_mappings(arch) if m.is_expert for n in m.hf)
     t = time.perf_counter()
     engine = RolloutEngine(cfg, args.hf_dir, platform, pad_token_id=0, eos_token_ids=[1])
     res["engine_start_s"] = time.perf_counter() - t
     res["per_request_seed"] = engine.per_request_seed
     res["chunked_prefill"] = bool(engine.llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill)
     sync = WeightSync(engine, arch, cfg)
-    tiny_sync = WeightSync(engine, arch, cfg, bucket_bytes=1)  # one Megatron module per reload_weights call
+    # One Megatron module per reload_weights call, through the reload transport (``sync`` writes directly).
+    tiny_sync = WeightSync(engine, arch, cfg, bucket_bytes=1, direct=False)
 
     g = torch.Generator().manual_seed(123)
     lengths = [3, 12, 5, 8, 1]

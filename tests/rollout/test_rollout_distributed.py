@@ -11,8 +11,10 @@ Layouts (training TP × PP → rollout TP, world), together covering every train
     (``engine.after_weight_update``; without it the log-probs are off by ~0.8).
 Each run: first sync into a dummy-initialised engine, generate, recompute the sampled tokens' log-probs with the
 Megatron model and with HF transformers; RNG perturbation on one rank; temperature 0.7 and greedy sampling; two
-Adam steps (megatron-core optimizer), each checked stale (before sync) and fresh (after sync; the second sync with
-one module per reload_weights call); megatron-core collectives afterwards; teardown.
+Adam steps (megatron-core optimizer), each checked stale (before sync) and fresh (after sync). The first two syncs
+write straight into the engine (``rollout/vllm_direct.py``; at TP = rollout TP from each rank's own shard, no
+gather), the third goes through vLLM's reload_weights with one module per call; megatron-core collectives
+afterwards; teardown.
 """
 
 from __future__ import annotations
@@ -104,6 +106,14 @@ def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
         assert max(r["partial_v1_older_max_diff"], r["partial_v2_older_max_diff"]) > STALE_MIN
         # Without a sync the engine still runs the old weights: the comparison must fail clearly.
         assert r["c0_stale_max_diff"] > STALE_MIN and r["c1_stale_max_diff"] > STALE_MIN
+    # Experts at EP > 1: each arrives once at each other rank of its owner's EP group, as the slice that rank's engine
+    # needs (rollout TP 1 or PP > 1: the whole expert; PP > 1: on the expert's stage only); at EP 1 nothing crosses.
+    ep = int(layout["extra"][layout["extra"].index("--ep") + 1]) if "--ep" in layout["extra"] else 1
+    ep_groups = layout["nproc"] // (layout["pp"] * ep)
+    own_slice = results[0]["c0_sync"]["expert_shards"] and layout["rollout_tp"] > 1
+    expected = results[0]["expert_bytes"] * (ep - 1) * ep_groups / (layout["rollout_tp"] if own_slice else 1)
+    received = [r["c0_sync"]["expert_received_bytes"] for r in results]
+    assert sum(received) == expected, (received, expected)
     for r in results:
         assert r["first_sync"]["timing_s/update_weights"] > 0
         for key in ("first_sync", "c0_sync", "c1_sync"):
@@ -111,6 +121,14 @@ def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
         # The default 512 MiB bucket holds a whole stage of the tiny model (buckets never span pipeline stages).
         assert r["c0_sync"]["buckets"] == layout["pp"]
         assert r["c1_sync"]["buckets"] >= 10  # one Megatron module per reload_weights call
+        # The default sync writes into the colocated engine directly (MoE: the routed experts into vLLM's fused-MoE
+        # layer), from each rank's own shard where that is its vLLM rank's (PP 1, TP = rollout TP; experts: expert
+        # TP = rollout TP); the tiny-bucket one goes through vLLM's reload_weights.
+        assert r["first_sync"]["direct"] == r["c0_sync"]["direct"] == 1.0 and r["c1_sync"]["direct"] == 0
+        own_shards = layout["pp"] == 1 and layout["tp"] == layout["rollout_tp"]
+        assert r["c0_sync"]["local_shards"] == float(own_shards)
+        if r["expert_bytes"]:  # expert TP = TP in these layouts
+            assert r["c0_sync"]["expert_shards"] == float(own_shards)
         if "moe_layers" in r:
             assert r["c0_expert_buckets_per_layer"] == r["c1_expert_buckets_per_layer"] == [1] * r["moe_layers"]
         # After each Adam step + sync, the same seeds give different log-probs where the same token was sampled.
