@@ -31,7 +31,18 @@ EXTRAS = {
     # launch/ray_launch.py (placement groups + actors; tested with ray 2.60.0). The driver's Ray must match the
     # cluster's version, so the bound is loose: install the cluster's version.
     "ray": ["ray>=2.9"],
-    "test": ["pytest>=8", "hypothesis>=6", "ruff", "matplotlib", "tensorboard", "sentencepiece", "pandas", "ray>=2.9"],
+    # peft: tests/training/test_lora_export.py loads the `export --lora adapter` output with peft.PeftModel.
+    "test": [
+        "pytest>=8",
+        "hypothesis>=6",
+        "ruff",
+        "matplotlib",
+        "tensorboard",
+        "sentencepiece",
+        "pandas",
+        "ray>=2.9",
+        "peft",
+    ],
 }
 
 setup(

@@ -11,6 +11,13 @@ model is rebuilt for each).
 For each bucket size the sync runs ``--repeats`` times after one warm-up sync (the first sync is several times
 slower); the fastest run counts.
 
+With ``--lora`` (dense model only) the actor gets LoRA adapters (``--lora-rank``, random non-zero A and B on all four
+targets) and the engine vLLM's LoRA layers; it times the full sync (every base weight, ``reload_weights`` at the
+default bucket size: what ``LoraAdapterSync`` does once, and ``merge`` mode on every step), the adapter sync
+(``LoraAdapterSync.sync`` after its first call: gather + peft conversion + in-memory load) and the merge fallback,
+checking log-probs after each (after the full sync against the base model: vLLM drops its adapters on
+``reload_weights``); last line ``lora_sync_vs_full_sync=<adapter sync s / full sync s>``.
+
 Baseline: on each rank, ``clone()`` (allocate + copy) of the tensors that rank's vLLM engine holds after the sync
 (the HF tensors, sliced to the rank's vLLM TP shard). Ratio = sync time / baseline on the same rank; the slowest
 rank's ratio is reported. Last line per layout: ``ep=<EP> weight_sync_vs_memcpy=<ratio at the default bucket size>
@@ -56,6 +63,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ep", default=None, help="expert-parallel sizes, comma-separated (with --moe; default 1,2)")
     p.add_argument("--buckets-mb", default="16,64,512", help="comma-separated bucket sizes (MiB)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--lora", action="store_true", help="LoRA actor: adapter sync vs full sync (dense model)")
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--work-dir", default=None, help="where config.json and vLLM's cache go (default: a temp dir)")
     return p.parse_args()
 
@@ -81,9 +90,11 @@ def main() -> None:
     args = parse()
     from megatron_dapo.parallel import teardown
 
+    if args.lora and args.moe:
+        raise SystemExit("--lora measures the dense model only")
     eps = [int(x) for x in (args.ep or ("1,2" if args.moe else "1")).split(",")]
     engine, log = start(args, eps[0])
-    summary = [measure(args, ep, engine, log) for ep in eps]
+    summary = [measure_lora(args, engine, log)] if args.lora else [measure(args, ep, engine, log) for ep in eps]
     teardown(engine)
     for line in summary:
         log(line, flush=True)
@@ -124,8 +135,50 @@ def measure(args: argparse.Namespace, ep: int, engine, log) -> str:
     return f"ep={ep} weight_sync_vs_memcpy={ratios[default_mb]:.2f} logprob_max_diff={diff:.2e}"
 
 
+def measure_lora(args: argparse.Namespace, engine, log) -> str:
+    """LoRA actor: fastest of ``--repeats`` full syncs (the base), adapter syncs and merge-fallback syncs, log-probs
+    checked after each; returns the summary line."""
+    from megatron_dapo.models.lora import apply_lora
+    from megatron_dapo.rollout.lora_sync import LoraAdapterSync
+    from megatron_dapo.rollout.sync import WeightSync
+
+    cfg, arch, chunks = build_model(args, 1)
+    apply_lora(chunks, cfg.actor.lora)  # A xavier, B normal(0.2) (overrides): the adapters change the output
+    lora = LoraAdapterSync(engine, arch, cfg)
+    t = time.perf_counter()
+    lora.sync(chunks)  # the base once + the first adapter
+    log(f"lora warm-up sync (base + adapter): {time.perf_counter() - t:.3f}s", flush=True)
+    diff = slowest(logprob_max_diff(chunks, arch, engine))
+    log(f"lora warm-up logprob_max_diff={diff:.2e}", flush=True)
+    full = WeightSync(engine, arch, cfg, direct=False)  # the base as LoraAdapterSync sends it (reload_weights)
+    merge = LoraAdapterSync(engine, arch, cfg, mode="merge")
+    best = {}
+    # merge before adapter: after merged weights the adapter sync's first run pushes the base again (not timed)
+    for name, sync in (("full", full), ("merge", merge), ("adapter", lora)):
+        runs, phase_diff = [], 0.0
+        for _ in range(args.repeats + (name == "adapter")):
+            runs.append(sync.sync(chunks))
+            # a base-only sync drops vLLM's adapters (reload_weights): the engine runs the base model then
+            phase_diff = max(phase_diff, slowest(logprob_max_diff(chunks, arch, engine, adapters=name != "full")))
+        diff = max(diff, phase_diff)
+        runs = [r for r in runs if name != "adapter" or not r["lora/base_synced"]]
+        best[name] = min(runs, key=lambda r: r["timing_s/update_weights"])
+        b = best[name]
+        log(
+            f"lora_rank={args.lora_rank} {name}_sync_s={slowest(b['timing_s/update_weights']):.4f}"
+            f" logprob_max_diff={phase_diff:.2e}"
+            f" (gather {b['timing_s/update_weights_gather']:.4f} load {b['timing_s/update_weights_load']:.4f})"
+            f" MiB={b['bytes'] / 2**20:.2f} buckets={int(b['buckets'])} direct={int(b['direct'])}",
+            flush=True,
+        )
+    ratio = slowest(best["adapter"]["timing_s/update_weights"]) / slowest(best["full"]["timing_s/update_weights"])
+    merge_ratio = slowest(best["merge"]["timing_s/update_weights"]) / slowest(best["full"]["timing_s/update_weights"])
+    return f"lora_sync_vs_full_sync={ratio:.4f} merge_sync_vs_full_sync={merge_ratio:.2f} logprob_max_diff={diff:.2e}"
+
+
 def overrides(args: argparse.Namespace, ep: int, work: str) -> list[str]:
-    return [
+    lora = [f"actor.lora.rank={args.lora_rank}", "actor.lora.lora_B_init_method=normal"] if args.lora else []
+    return lora + [
         f"parallel.tensor_model_parallel_size={args.tp}",
         f"parallel.sequence_parallel={str(args.moe and args.tp > 1).lower()}",
         f"parallel.expert_model_parallel_size={ep}",
@@ -208,13 +261,16 @@ def memcpy_baseline(chunks, arch, engine, args: argparse.Namespace, ep: int) -> 
     return timed_min(lambda: [x.clone() for x in held], args.repeats), held_bytes
 
 
-def logprob_max_diff(chunks, arch, engine) -> float:
-    """Max |vLLM - Megatron| log-prob of the tokens vLLM samples after the syncs (this rank)."""
+def logprob_max_diff(chunks, arch, engine, adapters: bool = True) -> float:
+    """Max |vLLM - Megatron| log-prob of the tokens vLLM samples after the syncs (this rank); ``adapters``: whether
+    a LoRA actor's adapters are on in the Megatron recompute (off after a base-only sync)."""
+    from megatron_dapo.models.lora import adapters_enabled
     from megatron_dapo.rollout.recompute import megatron_sampled_log_probs
 
     prompts = [[5 + i, 17, 300 + 7 * i, 42, 9] for i in range(4)]
     batch = engine.generate(prompts, engine.train_sampling(), seed_offset=0)
-    lp = megatron_sampled_log_probs(chunks, arch.vocab_size, batch)
+    with adapters_enabled(chunks, adapters):
+        lp = megatron_sampled_log_probs(chunks, arch.vocab_size, batch)
     return 0.0 if lp is None else float((lp - batch.rollout_log_probs.double()).abs()[batch.response_mask.bool()].max())
 
 

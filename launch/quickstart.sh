@@ -28,7 +28,10 @@ NPROC_PER_NODE=2 MASTER_PORT="${MASTER_PORT:-29510}" launch/run_local.sh configs
   trainer.output_dir="$OUT/run" "$@"
 
 echo "[quickstart] exporting the last checkpoint to HF and plotting"
-python -m megatron_dapo.cli export --checkpoint "$OUT/run/checkpoints" --save-dir "$OUT/run/hf_export"
+EXPORT_ARGS=()
+# A LoRA run (actor.lora.rank=N) saves adapters only: export the base with the adapters merged in.
+for arg in "$@"; do [[ "$arg" =~ ^actor\.lora\.rank=[1-9] ]] && EXPORT_ARGS=(--lora merged); done
+python -m megatron_dapo.cli export --checkpoint "$OUT/run/checkpoints" --save-dir "$OUT/run/hf_export" "${EXPORT_ARGS[@]}"
 python tools/plot_metrics.py "$OUT/run/metrics.jsonl" -o "$OUT/run/curves.png"
 
 python - "$OUT/run/metrics.jsonl" "$START" <<'PY'

@@ -47,10 +47,18 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from megatron_dapo.training.export import export_step  # heavy: torch
+    # heavy: torch
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.training.export import export_step
+    from megatron_dapo.weights.errors import CheckpointError
 
-    path = export_step(args.checkpoint, args.save_dir, step=args.step, config_path=args.config)
-    print(f"exported HF checkpoint to {path}")
+    try:
+        path = export_step(args.checkpoint, args.save_dir, step=args.step, config_path=args.config, lora=args.lora)
+    except (CheckpointError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    what = {"adapter": "HF peft adapter", "merged": "HF checkpoint (LoRA merged)"}.get(args.lora, "HF checkpoint")
+    print(f"exported {what} to {path}")
     return 0
 
 
@@ -116,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("convert_argv", nargs=argparse.REMAINDER, help="see tools/checkpoint_convert/convert.py -h")
     convert.set_defaults(func=_convert)
 
-    export = sub.add_parser("export", help="write an HF checkpoint from a saved training step")
+    export = sub.add_parser(
+        "export", help="write an HF checkpoint (or, for a LoRA run, a peft adapter) from a saved training step"
+    )
     export.add_argument("--checkpoint", required=True, help="checkpoint directory (checkpoint.save_dir) or a step dir")
     export.add_argument("--save-dir", required=True, help="where to write the HF checkpoint")
     export.add_argument("--step", type=int, default=None, help="step to export (default: latest)")
@@ -125,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="experiment YAML (default: the config saved with the step); its eval settings are written to"
         " megatron_dapo_eval.json in the export",
+    )
+    export.add_argument(
+        "--lora",
+        choices=("merged", "adapter"),
+        default=None,
+        help="required for a LoRA run's checkpoint (adapters only), refused for others: merged = the base with the"
+        " adapters merged in (a plain HF model); adapter = an HF peft adapter (adapter_config.json +"
+        " adapter_model.safetensors) for the base (docs/lora.md)",
     )
     export.set_defaults(func=_export)
 

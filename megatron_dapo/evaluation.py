@@ -78,7 +78,7 @@ from megatron_dapo.rollout.multi_turn import build_generator, tool_schemas
 from megatron_dapo.rollout.sync import load_hf_weights_into_engine
 from megatron_dapo.rollout.types import SamplingSpec
 from megatron_dapo.training.checkpoint import CONFIG_FILE, LATEST, CheckpointError, resolve_resume
-from megatron_dapo.training.export import EVAL_SETTINGS_FILE, read_eval_settings
+from megatron_dapo.training.export import EVAL_SETTINGS_FILE, holds_lora_adapters, read_eval_settings
 from megatron_dapo.training.scoring import RolloutScorer
 from megatron_dapo.weights.convert import convert_mcore_to_hf
 from megatron_dapo.weights.dist_format import TRACKER_FILE, find_checkpoint, is_dist_checkpoint_dir
@@ -407,6 +407,8 @@ def export_to_hf(source: ModelSource, dest: PathLike) -> Path:
     # export_step creates (and destroys) process groups of its own: run it where they cannot meet ours.
     cmd = [sys.executable, "-m", "megatron_dapo.cli", "export", "--checkpoint", str(source.path)]
     cmd += ["--save-dir", str(dest)]
+    if holds_lora_adapters(source.path):  # a LoRA run's checkpoint: the base with its adapters merged in
+        cmd += ["--lora", "merged"]
     proc = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-4000:]

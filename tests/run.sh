@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 source launch/setup_env.sh
 export OMP_NUM_THREADS=1
 python -m ruff check megatron_dapo tools tests benchmarks
-exec python -m pytest -q -p no:cacheprovider "$@"
+exec python -m pytest -q -p no:cacheprovider --durations=30 "$@"

@@ -176,15 +176,23 @@ def term_lines(m: MemoryModel, arch: ModelArch, cfg: ExperimentConfig) -> list[s
     )
     stage = f" ({'first' if act.update_stage == 0 else 'last'} pipeline stage)" if plan.pp > 1 else ""
     rows_per_rank, resp = plan.batches.log_prob_sequences_per_rank, cfg.data.max_response_length
+    lora = m.adapter_params
+    trained = f"LoRA adapter params/rank {lora:,}" if lora else "params/rank"
+    reference = "0 (no KL term)"
+    if lora and plan.uses_reference:
+        reference = "0 (KL term on: the actor with its LoRA adapters off, no copy)"
     return [
         "    terms (bytes while on the device):",
-        f"    actor weights      {gib(m.weights)}  = params/rank x {b} B",
-        f"    actor grads        {gib(m.grads)}  = params/rank x 4 B (fp32 main grads in the DDP buffers, "
+        f"    actor weights      {gib(m.weights)}  = params/rank"
+        + (f" + LoRA adapters {lora:,}" if lora else "")
+        + f" x {b} B",
+        f"    actor grads        {gib(m.grads)}  = {trained} x 4 B (fp32 main grads in the DDP buffers, "
         "grad_reduce_in_fp32)",
         f"    optimizer state    {gib(m.optimizer)}  = "
+        + (f"{trained}: " if lora else "")
         + _optimizer_text(m, moe, cfg.parallel.use_distributed_optimizer),
         f"    reference weights  {gib(m.reference)}  = "
-        + (f"params/rank x {b} B (KL term on)" if plan.uses_reference else "0 (no KL term)"),
+        + (f"params/rank x {b} B (KL term on)" if plan.uses_reference and not lora else reference),
         f"    vLLM weights       {gib(m.vllm_weights)}  = full model / rollout TP {rtp} x {br} B"
         + (all_experts if moe else ""),
         f"    vLLM KV cache      {gib(m.kv.size)}  = {m.kv.formula}; {m.kv.tokens:,} tokens = {m.kv.tokens // seq} "

@@ -21,6 +21,7 @@ from megatron_dapo.algo.logprobs import response_log_probs
 from megatron_dapo.config.plan import HandoffPlan, RunPlan
 from megatron_dapo.config.schema import ExperimentConfig
 from megatron_dapo.models.families import ModelArch
+from megatron_dapo.models.lora import resolve_targets
 
 __all__ = [
     "GIB",
@@ -651,6 +652,7 @@ class MemoryModel:
     capacity: Optional[float]  # the device's bytes (--device-memory-gb)
     problems: tuple[str, ...]
     warnings: tuple[str, ...]
+    adapter_params: int = 0  # actor.lora: adapter parameters on this rank's largest stage (all that trains)
     # trainer.mode=async: a rollout rank's bytes (vLLM weights + KV cache + a received bucket and vLLM's staging
     # copy); the phases above are then a training rank's, without the engine. None in sync mode.
     rollout_rank: Optional[float] = None
@@ -696,6 +698,7 @@ class MemoryModel:
             etp=p.etp,
             expert_dp=p.expert_dp_size,
             actor_params_per_rank=self.params.actor,
+            lora_adapter_params_per_rank=self.adapter_params,
             rollout_params_per_rank=self.params.rollout,
             padded_vocab=p.padded_vocab_size,
             kv_cache_tokens=self.kv.tokens,
@@ -885,20 +888,48 @@ def _pinned_buffers(plan: RunPlan, state: Mapping[str, float]) -> float:
     )
 
 
-def _resident_state(plan: RunPlan, params: RankParams, cfg: ExperimentConfig) -> dict[str, float]:
+def _resident_state(plan: RunPlan, params: RankParams, cfg: ExperimentConfig, arch: ModelArch) -> dict[str, float]:
     """The state terms: actor weights (params/rank x B), fp32 main grads (x 4), Adam's fp32 moments plus fp32 master
     weights below fp32 (the distributed optimizer shards the non-expert state over DP and the expert state over the
-    expert DP group), the reference (a KL term) and vLLM's weights."""
-    weights = params.actor * plan.param_bytes
+    expert DP group), the reference (a KL term) and vLLM's weights. With LoRA (``actor.lora``) the weights add the
+    adapters, grads and optimizer state are the adapters' alone, and there is no reference copy (the actor with its
+    adapters off is the reference)."""
     per_param = _optimizer_bytes_per_param(plan)
     shards, expert_shards = _optimizer_shards(plan, cfg)
+    trained_dense, trained_expert = params.dense, params.expert
+    if cfg.actor.lora.rank:
+        trained_dense, trained_expert = lora_stage_params(arch, cfg.actor.lora, plan, params.stage)
+    adapters = trained_dense + trained_expert if cfg.actor.lora.rank else 0
+    weights = (params.actor + adapters) * plan.param_bytes
     return {
         "actor weights": weights,
-        "grads": params.actor * 4,
-        "optimizer": params.dense * per_param / shards + params.expert * per_param / expert_shards,
-        "reference": weights if plan.uses_reference else 0,
+        "grads": (trained_dense + trained_expert) * 4,
+        "optimizer": trained_dense * per_param / shards + trained_expert * per_param / expert_shards,
+        "reference": params.actor * plan.param_bytes if plan.uses_reference and not cfg.actor.lora.rank else 0,
         "vLLM weights": params.rollout * plan.rollout_bytes,
     }
+
+
+def lora_stage_params(arch: ModelArch, lora_cfg: Any, plan: RunPlan, stage: int) -> tuple[int, int]:
+    """(non-expert, routed-expert) LoRA adapter parameters pipeline rank ``stage`` holds (models/lora.py): per
+    targeted linear of ``in`` x ``out``, A ``r x in`` and B ``out x r``, each split over TP (experts: E/EP local
+    experts at expert TP 1, the only expert layout LoRA takes)."""
+    h, d, r = arch.hidden_size, arch.head_dim, int(lora_cfg.rank)
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    targets = set(resolve_targets(lora_cfg.target_modules))
+
+    def mlp(f: int) -> int:  # gated: fc1 is h -> 2f
+        return 0 if not f else ("linear_fc1" in targets) * r * (h + 2 * f) + ("linear_fc2" in targets) * r * (f + h)
+
+    attn = ("linear_qkv" in targets) * r * (h + q + 2 * kv) + ("linear_proj" in targets) * r * (q + h)
+    dense = experts = 0
+    for i in (i for chunk in stage_layers(arch.num_layers, plan.pp, plan.vpp, stage) for i in chunk):
+        if arch.is_moe and arch.is_moe_layer(i):
+            dense += (attn + mlp(arch.moe_shared_expert_ffn_hidden_size or 0)) // plan.tp
+            experts += arch.num_experts // plan.ep * mlp(arch.moe_ffn_hidden_size)
+        else:
+            dense += (attn + mlp(arch.ffn_hidden_size)) // plan.tp
+    return dense, experts
 
 
 def _optimizer_bytes_per_param(plan: RunPlan) -> int:
@@ -918,7 +949,7 @@ def memory_model(
     sizes the KV cache, and nothing is compared with a capacity)."""
     capacity = device_memory_bytes
     params = rank_params(plan, arch)
-    state = _resident_state(plan, params, cfg)
+    state = _resident_state(plan, params, cfg, arch)
     kv, problems = _kv_cache(plan, arch, cfg, state["vLLM weights"], capacity)
     state["vLLM KV cache"] = kv.size
     act = _activations(plan, arch, cfg, params.counts)
@@ -973,6 +1004,7 @@ def memory_model(
         pinned_buffers=_pinned_buffers(plan, state),
         vllm_host_copy=state["vLLM weights"] if sleeps_level_1 else 0.0,
         rollout_rank=rollout_rank,
+        adapter_params=sum(lora_stage_params(arch, cfg.actor.lora, plan, params.stage)) if cfg.actor.lora.rank else 0,
         capacity=capacity,
         problems=tuple(problems),
         warnings=tuple(_over_warnings(phases, capacity, startup is not None) if capacity is not None else ()),

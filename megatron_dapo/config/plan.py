@@ -10,7 +10,7 @@ a platform it does not run on (``probe_imports=False``: TransformerEngine is not
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from megatron_dapo.config.rules import warmup_steps
@@ -65,6 +65,10 @@ def resolve_handoff_plan(cfg: ExperimentConfig, platform: Platform) -> HandoffPl
         d = HandoffDefaults(
             params=False, grads=False, optimizer=False, reference=False, sleep_level=d.sleep_level, grad_values=True
         )
+    if cfg.actor.lora.rank and cfg.trainer.mode == "sync":
+        # LoRA syncs the base once: the engine must keep it across sleeps (level 2 would discard it, and every step
+        # would push the whole base again), as verl does with LoRA. An explicit rollout.sleep_level still holds.
+        d = replace(d, sleep_level=1)
     return HandoffPlan(
         params=bool(pick(cfg.actor.offload_params, d.params)),
         grads=bool(pick(cfg.actor.offload_grads, d.grads)),

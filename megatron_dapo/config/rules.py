@@ -609,7 +609,7 @@ def validate_config(cfg: ExperimentConfig) -> None:
 
 
 def _lora_problems(cfg: ExperimentConfig) -> list[str]:
-    """``actor.lora`` (megatron_dapo/models/lora.py; not yet wired into training, docs/lora.md)."""
+    """``actor.lora`` (megatron_dapo/models/lora.py, docs/lora.md)."""
     lo, out = cfg.actor.lora, _Problems()
     out.need("actor.lora.rank", lo.rank, isinstance(lo.rank, int) and lo.rank >= 0, "an integer >= 0 (0 = off)")
     ok = math.isfinite(lo.alpha) and lo.alpha > 0
@@ -626,5 +626,12 @@ def _lora_problems(cfg: ExperimentConfig) -> list[str]:
             False,
             f"a multiple of parallel.tensor_model_parallel_size={tp}",
             "A of a column-parallel layer is split along the rank (as Megatron-Bridge's)",
+        )
+    if isinstance(lo.rank, int) and lo.rank > 0 and cfg.checkpoint.ref_load_dir:
+        out.need(
+            "checkpoint.ref_load_dir",
+            cfg.checkpoint.ref_load_dir,
+            False,
+            "unset with actor.lora (the reference is the base with the adapters off: checkpoint.load_dir)",
         )
     return list(out)

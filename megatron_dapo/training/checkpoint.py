@@ -84,6 +84,7 @@ import yaml
 from torch.utils.serialization import config as serialization_config
 
 from megatron_dapo.models.builder import unwrap
+from megatron_dapo.models.lora import is_adapter_param, lora_modules_present
 from megatron_dapo.parallel import agree_error, all_gather_object, barrier, parallel_layout, rank, world_size
 from megatron_dapo.platform import get_platform
 from megatron_dapo.weights.atomic import publish_dir, write_text_atomic
@@ -425,6 +426,9 @@ def _sharded_state_dict(model_chunks: list, optimizer, is_loading: bool, step: O
     ``model0``, ``model1``... per virtual stage), ``optimizer``, and when saving ``checkpoint_version`` and
     ``iteration``."""
     state: dict[str, Any] = model_sharded_state_dict(model_chunks)
+    if lora_modules_present(model_chunks):
+        # LoRA: the adapters alone; the frozen base is the run's checkpoint.load_dir (the ``lora`` component).
+        state = {key: {n: t for n, t in sd.items() if is_adapter_param(n)} for key, sd in state.items()}
     if step is not None:
         state.update(common_state(step))
     if optimizer is not None:
@@ -572,6 +576,7 @@ _RESERVED_STATE_KEYS = frozenset(
         "distributed_optimizer",
         "torch_adam_steps",
         "num_model_chunks",
+        "adapters_only",
         "layout",
         "saved_at",
     }
@@ -773,6 +778,9 @@ class CheckpointManager:
         """
         step_dir = Path(step_dir)
         state = _read_trainer_state(step_dir, len(model_chunks))
+        _check_lora_kind(step_dir, state, lora_modules_present(model_chunks))
+        # Components first: one that checks the checkpoint against the run (``lora``) says why before the load fails.
+        missing = self.load_component_states(state)
         restore_optimizer = bool(load_optimizer and optimizer is not None and state["has_optimizer"])
         if restore_optimizer:
             _check_optimizer_fits(step_dir, state, optimizer)
@@ -782,7 +790,6 @@ class CheckpointManager:
             scheduler.num_steps = 0
             scheduler.load_state_dict(state["scheduler"])
         rng_restored = load_rng and _restore_rng(step_dir, state["layout"])
-        missing = self.load_component_states(state)
         if missing and rank() == 0:
             log.warning(
                 "checkpoint %s has no state for %s (saved before it was checkpointed): kept as initialised",
@@ -823,6 +830,7 @@ def _trainer_state_text(
             "distributed_optimizer": optimizer is not None and _uses_distributed_optimizer(optimizer),
             "torch_adam_steps": _torch_adam_steps(optimizer) if optimizer is not None else [],
             "num_model_chunks": len(model_chunks),
+            "adapters_only": lora_modules_present(model_chunks),
             "layout": parallel_layout(),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         },
@@ -866,6 +874,22 @@ def _read_trainer_state(step_dir: Path, num_chunks: int) -> dict[str, Any]:
     return state
 
 
+def _check_lora_kind(step_dir: Path, state: dict, model_has_adapters: bool) -> None:
+    """A LoRA checkpoint (adapters only) loads into a model with adapters, a full one into a model without."""
+    saved_adapters = bool(state.get("adapters_only"))
+    if saved_adapters and not model_has_adapters:
+        raise CheckpointError(
+            f"{step_dir} holds LoRA adapters only (trainer_state.json 'lora': {state.get('lora')}); load it with "
+            "actor.lora as saved and checkpoint.load_dir = its base, or export it merged (megatron-dapo export "
+            "--lora merged)"
+        )
+    if model_has_adapters and not saved_adapters:
+        raise CheckpointError(
+            f"{step_dir} holds a full model, but this run has actor.lora on (it saves and loads adapters only); "
+            "start a LoRA run from it with checkpoint.load_dir (the base) instead of resuming"
+        )
+
+
 def _check_optimizer_fits(step_dir: Path, state: dict, optimizer) -> None:
     """The saved optimizer state can be restored into ``optimizer`` under this run's layout."""
     saved_layout, layout = state["layout"], parallel_layout()
@@ -901,8 +925,11 @@ def _load_model_and_optimizer(step_dir: Path, state: dict, model_chunks: list, o
         _prime_torch_adams(optimizer)
     sharded = _sharded_state_dict(model_chunks, optimizer if restore else None, is_loading=True)
     loaded = dist_checkpointing.load(sharded, str(step_dir / DIST_DIR))
+    adapters_only = lora_modules_present(model_chunks)
     for i, chunk in enumerate(model_chunks):
-        unwrap(chunk).load_state_dict(loaded[model_state_key(i, len(model_chunks))], strict=True)
+        result = unwrap(chunk).load_state_dict(loaded[model_state_key(i, len(model_chunks))], strict=not adapters_only)
+        if adapters_only and (result.unexpected_keys or any(is_adapter_param(k) for k in result.missing_keys)):
+            raise CheckpointError(f"{step_dir}: adapter keys do not match the model's: {result}")
     if restore:
         # megatron-core copies into views of leaf parameters (fp32 + distributed optimizer): needs no_grad.
         with torch.no_grad():

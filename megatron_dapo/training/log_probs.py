@@ -12,18 +12,22 @@ from typing import Optional
 
 from megatron_dapo.algo.off_policy import is_weight_metrics, staleness_metrics
 from megatron_dapo.batch import TrainBatch
+from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import RunPlan
+from megatron_dapo.models.builder import build_gpt_chunks, freeze
+from megatron_dapo.models.families import ModelArch
 from megatron_dapo.rollout.sync import logprob_diff_metrics
-from megatron_dapo.training.actor import MegatronActor
+from megatron_dapo.training.actor import AdapterFreeReference, LogProbModel, MegatronActor
 from megatron_dapo.training.offload import MemoryHandoff
 from megatron_dapo.training.rollout_phase import nonfinite_count
 from megatron_dapo.training.timing import timed
+from megatron_dapo.weights.loading import load_mcore_checkpoint
 
 
 def batch_log_probs(
     batch: TrainBatch,
     actor: MegatronActor,
-    ref: Optional[MegatronActor],
+    ref: Optional[LogProbModel],
     handoff: MemoryHandoff,
     plan: RunPlan,
     version: int,
@@ -60,3 +64,20 @@ def batch_log_probs(
         metrics["perf/padding_ratio/ref"] = out["padding_ratio"]
         metrics.update(nonfinite_count(batch.ref_log_probs, batch, "actor/num_nonfinite_ref_log_probs"))
     return metrics
+
+
+def build_reference(
+    cfg: ExperimentConfig, plan: RunPlan, arch: ModelArch, actor: MegatronActor, handoff: MemoryHandoff
+) -> Optional[LogProbModel]:
+    """The KL reference (None without a KL term): the frozen model of ``checkpoint.ref_load_dir`` (default
+    ``checkpoint.load_dir``), handed to the memory hand-off; with LoRA the actor with its adapters off, no second
+    model. Call it once the engine sleeps (the trainer's start-up order)."""
+    if not plan.uses_reference:
+        return None
+    if cfg.actor.lora.rank:
+        return AdapterFreeReference(actor)
+    chunks = freeze(build_gpt_chunks(arch, cfg, plan.transformer_impl))
+    load_mcore_checkpoint(chunks, arch, cfg.checkpoint.ref_load_dir or cfg.checkpoint.load_dir)
+    ref = MegatronActor(chunks, arch.vocab_size, cfg.actor, packed=plan.use_remove_padding)
+    handoff.attach_reference(ref.chunks)
+    return ref

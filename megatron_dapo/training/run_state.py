@@ -5,6 +5,7 @@ steps (save, resume, and the save of the last completed step after a failure).""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Optional
@@ -15,6 +16,7 @@ from megatron_dapo.platform import Platform
 from megatron_dapo.training.checkpoint import CheckpointManager, resolve_resume
 from megatron_dapo.training.failure import NonFiniteUpdateError, all_ranks_in_handler
 from megatron_dapo.training.offload import MemoryHandoff
+from megatron_dapo.weights.errors import CheckpointError
 
 log = logging.getLogger("megatron_dapo.trainer")
 
@@ -173,3 +175,32 @@ class StepCheckpoints:
         except Exception as save_exc:  # noqa: BLE001 - the original failure is what the caller raises
             if self.is_main:
                 log.error("saving step %d after the failure failed too: %r", step, save_exc)
+
+
+class LoraBase:
+    """The ``lora`` component of a LoRA run's checkpoints (docs/lora.md): what the adapters were trained on and
+    their shape. A checkpoint of a LoRA run holds the adapters only; this entry is its pointer to the base
+    (``checkpoint.load_dir``, as an absolute path), read by ``megatron-dapo export --lora``. Loading refuses a base
+    or an adapter shape other than this run's, before any tensor is read."""
+
+    KEYS = ("rank", "alpha", "target_modules", "dropout", "dropout_position")
+
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        self.base = os.path.abspath(cfg.checkpoint.load_dir)
+        self.lora = {k: getattr(cfg.actor.lora, k) for k in self.KEYS}
+        self.lora["target_modules"] = list(self.lora["target_modules"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"base_checkpoint": self.base, **self.lora}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if os.path.abspath(state["base_checkpoint"]) != self.base:
+            raise CheckpointError(
+                f"the checkpoint's LoRA adapters were trained on base {state['base_checkpoint']}, but this run's "
+                f"checkpoint.load_dir is {self.base}: set checkpoint.load_dir to that base"
+            )
+        changed = [
+            f"{k} {state[k]!r} -> {self.lora[k]!r}" for k in ("rank", "target_modules") if state[k] != self.lora[k]
+        ]
+        if changed:
+            raise CheckpointError(f"the checkpoint's LoRA adapters differ from actor.lora: {', '.join(changed)}")

@@ -22,20 +22,21 @@ from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ExperimentConfig, to_dict, validate_config
 from megatron_dapo.config.plan import resolve
 from megatron_dapo.data.tokens import load_tokenizer, token_ids
-from megatron_dapo.models.builder import build_gpt_chunks, freeze, wrap_for_training
+from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
+from megatron_dapo.models.lora import apply_lora
 from megatron_dapo.parallel import any_rank, init_distributed, init_model_parallel, placement, role_of, teardown
 from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.lora_sync import make_weight_sync
 from megatron_dapo.rollout.remote import BridgeSender
-from megatron_dapo.rollout.sync import WeightSync
 from megatron_dapo.training.actor import MegatronActor
 from megatron_dapo.training.advantage import batch_advantages
 from megatron_dapo.training.async_phase import RemoteRolloutPhase
 from megatron_dapo.training.checkpoint import CheckpointManager
 from megatron_dapo.training.console import ProgressBar, setup_logging
 from megatron_dapo.training.failure import PeerFailure, StopRequest, record_failure
-from megatron_dapo.training.log_probs import batch_log_probs
+from megatron_dapo.training.log_probs import batch_log_probs, build_reference
 from megatron_dapo.training.loggers import MetricsLogger, RolloutDumper
 from megatron_dapo.training.metrics import (
     compute_data_metrics,
@@ -48,7 +49,7 @@ from megatron_dapo.training.optimizer import build_optimizer
 from megatron_dapo.training.rollout_phase import RolloutPhase
 from megatron_dapo.training.rollout_sources import prompt_data, total_steps
 from megatron_dapo.training.rollout_worker import RolloutWorker
-from megatron_dapo.training.run_state import RunCounters, StepCheckpoints, stop_after_skips
+from megatron_dapo.training.run_state import LoraBase, RunCounters, StepCheckpoints, stop_after_skips
 from megatron_dapo.training.scoring import RolloutScorer
 from megatron_dapo.training.timing import StartupClock, timed
 from megatron_dapo.weights.dist_format import hf_config_dir_of
@@ -89,7 +90,8 @@ class DAPOTrainer:
         self.startup.mark("actor")
         self.engine, self.rollout = self._build_rollout(hf_dir)
         self.startup.mark("engine")
-        self._build_reference()
+        # The frozen reference, when a KL term needs it, built once the engine sleeps (LoRA: the adapter-free actor).
+        self.ref = build_reference(cfg, self.plan, self.arch, self.actor, self.handoff)
         self.startup.mark("reference")
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
@@ -102,6 +104,8 @@ class DAPOTrainer:
             timeout_s=cfg.trainer.collective_timeout_s,
             states={"trainer": self.counters, "kl_ctrl": self.kl_ctrl, **self.rollout.checkpoint_states()},
         )
+        if cfg.actor.lora.rank:
+            self.ckpt.register("lora", LoraBase(cfg))  # the adapters' base, checked on resume
         self.checkpoints = StepCheckpoints(
             self.ckpt, cfg, self.platform, self.handoff, self.rollout.engine_released, self.info.is_main
         )
@@ -117,6 +121,9 @@ class DAPOTrainer:
         cfg, plan = self.cfg, self.plan
         actor_chunks = build_gpt_chunks(self.arch, cfg, plan.transformer_impl)
         load_mcore_checkpoint(actor_chunks, self.arch, cfg.checkpoint.load_dir)
+        if cfg.actor.lora.rank:
+            # The base frozen, adapters the only trainable parameters: DDP buckets and the optimizer hold them alone.
+            apply_lora(actor_chunks, cfg.actor.lora)
         actor_chunks = wrap_for_training(actor_chunks, cfg)
         optimizer, self.scheduler = build_optimizer(actor_chunks, cfg.actor.optim, self.total_steps)
         self.actor = MegatronActor(
@@ -130,7 +137,8 @@ class DAPOTrainer:
         cfg = self.cfg
         if self.plan.mode == "async":
             place = placement()
-            pushes = WeightSync(BridgeSender(place.bridge, self.plan.rollout, self.platform), self.arch, cfg)
+            # LoRA: the bridge has no adapter path; the weights go merged (rollout/lora_sync.py, "merge").
+            pushes = make_weight_sync(BridgeSender(place.bridge, self.plan.rollout, self.platform), self.arch, cfg)
             return None, RemoteRolloutPhase(
                 cfg, self.plan, place, lambda: pushes.sync(self.actor.chunks), self.dumper, self.info.is_main
             )
@@ -139,7 +147,8 @@ class DAPOTrainer:
             cfg, hf_dir, self.platform, pad_token_id=self.ids.pad, eos_token_ids=self.ids.eos, plan=self.plan
         )
         self.handoff.after_engine_start(engine)
-        weight_sync = WeightSync(engine, self.arch, cfg)
+        # With LoRA the base goes to vLLM once and then the adapters alone, into vLLM's LoRA support.
+        weight_sync = make_weight_sync(engine, self.arch, cfg)
         reward = RewardManager(self.tokenizer, cfg.reward, cfg.data.max_response_length, list(self.ids.eos))
         phase = RolloutPhase(
             cfg,
@@ -154,16 +163,6 @@ class DAPOTrainer:
             is_main=self.info.is_main,
         )
         return engine, phase
-
-    def _build_reference(self) -> None:
-        """The frozen reference, when a KL term needs it; built once the engine sleeps, handed to the hand-off."""
-        cfg, plan = self.cfg, self.plan
-        self.ref: Optional[MegatronActor] = None
-        if plan.uses_reference:
-            ref_chunks = freeze(build_gpt_chunks(self.arch, cfg, plan.transformer_impl))
-            load_mcore_checkpoint(ref_chunks, self.arch, cfg.checkpoint.ref_load_dir or cfg.checkpoint.load_dir)
-            self.ref = MegatronActor(ref_chunks, self.arch.vocab_size, cfg.actor, packed=plan.use_remove_padding)
-            self.handoff.attach_reference(self.ref.chunks)
 
     # ================================================================================================ the loop
 

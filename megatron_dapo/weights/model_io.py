@@ -23,6 +23,7 @@ from megatron_dapo.models.families import (
     param_mappings,
     tied_output_source,
 )
+from megatron_dapo.models.lora import base_param_name, is_adapter_param
 from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.layout import local_to_global_name, pp_layer_range, tp_merge, tp_shard
 
@@ -59,8 +60,9 @@ def shard_group(mapping: ParamMapping) -> tuple[int, int]:
 
 
 def local_param_table(chunks: list, arch: ModelArch) -> list[LocalParam]:
-    """Every parameter of this rank's chunks with its global mapping (tied output weights included). Expert weights
-    are this EP rank's experts only (local index j = global expert ``ep_rank × E/EP + j``)."""
+    """Every base parameter of this rank's chunks with its global mapping (tied output weights included). Expert
+    weights are this EP rank's experts only (local index j = global expert ``ep_rank × E/EP + j``). On a model with
+    LoRA adapters (models/lora.py) the base weights keep their unwrapped names and the adapters are left out."""
     from megatron.core import parallel_state as ps  # heavy: megatron-core, once the platform has patched it
 
     by_name = {m.mcore: m for m in param_mappings(arch)}
@@ -70,7 +72,10 @@ def local_param_table(chunks: list, arch: ModelArch) -> list[LocalParam]:
     table = []
     for ci, chunk in enumerate(chunks):
         offset = chunk_layer_offset(arch, pp_size, pp_rank, vpp, ci)
-        for local_name, param in unwrap(chunk).named_parameters():
+        for wrapped_name, param in unwrap(chunk).named_parameters():
+            if is_adapter_param(wrapped_name):
+                continue
+            local_name = base_param_name(wrapped_name)
             global_name = expert_name_shift(local_to_global_name(from_te_name(local_name), offset), e_offset)
             mapping = by_name.get(global_name) or by_name.get(tied_output_source(arch, global_name) or "")
             if mapping is None:

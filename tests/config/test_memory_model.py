@@ -77,6 +77,24 @@ def test_state_terms_by_hand():
     assert model_of("actor.use_kl_loss=true").reference == P_RANK * BF16
 
 
+def test_lora_terms_by_hand():
+    # actor.lora rank 16 on all four linears, TP 2: per layer (r x in + out x r for each): qkv 16 x (256 + 512) =
+    # 12288, o 16 x (256 + 256) = 8192, fc1 16 x (256 + 1024) = 20480, fc2 16 x (512 + 256) = 12288 -> 53248,
+    # / TP 2 = 26624 per rank per layer, 8 layers.
+    adapters = 8 * 53248 // 2
+    m = model_of("actor.lora.rank=16", "actor.use_kl_loss=true")
+    assert m.adapter_params == adapters == 212992
+    assert m.weights == (P_RANK + adapters) * BF16  # the frozen base plus the adapters
+    assert m.grads == adapters * 4  # only the adapters have main grads
+    assert m.optimizer == adapters * 12 / 4  # and optimizer state
+    assert m.reference == 0  # the KL reference is the actor with its adapters off: no copy
+    assert m.numbers()["lora_adapter_params_per_rank"] == adapters
+    # Attention only: qkv + o.
+    assert model_of("actor.lora.rank=16", "actor.lora.target_modules=[linear_qkv,linear_proj]").adapter_params == (
+        8 * (12288 + 8192) // 2
+    )
+
+
 def test_kv_cache_tokens_by_hand():
     # On a device: vLLM's share 0.5 x 1 GiB less its weights; K and V x 8 layers x 2 KV heads / rollout TP 2 x
     # head_dim 64 x 2 B = 2048 B per token.

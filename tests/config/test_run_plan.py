@@ -78,6 +78,9 @@ def test_platform_defaults_resolved_per_platform():
     assert (cpu.rollout.per_request_seed, cpu.rollout.enforce_eager) == (True, True)
     explicit = tiny_plan(["actor.offload_grads=false", "rollout.sleep_level=1"], platform="cuda")
     assert (explicit.handoff.grads, explicit.rollout.sleep_level) == (False, 1)
+    # LoRA pushes the base once: vLLM must keep it while asleep (level 1), unless the config says otherwise.
+    assert tiny_plan(["actor.lora.rank=8"], platform="cuda").rollout.sleep_level == 1
+    assert tiny_plan(["actor.lora.rank=8", "rollout.sleep_level=2"], platform="cuda").rollout.sleep_level == 2
 
 
 def test_dtype_sizes_and_rollout_sizes():
