@@ -185,11 +185,16 @@ class LoraCheckpoint:
 def holds_lora_adapters(checkpoint: PathLike) -> bool:
     """Whether the training checkpoint ``checkpoint`` (a save_dir: its newest intact step, or a step directory)
     holds LoRA adapters only (``trainer_state.json``'s ``adapters_only``): it exports with ``--lora``."""
+    # Read, not verified: verifying is collective under torchrun and this runs on one rank (evaluation.py); the
+    # export verifies, and says what is wrong with a damaged step.
+    checkpoint = Path(checkpoint)
+    state = checkpoint / STATE_FILE
+    if not state.is_file() and (checkpoint / LATEST).is_file():
+        state = checkpoint / (checkpoint / LATEST).read_text().strip() / STATE_FILE
     try:
-        step_dir = training_step_dir(Path(checkpoint), None)
-    except CheckpointError:  # incomplete or damaged: the export itself says so
+        return bool(json.loads(state.read_text()).get("adapters_only"))
+    except (OSError, ValueError):
         return False
-    return step_dir is not None and bool(json.loads((step_dir / STATE_FILE).read_text()).get("adapters_only"))
 
 
 def lora_checkpoint_of(step_dir: Optional[Path], mode: Optional[str], checkpoint: Path) -> Optional[LoraCheckpoint]:
