@@ -93,7 +93,8 @@ def timed_saves(root: Path, chunks: list, optimizer, scheduler, repeats: int) ->
     from megatron_dapo.training.checkpoint import CheckpointManager
 
     manager = CheckpointManager(root / "ckpt", max_ckpt_to_keep=1)
-    manager.save(1, chunks, optimizer, scheduler)  # warm-up: megatron-core's spawn manager, lazy imports
+    # warm-up: lazy imports (and, off the CPU, megatron-core's spawn-context results manager)
+    manager.save(1, chunks, optimizer, scheduler)
     times, last = [], root
     for i in range(repeats):
         os.sync()  # no dirty pages of the previous save in this one's fsyncs

@@ -19,6 +19,7 @@ generator state. Nothing here changes numerics.
 from __future__ import annotations
 
 import contextlib
+import queue
 from typing import Any
 
 import torch
@@ -119,6 +120,7 @@ def apply_cpu_shims() -> None:
 
     tp_random._set_all_rng_states = _set_all_rng_states
     _apply_moe_shims()
+    _in_process_write_results()
     _mode = CudaToCpuMode()
     _mode.__enter__()  # process-wide for the main thread, where megatron-core runs
     _applied = True
@@ -172,6 +174,19 @@ def _apply_moe_shims() -> None:
     _uneven_sequence_parallel_collectives()
     torch.cuda.current_stream = lambda *a, **k: _NULL_STREAM
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def _in_process_write_results() -> None:
+    """Stands in for ``filesystem_async._get_write_results_queue``, which makes the checkpoint writer's results queue
+    with a ``spawn``-context ``multiprocessing.Manager``: a fresh interpreter, ~4 s of the first save of every
+    process on a 2-core box. Our writer hands the results back in this process (``training/checkpoint.py``,
+    ``_hand_back_results``), and megatron-core's own synchronous writer puts them from the calling process, so a
+    thread-safe in-process queue carries them (megatron-core reads it with ``get_nowait``)."""
+    # heavy: megatron-core, patched only when the shims apply
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _uneven_sequence_parallel_collectives() -> None:

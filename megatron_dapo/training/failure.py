@@ -106,11 +106,20 @@ class StopRequest:
         return self.signal_name is not None
 
 
+def _is_resource_tracker(proc: psutil.Process) -> bool:
+    """multiprocessing's resource tracker: it ignores SIGTERM by design (a terminate would cost the whole grace
+    period) and exits by itself once this process is gone, after unlinking what a child leaked."""
+    try:
+        return any("multiprocessing.resource_tracker" in part for part in proc.cmdline())
+    except psutil.Error:
+        return False
+
+
 def reap_children(grace_s: float = 5.0) -> list[int]:
     """Terminate (then kill) every process still descending from this one: vLLM, reward and checkpoint helpers
     left by a failure must not outlive the run. Returns the pids that had to be stopped."""
     try:
-        children = psutil.Process().children(recursive=True)
+        children = [c for c in psutil.Process().children(recursive=True) if not _is_resource_tracker(c)]
     except psutil.Error:
         return []
     for child in children:

@@ -87,7 +87,7 @@ def test_agent_quickstart_learns_with_its_tool_and_masks_line_up(tmp_path):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     # Once the task is solved most groups score all-correct, and the config caps the generation batches a step may
-    # draw (max_num_gen_batches: 4), so the trainer says it trained on fewer groups: expected here, nothing else is.
+    # draw (max_num_gen_batches: 2), so the trainer says it trained on fewer groups: expected here, nothing else is.
     alarms = [line for line in log.splitlines() if ALARM.search(line) and "dynamic sampling exhausted" not in line]
     assert not alarms, "warning/traceback lines on a healthy run's console:\n" + "\n".join(alarms[:40])
     match = LAST_LINE.fullmatch(proc.stdout.strip().splitlines()[-1])

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_dapo.config import ConfigError, load_config, validate_config
+from megatron_dapo.training.export import export_step
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_cpu.yaml"
@@ -127,24 +128,29 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def export(checkpoints: Path, dest: Path, step: int | None = None) -> dict[str, torch.Tensor]:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_dapo.cli",
-            "export",
-            "--checkpoint",
-            str(checkpoints),
-            "--save-dir",
-            str(dest),
-            *(["--step", str(step)] if step is not None else []),
-        ],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        env=dict(os.environ),
-    )
+def export(checkpoints: Path, dest: Path, step: int | None = None, cli: bool = False) -> dict[str, torch.Tensor]:
+    """The HF tensors of a run's checkpoint: through ``megatron-dapo export`` (``cli``), else the function it calls,
+    in this process (a comparison needs the tensors, not another interpreter's start-up)."""
+    if cli:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megatron_dapo.cli",
+                "export",
+                "--checkpoint",
+                str(checkpoints),
+                "--save-dir",
+                str(dest),
+                *(["--step", str(step)] if step is not None else []),
+            ],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            env=dict(os.environ),
+        )
+    else:
+        export_step(checkpoints, dest, step=step)
     return load_file(str(dest / "model.safetensors"))
 
 
@@ -162,7 +168,7 @@ def test_short_run_metrics_checkpoint_export_plot(demo, tmp_path):
     assert "val-core/arithmetic/acc/mean@1" in rows[2] and "val-core/arithmetic/acc/mean@1" in rows[3]
     assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_3"
 
-    tensors = export(out / "checkpoints", tmp_path / "hf")
+    tensors = export(out / "checkpoints", tmp_path / "hf", cli=True)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

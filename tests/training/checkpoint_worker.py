@@ -195,6 +195,7 @@ def round_trip(case: str, out: Path) -> dict[str, Any]:
     import time
 
     import numpy as np
+    import psutil
     import torch
     import torch.distributed as dist
 
@@ -215,6 +216,8 @@ def round_trip(case: str, out: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     path = manager.save(2, chunks, optimizer, scheduler, data_state=DATA_STATE, config=to_dict(cfg))
     save_seconds = time.perf_counter() - t0
+    # Whatever the save started (its writer helpers; off the CPU megatron-core's results manager) and left running.
+    children = [" ".join(c.cmdline()[:4]) for c in psutil.Process().children(recursive=True)]
     before = snapshot(chunks, optimizer, scheduler)
     expected_draws = draws()
     saved_full = full_params(chunks)
@@ -248,6 +251,7 @@ def round_trip(case: str, out: Path) -> dict[str, Any]:
         weights = weights_only(chunks, optimizer, scheduler, out / f"{case}-weights-only")
     return {
         "seconds": {"save": save_seconds, "load": load_seconds},
+        "children_after_save": children,
         "weights_only": weights,
         "path": str(path),
         "loaded": compare(before, after),

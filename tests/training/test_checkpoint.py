@@ -54,6 +54,7 @@ def test_load_restores_exact_state(run: dict, case: str) -> None:
         assert info["step"] == 2 and info["data_state"] == DATA_STATE
         assert info["optimizer_restored"] and info["rng_restored"]
         assert res["config_round_trip"]
+        assert res["children_after_save"] == []  # no helper or manager process outlives a save
         # Training continues exactly as it would have without the save/perturb/load detour.
         assert res["saved_vs_continued"] > 0
         assert res["continued_max_diff"] == 0.0
