@@ -73,7 +73,7 @@ from megatron_dapo.data.tokens import decode_responses, load_tokenizer, token_id
 from megatron_dapo.parallel import broadcast_object, init_distributed, teardown
 from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.reward.math_dapo import INVALID_ANSWER
-from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.engine import RolloutEngine, freeze_heap_before_engine
 from megatron_dapo.rollout.multi_turn import build_generator, tool_schemas
 from megatron_dapo.rollout.sync import load_hf_weights_into_engine
 from megatron_dapo.rollout.types import SamplingSpec
@@ -496,6 +496,7 @@ def run_eval(
         sampling = SamplingSpec.for_validation(cfg, ids.eos)
 
         # 2. Generation, exactly as DAPOTrainer.validate: one call, seed_offset 0.
+        freeze_heap_before_engine()
         engine = RolloutEngine(cfg, str(hf_dir), platform, pad_token_id=ids.pad, eos_token_ids=ids.eos)
         load_hf_weights_into_engine(
             engine,

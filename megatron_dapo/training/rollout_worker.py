@@ -33,7 +33,7 @@ from megatron_dapo.data.tokens import load_tokenizer, token_ids
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.parallel import broadcast_object, init_distributed, placement, teardown
 from megatron_dapo.reward.manager import RewardManager
-from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.engine import RolloutEngine, freeze_heap_before_engine
 from megatron_dapo.rollout.multi_turn import MultiTurnRollout, build_generator
 from megatron_dapo.rollout.partial import Group, PartialRollout, group_from_dict, groups_to_rollout
 from megatron_dapo.rollout.remote import BridgeReceiver, Control, StoreQueue
@@ -65,6 +65,7 @@ class RolloutWorker:
         self.data = prompt_data(cfg, self.tokenizer)
         plan = resolve(cfg, arch, self.place.world_size, self.platform, total_steps(cfg, self.data.sampler))
         self.plan = plan
+        freeze_heap_before_engine()
         self.engine = RolloutEngine(cfg, hf_dir, self.platform, pad_token_id=ids.pad, eos_token_ids=ids.eos, plan=plan)
         reward = RewardManager(self.tokenizer, cfg.reward, cfg.data.max_response_length, list(ids.eos))
         self.scorer = RolloutScorer(reward, self.info.world_size, self.info.rank)

@@ -27,7 +27,7 @@ from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.models.lora import apply_lora
 from megatron_dapo.parallel import any_rank, init_distributed, init_model_parallel, placement, role_of, teardown
 from megatron_dapo.reward.manager import RewardManager
-from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.engine import RolloutEngine, freeze_heap_before_engine
 from megatron_dapo.rollout.lora_sync import make_weight_sync
 from megatron_dapo.rollout.remote import BridgeSender
 from megatron_dapo.training.actor import MegatronActor
@@ -142,6 +142,7 @@ class DAPOTrainer:
             return None, RemoteRolloutPhase(
                 cfg, self.plan, place, lambda: pushes.sync(self.actor.chunks), self.dumper, self.info.is_main
             )
+        freeze_heap_before_engine()
         self.handoff.before_engine_start()
         engine = RolloutEngine(
             cfg, hf_dir, self.platform, pad_token_id=self.ids.pad, eos_token_ids=self.ids.eos, plan=self.plan

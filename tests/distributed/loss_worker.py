@@ -1,12 +1,14 @@
-"""torchrun worker: DAPO loss gradients of a fixed batch through megatron-core under one parallel layout.
+"""torchrun worker: DAPO loss gradients of a fixed batch through megatron-core under parallel layouts of one world
+size, one after the other in the same processes (``--layout NAME ARGS``, repeated; ARGS as one string).
 
-Writes ``<out>/grads_<mode>.pt`` (rank 0): full (TP-merged, all PP stages) gradients by global Megatron name, the
+Writes ``<out>/<NAME>/result.pt`` (rank 0): full (TP-merged, all PP stages) gradients by global Megatron name, the
 loss metrics, and the forward-only log-probs. The test compares layouts with each other and with a float64 HF
 reference computed independently.
 """
 
 import argparse
 import os
+import shlex
 from dataclasses import replace
 
 import torch
@@ -16,14 +18,14 @@ from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import load_config
 from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
-from megatron_dapo.parallel import init_distributed, init_model_parallel
+from megatron_dapo.parallel import destroy_model_parallel, init_distributed, init_model_parallel
 from megatron_dapo.training.actor import MegatronActor, reduce_update_metrics
 from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size, tp_merge
 from megatron_dapo.weights.model_io import load_full_tensors, local_param_table
 from tests.distributed.loss_batch import HF_KWARGS, TEMPERATURE, make_batch
 
 
-def main() -> None:
+def layout_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
@@ -31,10 +33,22 @@ def main() -> None:
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--dynamic-tokens", type=int, default=None)
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layout", nargs=2, action="append", metavar=("NAME", "ARGS"), required=True)
     ap.add_argument("--modes", default="token-mean")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    for name, layout in args.layout:
+        run_layout(layout_args(shlex.split(layout)), args.modes.split(","), os.path.join(args.out, name))
+    dist.barrier()
+    dist.destroy_process_group()
 
+
+def run_layout(args: argparse.Namespace, modes: list[str], out_dir: str) -> None:
     overrides = [
         f"parallel.tensor_model_parallel_size={args.tp}",
         f"parallel.pipeline_model_parallel_size={args.pp}",
@@ -79,7 +93,7 @@ def main() -> None:
         "recomputed": replace(batch, old_log_probs=lp["log_probs"], rollout_log_probs=rollout_lp),
         "on_policy": replace(batch, old_log_probs=None, rollout_log_probs=rollout_lp),
     }
-    runs = [(mode, batch) for mode in args.modes.split(",")] + [(f"path:{k}", v) for k, v in paths.items()]
+    runs = [(mode, batch) for mode in modes] + [(f"path:{k}", v) for k, v in paths.items()]
     out["rollout_log_probs"] = rollout_lp
     for mode, mini_batch in runs:
         actor.cfg.loss_agg_mode = mode if not mode.startswith("path:") else "token-mean"
@@ -117,12 +131,11 @@ def main() -> None:
                     grads.setdefault(k, v)
             out[mode] = {"grads": grads, "metrics": metrics}
     if info.rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        torch.save(out, os.path.join(args.out, "result.pt"))
+        os.makedirs(out_dir, exist_ok=True)
+        torch.save(out, os.path.join(out_dir, "result.pt"))
         print("WORKER_OK")
     dist.barrier()
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    destroy_model_parallel()
 
 
 if __name__ == "__main__":

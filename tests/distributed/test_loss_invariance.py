@@ -23,22 +23,26 @@ WORKER = Path(__file__).with_name("loss_worker.py")
 
 LAYOUTS = {
     # name: (nproc, worker args)
-    "tp1_pp1_dp1_1mb": (1, ["--micro", "8"]),
-    "tp1_pp1_dp1_4mb": (1, ["--micro", "2"]),
-    "tp1_dynamic_bsz": (1, ["--micro", "8", "--dynamic-tokens", "30"]),
-    "tp2_sp_3mb": (2, ["--tp", "2", "--sp", "--micro", "3"]),
-    "pp2_4mb": (2, ["--pp", "2", "--micro", "2"]),
-    "dp2_4mb": (2, ["--micro", "1"]),
-    "tp2_pp2_sp": (4, ["--tp", "2", "--pp", "2", "--sp", "--micro", "2"]),
+    "tp1_pp1_dp1_1mb": (1, "--micro 8"),
+    "tp1_pp1_dp1_4mb": (1, "--micro 2"),
+    "tp1_dynamic_bsz": (1, "--micro 8 --dynamic-tokens 30"),
+    "tp2_sp_3mb": (2, "--tp 2 --sp --micro 3"),
+    "pp2_4mb": (2, "--pp 2 --micro 2"),
+    "dp2_4mb": (2, "--micro 1"),
+    "tp2_pp2_sp": (4, "--tp 2 --pp 2 --sp --micro 2"),
 }
 
 
 @functools.cache
+def run_world(nproc: int, tmp_root: str) -> None:
+    """Every layout of ``nproc`` processes, one after the other in one launch (megatron-core's groups rebuilt)."""
+    layouts = [arg for name, (n, args) in LAYOUTS.items() if n == nproc for arg in ("--layout", name, args)]
+    run_torchrun(WORKER, nproc, layouts + ["--modes", ",".join(MODES), "--out", tmp_root], port=29920, timeout=600)
+
+
 def run_layout(name: str, tmp_root: str) -> dict:
-    nproc, args = LAYOUTS[name]
-    out = f"{tmp_root}/{name}"
-    run_torchrun(WORKER, nproc, args + ["--modes", ",".join(MODES), "--out", out], port=29920, timeout=600)
-    return torch.load(f"{out}/result.pt")
+    run_world(LAYOUTS[name][0], tmp_root)
+    return torch.load(f"{tmp_root}/{name}/result.pt")
 
 
 @functools.cache
