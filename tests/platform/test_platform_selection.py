@@ -194,6 +194,17 @@ def test_apply_cpu_shims_in_a_fresh_process():
     assert seen["zeros_device"] == "cpu" and seen["cuda_method_device"] == "cpu"
     assert seen["current_device"] == "cpu"
     assert seen["tracker_class"] == "CpuRNGStatesTracker"
+    # Suspended for vLLM's calls only (a CUDA tensor is then an error again), restored after, left alone when
+    # another mode is on top of it.
+    assert seen["suspended"] == {
+        "inside": "error",
+        "nested": "error",
+        "after_nested": "error",
+        "after": "cpu",
+        "wrapped": "error",
+        "under_other_mode": "cpu",
+        "after_other_mode": "cpu",
+    }
     assert seen["idempotent"] is True
     seed = seen["seed"]
     # megatron-core's model_parallel_cuda_manual_seed offsets: data-parallel = seed, tensor-parallel = seed+2718+tp.

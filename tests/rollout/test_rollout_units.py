@@ -55,6 +55,12 @@ def test_build_rollout_batch_fixed_length_and_errors():
     # All responses empty: T is 1 so tensors keep a time dimension.
     empty = build_rollout_batch([[4]], [[]], [[]], [False], [0], pad_token_id=0)
     assert empty.responses.shape == (1, 1) and empty.response_mask.sum() == 0
+    # A referenced empty prompt is named; an unreferenced one is not looked at. No rows: empty tensors, T = P = 1.
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        build_rollout_batch([[1], []], [[1], [2]], [[0.0], [0.0]], [False, False], [0, 1], pad_token_id=0)
+    assert build_rollout_batch([[1], []], [[2]], [[0.0]], [False], [0], pad_token_id=0).prompts.tolist() == [[1]]
+    none = build_rollout_batch([[1]], [], [], [], [], pad_token_id=0)
+    assert none.responses.shape == (0, 1) and none.prompts.shape == (0, 1) and none.input_ids.shape == (0, 2)
 
 
 def test_sampling_specs_from_config():
