@@ -171,6 +171,7 @@ PARTIAL = [
     "rollout.partial_rollout.max_segments=3",
     "rollout.partial_rollout.segment_length=4",
     "algorithm.filter_groups.enable=false",
+    "algorithm.filter_groups.max_num_gen_batches=4",  # the rounds a step may run: 3 segments need 3
     "trainer.test_freq=-1",
 ]
 
