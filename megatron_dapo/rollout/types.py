@@ -244,7 +244,7 @@ def build_rollout_batch(
         raise ValueError(f"response_length={response_length} is shorter than the longest response ({longest} tokens)")
     index = torch.as_tensor(list(prompt_index), dtype=torch.long).reshape(rows)
     # Whole-batch tensor ops, no per-row ones: the prompts referenced, left-padded once, then picked per row; the
-    # responses' tokens and log-probs flattened in row order into the positions of a right-aligned-padding mask.
+    # responses' tokens and log-probs, flattened in row order, into each row's first len(response) positions.
     used = sorted(set(prompt_index))
     empty = [j for j in used if len(prompts[j]) == 0]
     if empty:
@@ -254,7 +254,7 @@ def build_rollout_batch(
     p = int(prompt_lengths.max()) if used else 1
     distinct = torch.full((len(prompt_lengths), p), pad_token_id, dtype=torch.long)
     distinct_mask = torch.arange(p) >= p - prompt_lengths[:, None]
-    distinct[distinct_mask] = torch.as_tensor([t for j in used for t in prompts[j]], dtype=torch.long)
+    distinct[distinct_mask] = torch.as_tensor([tok for j in used for tok in prompts[j]], dtype=torch.long)
     prompt_t, prompt_mask = distinct[index], distinct_mask[index].long()
 
     lengths = torch.as_tensor([len(r) for r in responses], dtype=torch.long).reshape(rows)
