@@ -14,7 +14,9 @@ Prints a table of the phases (mean seconds per steady step and share of the step
 outside every timed phase), the start-up (``timing_s/startup*``, logged with the first step: launch → first step,
 split into imports, init, actor, engine and reference; the first weight sync is the first step's
 ``update_weights``), the launch's whole wall time, the padding ratios, and a last line
-``e2e_s_per_step=<s> e2e_tokens_per_s=<t> update_s=<u> update_floor_s=<f> update_vs_floor=<u/f> startup_s=<s>``.
+``e2e_s_per_step=<s> e2e_tokens_per_s=<t> update_s=<u> update_floor_s=<f> update_vs_floor=<u/f> startup_s=<s>
+startup_vs_import_floor=<r>``: the start-up against a fresh interpreter that only imports megatron-core, vLLM and
+transformers (measured in the same run), the part of it no change of ours can remove.
 
 ``--profile DIR`` runs the launch under py-spy (``--subprocesses --idle``: every process's collapsed stacks in
 ``DIR/e2e.txt``) to find fixed per-step costs; its timings are then inflated by the sampling.
@@ -203,6 +205,19 @@ def print_startup(first: dict, wall_s: float, steps: int) -> float:
     return startup
 
 
+def import_floor_s() -> float:
+    """Wall seconds of a fresh interpreter that only imports what a training process must (megatron-core, vLLM's
+    ``LLM``, transformers): the part of the start-up no change of ours can remove."""
+    started = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-c", "import megatron.core, transformers; from vllm import LLM"],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        check=True,
+        capture_output=True,
+    )
+    return time.perf_counter() - started
+
+
 def floor_shape(steady: list[dict], overrides: list[str]) -> tuple[int, int, int]:
     """``(sequences, tokens per sequence, micro-batch)`` of a step, for :func:`update_floor_s`."""
     seq_len_mean = statistics.mean(r["prompt_length/mean"] + r["response_length/mean"] for r in steady)
@@ -242,9 +257,12 @@ def main() -> int:
         f"update floor: HF forward+backward of {num_seqs} x {seq_len} tokens (micro-batch {micro}), one process,"
         f" / {NPROC} processes"
     )
+    imports = import_floor_s()
+    print(f"import floor: {imports:.2f} s for megatron-core, vLLM and transformers in a fresh interpreter")
     print(
         f"e2e_s_per_step={step_s:.3f} e2e_tokens_per_s={tokens / step_s:.1f} update_s={update_s:.3f} "
-        f"update_floor_s={floor:.3f} update_vs_floor={update_s / floor:.2f} startup_s={startup:.2f}"
+        f"update_floor_s={floor:.3f} update_vs_floor={update_s / floor:.2f} startup_s={startup:.2f} "
+        f"startup_vs_import_floor={startup / imports:.2f}"
     )
     return 0
 
