@@ -142,8 +142,8 @@ class DAPOTrainer:
             return None, RemoteRolloutPhase(
                 cfg, self.plan, place, lambda: pushes.sync(self.actor.chunks), self.dumper, self.info.is_main
             )
+        self.handoff.before_engine_start()  # collects what it released (accelerators) before the heap is frozen
         freeze_heap_before_engine()
-        self.handoff.before_engine_start()
         engine = RolloutEngine(
             cfg, hf_dir, self.platform, pad_token_id=self.ids.pad, eos_token_ids=self.ids.eos, plan=self.plan
         )
