@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_dapo.parallel import teardown
+
 SETTINGS = {
     "none": (),
     "selective": ("actor.recompute=selective",),
@@ -81,6 +83,7 @@ def main() -> None:
     out["other_dropout_logits_diff"] = float((other["logits"] - base["logits"]).abs().max())
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "result.json").write_text(json.dumps(out, indent=1))
+    teardown(None)  # a live gloo group at interpreter exit can abort the process ("terminate called ...")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import json
 
 import megatron_dapo.training.actor as actor_module
 from megatron_dapo.batch import TrainBatch
+from megatron_dapo.parallel import teardown
 from megatron_dapo.training.actor import MegatronActor
 from tests.distributed.loss_batch import TEMPERATURE, make_batch
 from tests.training.common import build_actor, tiny_arch
@@ -40,6 +41,7 @@ def main() -> None:
     report["tokens"] = int(batch.response_mask.sum())
     with open(args.out, "w") as f:
         json.dump(report, f)
+    teardown(None)  # a live gloo group at interpreter exit can abort the process ("terminate called ...")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_dapo.parallel import teardown
 from megatron_dapo.platform.base import HandoffDefaults
 from megatron_dapo.platform.cpu import CpuPlatform
 
@@ -270,6 +271,7 @@ def main() -> None:
         out[name] = run_case(name, spec, platform)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(out, indent=1))
+    teardown(None)  # a live gloo group at interpreter exit can abort the process ("terminate called ...")
 
 
 if __name__ == "__main__":
