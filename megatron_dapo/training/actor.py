@@ -342,12 +342,17 @@ class MegatronActor:
         device = self.device
         moe = bool(getattr(self.model_config, "num_moe_experts", None))
         tp_group = ps.get_tensor_model_parallel_group()
+        platform = get_platform()
         vocab_start_rank = ps.get_tensor_model_parallel_rank()
-        explicit_mask = get_platform().causal_mask_needed  # MindSpeed's flash attention wants None (causal itself)
+        explicit_mask = platform.causal_mask_needed  # MindSpeed's flash attention wants None (causal itself)
         # Float16Module upcasts the last stage's output to fp32 by default: a second, 2x larger copy of the logits.
         half_wrapped = _wraps_float16_module(self.chunks[0])
 
         def forward_step(data_iterator, model):
+            with platform.model_compute():
+                return _forward_step(data_iterator, model)
+
+        def _forward_step(data_iterator, model):
             mb: MicroBatch = next(data_iterator)
             if self.moe is not None:  # the router losses' weights for this micro-batch (training/moe.py)
                 self.moe.before_forward(mb)
@@ -365,6 +370,10 @@ class MegatronActor:
                 output = model(mb.tokens, mb.position_ids, mask, **kwargs)
 
             def loss_func(logits):
+                with platform.model_compute():
+                    return _loss(logits)
+
+            def _loss(logits):
                 scoring = _LogitScoring(self.true_vocab_size, temperature, vocab_start_rank, tp_group)
                 log_probs, entropy = scoring.log_probs(logits, mb, entropy_grad=self.cfg.entropy_coeff != 0)
                 if not sum_pi_squared:

@@ -39,6 +39,21 @@ def suspension() -> dict:
     return out
 
 
+def model_compute(platform) -> dict:
+    """Inside ``platform.model_compute()`` (the forward and the loss hook): the mode is off, and the megatron-core
+    functions of the forward that hard-code CUDA (the softmax's masks) still make CPU tensors."""
+    from megatron.core.fusions import fused_softmax
+
+    out = {}
+    with platform.model_compute():
+        out["zeros"] = zeros_device()
+        out["causal_mask"] = str(fused_softmax.get_default_causal_mask(3).device)
+        out["window_mask"] = str(fused_softmax.get_sliding_window_causal_mask(3, 3, (1, 0)).device)
+        out["zeros_after_spots"] = zeros_device()
+    out["after"] = zeros_device()
+    return out
+
+
 def main() -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[1], "RANK": "0", "WORLD_SIZE": "1"})
     from megatron.core import tensor_parallel
@@ -58,6 +73,7 @@ def main() -> None:
         "current_device": str(torch.cuda.current_device()),
         "tracker_class": type(tracker).__name__,
         "suspended": suspension(),
+        "model_compute": model_compute(platform),
     }
     seed = 1234
     init_model_parallel(parallel, seed=seed)  # -> CpuPlatform.seed -> seed_cpu

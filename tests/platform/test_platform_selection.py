@@ -205,6 +205,14 @@ def test_apply_cpu_shims_in_a_fresh_process():
         "under_other_mode": "cpu",
         "after_other_mode": "cpu",
     }
+    # The model's forward and loss hook run without the mode; megatron-core's CUDA spots inside them get it back.
+    assert seen["model_compute"] == {
+        "zeros": "error",
+        "causal_mask": "cpu",
+        "window_mask": "cpu",
+        "zeros_after_spots": "error",
+        "after": "cpu",
+    }
     assert seen["idempotent"] is True
     seed = seen["seed"]
     # megatron-core's model_parallel_cuda_manual_seed offsets: data-parallel = seed, tensor-parallel = seed+2718+tp.
