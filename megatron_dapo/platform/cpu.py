@@ -70,9 +70,10 @@ class CpuPlatform(Platform):
     def create_llm(self, kwargs: dict[str, Any]) -> Any:
         # vLLM torch.compiles a few small helpers at their first call (the sampler's rank of the sampled token,
         # ``batched_count_greater_than``; the vocab-parallel embedding's mask): on CPU that is inductor hashing torch's
-        # sources and building a C++ kernel in the first generation of every process (~4-8 s, twice on a new batch
-        # shape), for integer results eager computes identically. With Dynamo off they run eagerly; nothing else on
-        # CPU compiles (megatron-core's torch.compile fusions are off here: transformer_config_overrides).
+        # sources and building a C++ kernel in the first generation of every process (seconds; again on a new batch
+        # shape; docs/cpu_stack.md), for integer results eager computes identically. With Dynamo off they run
+        # eagerly; nothing else on CPU compiles (megatron-core's torch.compile fusions are off here:
+        # transformer_config_overrides).
         import torch._dynamo  # heavy: Dynamo, loaded by vLLM anyway; not by `check`, which also builds this platform
 
         torch._dynamo.config.disable = True
@@ -88,8 +89,8 @@ class CpuPlatform(Platform):
         return False  # "sleep mode is not supported on CPU"
 
     def model_compute(self) -> contextlib.AbstractContextManager[None]:
-        # The forward and the loss hook run hundreds of small torch calls per micro-batch; the CUDA-to-CPU mode's
-        # Python hook on each was ~30% of an update's time (py-spy). Its few CUDA spots there re-enable it.
+        # The forward and the loss hook run hundreds of small torch calls per micro-batch, none addressing CUDA but
+        # the softmax's masks (cpu_shims._forward_cuda_spots re-enables the mode there): no Python hook on each.
         return cuda_to_cpu_suspended()
 
     def after_vllm_weight_reload(self, llm: Any, tied_embeddings: bool) -> None:

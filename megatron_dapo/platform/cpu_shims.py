@@ -62,7 +62,7 @@ def without_cuda_to_cpu(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def cuda_to_cpu_active() -> Iterator[None]:
+def _cuda_to_cpu_active() -> Iterator[None]:
     """``CudaToCpuMode`` on for the block where it is suspended: for a megatron-core function that addresses CUDA
     called from a region that runs without the mode."""
     stack = torch.overrides._get_current_function_mode_stack()
@@ -74,12 +74,12 @@ def cuda_to_cpu_active() -> Iterator[None]:
 
 
 def _with_cuda_to_cpu(module: Any, name: str) -> None:
-    """``module.name`` replaced by itself run under :func:`cuda_to_cpu_active`."""
+    """``module.name`` replaced by itself run under :func:`_cuda_to_cpu_active`."""
     fn = getattr(module, name)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with cuda_to_cpu_active():
+        with _cuda_to_cpu_active():
             return fn(*args, **kwargs)
 
     setattr(module, name, call)
