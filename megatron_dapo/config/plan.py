@@ -202,6 +202,7 @@ class RunPlan:
     uses_reference: bool
     on_policy_update: bool  # the old-policy forward is skipped: the update's own forward is the old policy
     partial: Optional[PartialPlan]  # partial rollout's segments; None = every response generated whole
+    reward_overlap: bool  # each response scored as the engine ends it (reward.overlap_generation, where it applies)
     off_policy_mode: str  # algorithm.off_policy.mode resolved: "decoupled", "tis" or "none"
     is_threshold: Optional[float]  # the IS weight's truncation (is_weight_threshold); None = no weight
     max_staleness: int  # async: versions a group may lag the weights it is trained with
@@ -292,6 +293,14 @@ def partial_plan(cfg: ExperimentConfig) -> Optional[PartialPlan]:
     return PartialPlan(pr.segment_length or -(-budget // pr.max_segments), pr.max_segments)
 
 
+def reward_overlaps_generation(cfg: ExperimentConfig) -> bool:
+    """``reward.overlap_generation`` where it applies: scoring in worker processes (the engine keeps this process
+    busy) and a rollout of whole responses in the training job (partial rollout and the async rollout ranks score
+    the groups a round completes)."""
+    whole = partial_plan(cfg) is None and cfg.trainer.mode == "sync"
+    return cfg.reward.overlap_generation and cfg.reward.num_workers > 0 and whole
+
+
 def off_policy_mode(cfg: ExperimentConfig) -> str:
     """``algorithm.off_policy.mode`` with ``auto`` resolved: decoupled where stale tokens can occur (partial
     rollout, asynchronous training), none where every batch is on-policy."""
@@ -376,6 +385,7 @@ def build_plan(
         uses_reference=uses_reference(cfg),
         on_policy_update=on_policy_update(cfg),
         partial=partial_plan(cfg),
+        reward_overlap=reward_overlaps_generation(cfg),
         off_policy_mode=off_policy_mode(cfg),
         is_threshold=is_weight_threshold(cfg),
         max_staleness=cfg.async_.max_staleness,

@@ -350,6 +350,10 @@ class RewardConfig:
     timeout_s: float = 10.0
     error_score: float = 0.0
     max_logged_errors: int = 3
+    # Score each response in the worker processes as soon as the engine ends it, while the rest of the batch is still
+    # generating (verl's async reward). Needs num_workers >= 1; a whole-response rollout only (not partial rollout
+    # or trainer.mode=async, which score the groups a round completes). Rewards are the same either way.
+    overlap_generation: bool = True
 
 
 @dataclass

@@ -425,7 +425,7 @@ def score_response(
         result = call_with_timeout(call, timeout_s, on_unenforced)
         return "ok", normalise_result(result, label)
     except ScorerTimeout:
-        return "timeout", f"reward function {label} exceeded reward.timeout_s={timeout_s:g} s"
+        return timeout_outcome(label, timeout_s)
     except InvalidRewardError as exc:
         return "error", str(exc)
     except Exception:  # noqa: BLE001 - the reward manager counts and logs it
@@ -453,6 +453,23 @@ def warmup(delay: float) -> int:
     """No-op task used to start every worker of a fresh pool."""
     time.sleep(delay)
     return os.getpid()
+
+
+def run_scorers(calls: list[tuple], timeout_s: float) -> list[Outcome]:
+    """Worker entry for a task of several calls, ``(kind, label, data_source, solution_str, ground_truth,
+    extra_info)`` each: :func:`run_scorer` one after the other, each under its own time limit; never raises."""
+    outcomes: list[Outcome] = []
+    for kind, label, *call in calls:
+        try:
+            outcomes.append(run_scorer(kind, *call, timeout_s))
+        except ScorerTimeout:  # the alarm fired as the call was returning
+            outcomes.append(timeout_outcome(label, timeout_s))
+    return outcomes
+
+
+def timeout_outcome(label: str, timeout_s: float) -> Outcome:
+    """The outcome of a call of reward function ``label`` interrupted at ``reward.timeout_s``."""
+    return "timeout", f"reward function {label} exceeded reward.timeout_s={timeout_s:g} s"
 
 
 def run_scorer(

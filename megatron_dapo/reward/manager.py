@@ -1,7 +1,9 @@
 """Rule-based reward manager (verl ``DAPORewardManager`` semantics) with a process pool and per-call timeouts.
 
 Flow for a batch of ``B`` right-padded responses ``[B, T]``: decode each valid prefix, route by ``data_source``,
-score in worker processes, apply DAPO overlong shaping, put the final reward on the last valid token.
+score in worker processes, apply DAPO overlong shaping, put the final reward on the last valid token. The same flow
+one response at a time, as the engine ends them (``reward.overlap_generation``): :meth:`RewardManager.stream`, then
+:meth:`RewardManager.result` over the finished batch.
 
 The manager composes two modules:
 
@@ -45,7 +47,7 @@ from megatron_dapo.reward.scoring import (
     build_result,
     check_batch,
     custom_specs,
-    decode_responses,
+    decode_response,
     merge_results,
     outcome_row,
     overlong_shaping,
@@ -62,6 +64,7 @@ __all__ = [
     "RewardInvariantError",
     "RewardManager",
     "RewardResult",
+    "RewardStream",
     "merge_results",
     "route_data_source",
 ]
@@ -160,24 +163,85 @@ class RewardManager:
             ConfigError: a data source needs a custom reward function and none is configured.
         """
         extra_infos = check_batch(responses, response_mask, data_sources, ground_truths, extra_infos)
-        batch, width = responses.shape
-        kinds = route(data_sources, self._custom_fn is not None)
-        labels = [scorer_label(kind, self._custom_fn) for kind in kinds]
         lengths = valid_lengths(response_mask)
         ids = responses.detach().to("cpu")
-        texts = decode_responses(self.tokenizer, ids, lengths)
-        calls = [(data_sources[i], texts[i], ground_truths[i], extra_infos[i]) for i in range(batch)]
-        if self.pool is not None and calls:
-            outcomes = self.pool.run(kinds, calls, labels)
-        else:
-            outcomes = self._inline.run(kinds, calls)
-        failures = self._failures.report(outcomes, data_sources, labels)
-        rows = [outcome_row(outcome, i, self.config.error_score) for i, outcome in enumerate(outcomes)]
+        stream = self.stream()
+        for row, length, source, truth, extra in zip(
+            ids.tolist(), lengths.tolist(), data_sources, ground_truths, extra_infos
+        ):
+            stream.add(row[: int(length)], source, truth, extra)
+        rows, failures = stream.finish()
+        return self.result(rows, ids, response_mask, failures)
+
+    def stream(self) -> RewardStream:
+        """A :class:`RewardStream`: responses scored one by one as they arrive (while the engine generates)."""
+        return RewardStream(self)
+
+    def result(
+        self,
+        rows: list[dict[str, Any]],
+        responses: torch.Tensor,
+        response_mask: torch.Tensor,
+        failures: tuple[int, int],
+    ) -> RewardResult:
+        """The batch's :class:`RewardResult` from its scored ``rows`` (one per response, in order: what
+        :meth:`RewardStream.finish` returns): overlong shaping, the truncation flag, the final reward on the last
+        valid token. ``failures`` is ``(num_errors, num_timeouts)``."""
+        if len(rows) != responses.shape[0]:
+            raise ValueError(f"{len(rows)} scored rows for a batch of {responses.shape[0]} responses")
+        lengths = valid_lengths(response_mask)
+        ids = responses.detach().to("cpu")
         return build_result(
             rows,
             lengths,
             overlong_shaping(lengths, self.max_response_length, self.config.overlong_buffer),
             truncated_rows(ids, lengths, self.max_response_length, self.eos_token_ids),
-            width,
+            ids.shape[1],
             failures,
         )
+
+
+class RewardStream:
+    """Responses scored as they arrive: ``add`` decodes a response and queues it for the worker processes (a thread
+    of the pool's session keeps them busy while the caller generates), ``finish`` waits for the rest and returns the
+    rows in the order they were added, with the failures counted and logged as a batch's. With
+    ``reward.num_workers = 0`` the calls run in ``finish``, in this process.
+
+    ``add`` raises ``ConfigError`` for a data source no scorer takes (as :meth:`RewardManager.__call__` does)."""
+
+    def __init__(self, manager: RewardManager) -> None:
+        self.manager = manager
+        self.session = manager.pool.session() if manager.pool is not None else None
+        self.kinds: list[str] = []
+        self.labels: list[str] = []
+        self.sources: list[str] = []
+        self.calls: list[tuple] = []  # inline scoring's calls, run in finish()
+
+    def add(self, token_ids: Sequence[int], data_source: str, ground_truth: Any, extra_info: dict | None) -> None:
+        """Score one response: its valid tokens (no padding), the prompt's data source, ground truth and extra
+        info."""
+        m = self.manager
+        kind = route([data_source], m._custom_fn is not None)[0]
+        label = scorer_label(kind, m._custom_fn)
+        text = decode_response(m.tokenizer, token_ids)
+        call = (data_source, text, ground_truth, extra_info)
+        self.kinds.append(kind)
+        self.labels.append(label)
+        self.sources.append(data_source)
+        if self.session is not None:
+            self.session.add(kind, call, label)
+        else:
+            self.calls.append(call)
+
+    def settled(self) -> int:
+        """How many responses have their outcome already (inline scoring: none before ``finish``)."""
+        return self.session.settled() if self.session is not None else 0
+
+    def finish(self) -> tuple[list[dict[str, Any]], tuple[int, int]]:
+        """Every added response's row (:func:`~megatron_dapo.reward.scoring.outcome_row`), in order, and
+        ``(num_errors, num_timeouts)``; the first failures are logged."""
+        m = self.manager
+        outcomes = self.session.finish() if self.session is not None else m._inline.run(self.kinds, self.calls)
+        failures = m._failures.report(outcomes, self.sources, self.labels)
+        rows = [outcome_row(outcome, i, m.config.error_score) for i, outcome in enumerate(outcomes)]
+        return rows, failures

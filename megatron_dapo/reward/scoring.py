@@ -3,8 +3,8 @@
 * which scorer a response's ``data_source`` routes to (:func:`route_data_source`, :func:`route`);
 * the custom functions a ``reward`` section names (:func:`custom_specs`; combined with their weights by
   :func:`megatron_dapo.reward.custom.build_reward_function`) and a scorer's label in messages (:func:`scorer_label`);
-* a batch: its checks (:func:`check_batch`), valid lengths, decoded texts, DAPO overlong shaping and the
-  ``overlong`` (truncated) flag;
+* a batch: its checks (:func:`check_batch`), valid lengths, a response's text (:func:`decode_response`), DAPO
+  overlong shaping and the ``overlong`` (truncated) flag;
 * a scorer's outcome as a row: the scorer's own row (checked: :func:`check_row`) or ``reward.error_score`` with
   ``acc`` False for a failed call (:func:`outcome_row`);
 * the :class:`RewardResult` of a batch (:func:`build_result`: the final reward on the last valid token, checked
@@ -35,7 +35,7 @@ __all__ = [
     "check_batch",
     "check_row",
     "custom_specs",
-    "decode_responses",
+    "decode_response",
     "merge_results",
     "outcome_row",
     "overlong_shaping",
@@ -142,18 +142,13 @@ def valid_lengths(response_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, positions, torch.zeros_like(positions)).amax(dim=-1)
 
 
-def decode_responses(tokenizer: Any, ids: torch.Tensor, lengths: torch.Tensor) -> list[str]:
-    """The text of each response's valid prefix, special tokens skipped and a trailing ``tokenizer.eos_token``
-    string removed (verl)."""
+def decode_response(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """A response's text, special tokens skipped and a trailing ``tokenizer.eos_token`` string removed (verl)."""
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
     eos_text = getattr(tokenizer, "eos_token", None)
-    texts = []
-    # One conversion of the whole batch to Python ints (not one tensor slice and ``tolist`` per row).
-    for row, length in zip(ids.tolist(), lengths.tolist()):
-        text = tokenizer.decode(row[: int(length)], skip_special_tokens=True)
-        if isinstance(eos_text, str) and eos_text and text.endswith(eos_text):
-            text = text[: -len(eos_text)]
-        texts.append(text)
-    return texts
+    if isinstance(eos_text, str) and eos_text and text.endswith(eos_text):
+        text = text[: -len(eos_text)]
+    return text
 
 
 def overlong_shaping(

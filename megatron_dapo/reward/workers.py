@@ -2,12 +2,17 @@
 
 :class:`ScorerPool` (``reward.num_workers >= 1``): a ``concurrent.futures.ProcessPoolExecutor`` (``forkserver``
 start method where available, else ``spawn``; never ``fork``, since the caller holds threads) with
-``reward.num_workers`` processes, created on first use and kept. At most one scorer per worker is in flight, so each
-call's deadline is measured from its start. A scorer that runs past ``reward.timeout_s`` is interrupted inside the
-worker (SIGALRM); one that does not return within ``timeout_s + hard_timeout_grace_s`` (stuck in C code, signals
-blocked) has the pool killed and recreated, and the other in-flight calls are resubmitted. If a worker dies (the
-scorer raised ``SystemExit`` past the worker's guard, called ``os._exit``, ran out of memory...), the calls that
-were in flight are re-run one at a time, so only the culprit fails.
+``reward.num_workers`` processes, created on first use and kept. At most one task per worker is in flight, so a
+task's deadline is measured from its start; a task is one call, or up to ``MAX_CALLS_PER_TASK`` while calls wait for
+a worker (``chunk_size``: this process's bookkeeping, about half a millisecond a task, is then shared). A scorer that
+runs past ``reward.timeout_s`` is interrupted inside the worker (SIGALRM); a task that does not return within
+``calls x timeout_s + hard_timeout_grace_s`` (a scorer stuck in C code, signals blocked) has the pool killed and
+recreated, and the other in-flight calls are resubmitted; a stuck task of several calls has them re-run one at a
+time, so only the stuck one is scored a timeout. If a worker dies (the scorer raised ``SystemExit`` past the
+worker's guard, called ``os._exit``, ran out of memory...), the calls that were in flight are re-run one at a time,
+so only the culprit fails. Calls go through a :class:`PoolSession`, whose thread drives the pool: all at once
+(:meth:`ScorerPool.run`), or one by one while the caller does other work (the engine generating:
+``reward.overlap_generation``).
 
 :class:`InlineScorer` (``reward.num_workers = 0``): in this process, with the same SIGALRM limit
 (:func:`megatron_dapo.reward.custom.call_with_timeout`) when called from the main thread of the main interpreter;
@@ -38,12 +43,22 @@ from typing import Any, Optional
 
 from megatron_dapo.reward import custom
 
-__all__ = ["WARMUP_TIMEOUT_S", "FailureLog", "InlineScorer", "ScorerPool", "ScoringCall"]
+__all__ = [
+    "MAX_CALLS_PER_TASK",
+    "WARMUP_TIMEOUT_S",
+    "FailureLog",
+    "InlineScorer",
+    "PoolSession",
+    "ScorerPool",
+    "ScoringCall",
+    "chunk_size",
+]
 
 # the reward manager's messages, wherever they come from, go to one logger (the one users filter on)
 logger = logging.getLogger("megatron_dapo.reward.manager")
 
 WARMUP_TIMEOUT_S = 120.0
+MAX_CALLS_PER_TASK = 16  # a worker's task: a few ms of this process's bookkeeping shared by up to this many calls
 
 # (data_source, solution_str, ground_truth, extra_info) of one response
 ScoringCall = tuple[str, str, Any, Optional[dict]]
@@ -86,16 +101,87 @@ class InlineScorer:
 
 @dataclass
 class _PoolRun:
-    """Bookkeeping of one :meth:`ScorerPool.run` call (indices into its items)."""
+    """Bookkeeping of one scoring session (indices into its items, which may still grow)."""
 
-    kinds: Sequence[str]
-    calls: Sequence[ScoringCall]
-    labels: Sequence[str]  # each call's scorer, for messages
-    outcomes: list[custom.Outcome | None]
-    pending: deque[int]  # not yet submitted
+    kinds: list[str] = field(default_factory=list)
+    calls: list[ScoringCall] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)  # each call's scorer, for messages
+    outcomes: list[custom.Outcome | None] = field(default_factory=list)
+    pending: deque[int] = field(default_factory=deque)  # not yet submitted
     suspects: deque[int] = field(default_factory=deque)  # in flight when a worker died: re-run one at a time
-    inflight: dict[Future, tuple[int, float]] = field(default_factory=dict)  # future -> (index, start time)
+    inflight: dict[Future, tuple[list[int], float]] = field(default_factory=dict)  # task -> (its calls, start)
     solo: bool = False  # suspects are running, one at a time
+
+    def busy(self) -> bool:
+        return bool(self.pending or self.suspects or self.inflight)
+
+
+class PoolSession:
+    """Calls scored in the pool while the caller does other work (the engine generates). A thread of this process
+    drives the pool: it hands each free worker the next call, settles the calls that finish and enforces the hard
+    deadline, so the workers stay busy whatever the caller is doing. ``add`` queues a call, ``settled`` counts the
+    outcomes in, ``finish`` waits for every outcome."""
+
+    def __init__(self, pool: ScorerPool) -> None:
+        self.pool = pool
+        self.run = _PoolRun()
+        self._lock = threading.Lock()
+        self._wakeup: Future = Future()  # resolved to wake the driver (a call added, the session closing)
+        self._closing = False
+        self._error: Optional[BaseException] = None
+        self._driver: Optional[threading.Thread] = None
+
+    def add(self, kind: str, call: ScoringCall, label: str) -> None:
+        with self._lock:
+            run = self.run
+            run.pending.append(len(run.kinds))
+            run.kinds.append(kind)
+            run.calls.append(call)
+            run.labels.append(label)
+            run.outcomes.append(None)
+            self._poke()
+        if self._driver is None:
+            self._driver = threading.Thread(target=self._drive, name="reward-pool-driver", daemon=True)
+            self._driver.start()
+
+    def settled(self) -> int:
+        """How many calls have their outcome already."""
+        with self._lock:
+            return sum(o is not None for o in self.run.outcomes)
+
+    def finish(self) -> list[custom.Outcome]:
+        """The outcome of every call added, in order."""
+        with self._lock:
+            self._closing = True
+            self._poke()
+        if self._driver is not None:
+            self._driver.join()
+        if self._error is not None:
+            raise self._error
+        return [o if o is not None else ("error", "not scored") for o in self.run.outcomes]
+
+    def _poke(self) -> None:
+        if not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    def _drive(self) -> None:
+        """Until the session is closed and every call settled: fill the free workers, wait for a call to finish, a
+        call to be added or the first hard deadline, settle."""
+        pool, run = self.pool, self.run
+        try:
+            while True:
+                with self._lock:
+                    if self._wakeup.done():
+                        self._wakeup = Future()
+                    if not run.busy() and self._closing:
+                        return
+                    futures, wait_s = pool._fill(run) if run.busy() else ([], None)
+                    wakeup = self._wakeup
+                done, _ = wait([*futures, wakeup], timeout=wait_s, return_when=FIRST_COMPLETED)
+                with self._lock:
+                    pool._collect(run, done)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller, by finish()
+            self._error = exc
 
 
 class ScorerPool:
@@ -167,90 +253,124 @@ class ScorerPool:
 
     # ------------------------------------------------------------------ scoring
 
-    def run(self, kinds: Sequence[str], calls: Sequence[ScoringCall], labels: Sequence[str]) -> list[custom.Outcome]:
-        """The outcome of every call, at most one in flight per worker.
+    def session(self) -> PoolSession:
+        """A session to add calls to while doing other work (:class:`PoolSession`)."""
+        return PoolSession(self)
 
-        A worker death (``BrokenProcessPool``) fails every call in flight; those items are re-run one at a time
-        ("suspects"), so only the item that kills its worker when alone is scored as an error. A call still running
-        at the hard deadline has the pool restarted (:meth:`_restart_stuck`).
-        """
-        run = _PoolRun(kinds, calls, labels, outcomes=[None] * len(kinds), pending=deque(range(len(kinds))))
-        hard_s = self.timeout_s + self.hard_timeout_grace_s if self.timeout_s > 0 else None
-        while run.pending or run.suspects or run.inflight:
-            executor = self.ensure_started()
-            if not run.inflight:
-                run.solo = bool(run.suspects)
-            try:
-                self._submit(executor, run)
-            except BrokenProcessPool:
-                self.kill()
-                continue
-            if not run.inflight:
-                continue
-            wait_s = None
-            if hard_s is not None:
-                wait_s = max(0.0, min(start for _, start in run.inflight.values()) + hard_s - time.monotonic())
-            done, _ = wait(list(run.inflight), timeout=wait_s, return_when=FIRST_COMPLETED)
-            for fut in done:
-                i, _ = run.inflight.pop(fut)
-                self._settle(fut, i, run)
-            if hard_s is not None:
-                self._restart_stuck(run, hard_s)
-        return [o if o is not None else ("error", "not scored") for o in run.outcomes]
+    def run(self, kinds: Sequence[str], calls: Sequence[ScoringCall], labels: Sequence[str]) -> list[custom.Outcome]:
+        """The outcome of every call, at most one in flight per worker (a session whose calls are all added at
+        once)."""
+        session = self.session()
+        for kind, call, label in zip(kinds, calls, labels, strict=True):
+            session.add(kind, call, label)
+        return session.finish()
+
+    def _fill(self, run: _PoolRun) -> tuple[list[Future], Optional[float]]:
+        """Submit to the free workers; the tasks in flight and how long until the first one's hard deadline (None:
+        no deadline). A worker death (``BrokenProcessPool``) fails every call in flight; those items are re-run one
+        at a time ("suspects"), so only the item that kills its worker when alone is scored as an error."""
+        executor = self.ensure_started()
+        if not run.inflight:
+            run.solo = bool(run.suspects)
+        try:
+            self._submit(executor, run)
+        except BrokenProcessPool:
+            self.kill()
+            return [], 0.0
+        if not run.inflight:
+            return [], 0.0  # suspects wait for the calls in flight to settle: the next round runs them alone
+        if self.timeout_s <= 0:
+            return list(run.inflight), None
+        now = time.monotonic()
+        first = min(start + self._hard_s(len(chunk)) - now for chunk, start in run.inflight.values())
+        return list(run.inflight), max(0.0, first)
+
+    def _collect(self, run: _PoolRun, done: set[Future]) -> None:
+        """Settle the tasks in ``done``; a task still running at its hard deadline has the pool restarted
+        (:meth:`_restart_stuck`)."""
+        for fut in done:
+            if fut in run.inflight:
+                chunk, _ = run.inflight.pop(fut)
+                self._settle(fut, chunk, run)
+        if self.timeout_s > 0:
+            self._restart_stuck(run)
+
+    def _hard_s(self, calls: int) -> float:
+        """The hard deadline of a task of ``calls`` calls, from its submission."""
+        return calls * self.timeout_s + self.hard_timeout_grace_s
 
     def _submit(self, executor: ProcessPoolExecutor, run: _PoolRun) -> None:
-        """Fill the free worker slots (a single slot while suspects run alone); on ``BrokenProcessPool`` the item
-        goes back to its queue and the error propagates."""
+        """Fill the free worker slots (a single slot while suspects run alone), a task of one call each, or of several
+        (``chunk_size``) while calls wait for a worker, so that the pool's per-task cost in this process is shared;
+        on ``BrokenProcessPool`` the task's calls go back to their queue and the error propagates."""
         queue = run.suspects if run.solo else run.pending
         while len(run.inflight) < (1 if run.solo else self.num_workers) and queue:
-            i = queue.popleft()
+            size = 1 if run.solo else chunk_size(len(queue), self.num_workers)
+            chunk = [queue.popleft() for _ in range(size)]
+            calls = [(run.kinds[i], run.labels[i], *run.calls[i]) for i in chunk]
             try:
-                fut = executor.submit(custom.run_scorer, run.kinds[i], *run.calls[i], self.timeout_s)
+                fut = executor.submit(custom.run_scorers, calls, self.timeout_s)
             except BrokenProcessPool:
-                queue.appendleft(i)
+                queue.extendleft(reversed(chunk))
                 raise
-            run.inflight[fut] = (i, time.monotonic())
+            run.inflight[fut] = (chunk, time.monotonic())
 
-    def _settle(self, fut: Future, i: int, run: _PoolRun) -> None:
-        """Record the outcome of finished call ``i``; if its worker died, ``i`` becomes a suspect (an error when it
-        already ran alone)."""
+    def _settle(self, fut: Future, chunk: list[int], run: _PoolRun) -> None:
+        """Record the outcomes of a finished task; if its worker died, its calls become suspects (an error for a call
+        that already ran alone)."""
         try:
-            run.outcomes[i] = fut.result()
-        except BrokenProcessPool:
+            outcomes = fut.result()
+        except (BrokenProcessPool, custom.ScorerTimeout) as exc:  # a death; an alarm between two calls of the task
             if run.solo:
-                run.outcomes[i] = ("error", "the reward worker process died while scoring this response")
+                died = "the reward worker process died while scoring this response"
+                timed_out = custom.timeout_outcome(run.labels[chunk[0]], self.timeout_s)
+                run.outcomes[chunk[0]] = ("error", died) if isinstance(exc, BrokenProcessPool) else timed_out
             else:
-                run.suspects.append(i)
-        except custom.ScorerTimeout:  # the alarm fired as the worker was returning
-            run.outcomes[i] = (
-                "timeout",
-                f"reward function {run.labels[i]} exceeded reward.timeout_s={self.timeout_s:g} s",
-            )
+                run.suspects.extend(chunk)
+            return
         except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable result
-            run.outcomes[i] = ("error", f"{type(exc).__name__}: {exc}")
+            outcomes = [("error", f"{type(exc).__name__}: {exc}")] * len(chunk)
+        for i, outcome in zip(chunk, outcomes):
+            run.outcomes[i] = outcome
 
-    def _restart_stuck(self, run: _PoolRun, hard_s: float) -> None:
-        """If a call has run past the hard deadline ``hard_s``: score it as a timeout, kill and forget the pool, and
-        queue the other unfinished calls again (innocent bystanders)."""
+    def _restart_stuck(self, run: _PoolRun) -> None:
+        """If a task has run past its hard deadline: score its call as a timeout (a task of several: re-run them one
+        at a time, to find the one that is stuck), kill and forget the pool, and queue the other unfinished calls
+        again (innocent bystanders)."""
         now = time.monotonic()
-        expired = [fut for fut, (_, start) in run.inflight.items() if now - start >= hard_s and not fut.done()]
+        expired = [
+            fut
+            for fut, (chunk, start) in run.inflight.items()
+            if now - start >= self._hard_s(len(chunk)) and not fut.done()
+        ]
         if not expired:
             return
+        hard_s = self._hard_s(1)
         for fut in expired:
-            i, _ = run.inflight.pop(fut)
-            run.outcomes[i] = (
+            chunk, _ = run.inflight.pop(fut)
+            if len(chunk) > 1:
+                run.suspects.extend(chunk)
+                continue
+            run.outcomes[chunk[0]] = (
                 "timeout",
-                f"reward function {run.labels[i]} did not return within {hard_s:.1f} s "
+                f"reward function {run.labels[chunk[0]]} did not return within {hard_s:.1f} s "
                 f"(reward.timeout_s={self.timeout_s:g} plus a grace period); its worker was killed",
             )
-        logger.warning("reward worker stuck past the hard deadline (%.1f s); restarting the pool", hard_s)
-        for fut, (i, _) in list(run.inflight.items()):
+        logger.warning("reward worker stuck past the hard deadline (%.1f s a call); restarting the pool", hard_s)
+        for fut, (chunk, _) in list(run.inflight.items()):
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                run.outcomes[i] = fut.result()
+                for i, outcome in zip(chunk, fut.result()):
+                    run.outcomes[i] = outcome
             else:
-                run.pending.appendleft(i)  # score it again in the new pool
+                run.pending.extendleft(reversed(chunk))  # score them again in the new pool
         run.inflight.clear()
         self.kill()
+
+
+def chunk_size(waiting: int, num_workers: int) -> int:
+    """Calls per task: 1 while the workers keep up with the caller, more (up to ``MAX_CALLS_PER_TASK``) as calls
+    wait, so that every worker still gets a share of what waits."""
+    return max(1, min(MAX_CALLS_PER_TASK, waiting // (2 * num_workers)))
 
 
 # ------------------------------------------------------------------------------------------- failures

@@ -91,6 +91,7 @@ from megatron_dapo.parallel import control_group, dist_info_from_env
 from megatron_dapo.platform import Platform
 from megatron_dapo.rollout.routing import engine_routing_kwargs, routed_experts_fields, row_routing
 from megatron_dapo.rollout.types import (
+    FinishedSink,
     RolloutBatch,
     Row,
     SamplingSpec,
@@ -118,6 +119,18 @@ def shard_range(num_items: int, num_shards: int, shard: int) -> range:
     base, extra = divmod(num_items, num_shards)
     start = shard * base + min(shard, extra)
     return range(start, start + base + (1 if shard < extra else 0))
+
+
+def checked_prompts(prompt_token_ids: Sequence[Sequence[int]], max_prompt_length: int) -> list[list[int]]:
+    """The prompts as lists of ints; raises ``ValueError`` naming an empty prompt or one over
+    ``data.max_prompt_length``."""
+    prompts = [list(map(int, p)) for p in prompt_token_ids]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if len(p) > max_prompt_length:
+            raise ValueError(f"prompt {i} has {len(p)} tokens, more than data.max_prompt_length={max_prompt_length}")
+    return prompts
 
 
 def assign_prompts(lengths: Sequence[int], num_replicas: int) -> list[list[int]]:
@@ -423,24 +436,23 @@ class RolloutEngine(VllmLoRAMixin):
 
     @torch.no_grad()
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingSpec, seed_offset: int = 0
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingSpec,
+        seed_offset: int = 0,
+        on_step: Optional[FinishedSink] = None,
     ) -> RolloutBatch:
         """Generate ``sampling.n`` responses for each prompt; collective over all ranks, same arguments on each.
 
         ``seed_offset`` (e.g. the global step) makes each step's samples differ while staying reproducible.
+        ``on_step`` (scoring while the engine generates) is called after every engine step of this rank's replica
+        with the requests that ended in it; the tokens are the same either way.
         Returns the whole batch on every rank, ``len(prompts) × n`` rows in prompt order.
         """
         self._check_awake("generate")
-        prompts = [list(map(int, p)) for p in prompt_token_ids]
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if len(p) > self.cfg.data.max_prompt_length:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens, more than"
-                    f" data.max_prompt_length={self.cfg.data.max_prompt_length}"
-                )
-        rows = self._results.gather(self._generate_share(prompts, sampling, seed_offset))
+        prompts = checked_prompts(prompt_token_ids, self.cfg.data.max_prompt_length)
+        share = assign_prompts([len(p) for p in prompts], self.dp_size)[self.dp_rank]
+        rows = self._results.gather(self._generate_rows(prompts, share, sampling, seed_offset, on_step))
         batch = batch_of_rows(prompts, rows, self.pad_token_id)
         if rows and rows[0][5] is not None:
             batch.routed_experts = routed_experts_fields(
@@ -451,13 +463,13 @@ class RolloutEngine(VllmLoRAMixin):
             )
         return batch
 
-    def _generate_share(self, prompts: list[list[int]], sampling: SamplingSpec, seed_offset: int) -> list[Row]:
-        """This replica's rows (``types.Row``), one per request of its share of the prompts."""
-        share = assign_prompts([len(p) for p in prompts], self.dp_size)[self.dp_rank]
-        return self._generate_rows(prompts, share, sampling, seed_offset)
-
     def _generate_rows(
-        self, prompts: list[list[int]], indices: Sequence[int], sampling: SamplingSpec, seed_offset: int
+        self,
+        prompts: list[list[int]],
+        indices: Sequence[int],
+        sampling: SamplingSpec,
+        seed_offset: int,
+        on_step: Optional[FinishedSink] = None,
     ) -> list[Row]:
         """Rows for the prompts ``indices`` on this replica (collective over the replica's TP ranks)."""
         requests = [(i, j) for i in indices for j in range(sampling.n)]
@@ -468,7 +480,9 @@ class RolloutEngine(VllmLoRAMixin):
             _sampling_params(sampling, request_seed(base, seed_offset, i, j) if self.per_request_seed else None)
             for i, j in requests
         ]
-        outputs = self._seeded(lambda: self._llm_generate([prompts[i] for i, _ in requests], params), seed_offset)
+        inputs = [prompts[i] for i, _ in requests]
+        ended = None if on_step is None else _reporting_rows(on_step, requests)
+        outputs = self._seeded(lambda: self._llm_generate(inputs, params, ended), seed_offset)
         rows: list[Row] = []
         for (i, j), out in zip(requests, outputs):
             tokens, logprobs, truncated = _completion(out)
@@ -564,7 +578,10 @@ class RolloutEngine(VllmLoRAMixin):
         """The replica leader's ``obj`` on each of its TP ranks (collective over the replica)."""
         return self._results.broadcast_in_replica(obj)
 
-    def _llm_generate(self, inputs: list[list[int]], params: list) -> list:
+    def _llm_generate(self, inputs: list[list[int]], params: list, ended: Optional[Callable] = None) -> list:
+        """The outputs of ``inputs``, in order; with ``ended``, through ``run_requests`` (reporting each step)."""
+        if ended is not None:
+            return run_requests(self.llm.llm_engine, inputs, params, self.lora_request, ended)
         return self.llm.generate(
             [{"prompt_token_ids": ids} for ids in inputs], params, use_tqdm=False, lora_request=self.lora_request
         )
@@ -642,6 +659,41 @@ class RolloutEngine(VllmLoRAMixin):
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def run_requests(
+    engine: Any,
+    inputs: list[list[int]],
+    params: list,
+    lora_request: Any,
+    ended: Callable[[list[tuple[int, Any]]], None],
+) -> list:
+    """What vLLM's ``LLM.generate`` does with ``engine`` (its ``llm_engine``: the requests added in order, then steps
+    until none is left, so the tokens are the same), with ``ended(done)`` after every step: ``done`` is the
+    ``(request position, output)`` of each request that ended in it, possibly none. Outputs in request order."""
+    # heavy: vLLM, imported where requests are made (token ids go in as they are: nothing to render)
+    from vllm.inputs.engine import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+
+    for k, (ids, p) in enumerate(zip(inputs, params)):
+        p.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it ends
+        engine.add_request(f"gen-{k}", tokens_input(ids), p, lora_request=lora_request)
+    outputs: list = [None] * len(inputs)
+    while engine.has_unfinished_requests():
+        done = [(int(out.request_id[4:]), out) for out in engine.step() if out.finished]
+        for k, out in done:
+            outputs[k] = out
+        ended(done)
+    return outputs
+
+
+def _reporting_rows(on_step: FinishedSink, requests: list[tuple[int, int]]) -> Callable[[list], None]:
+    """``run_requests``'s per-step callback: the requests that ended, as on_step's (prompt, sample, tokens, None)."""
+
+    def ended(done: list[tuple[int, Any]]) -> None:
+        on_step([(*requests[k], _completion(out)[0], None) for k, out in done])
+
+    return ended
 
 
 def _completion(out: Any) -> tuple[list[int], list[float], bool]:

@@ -34,7 +34,15 @@ from megatron_dapo.agent.tools import ToolResult, read_tool_config
 from megatron_dapo.config.schema import ExperimentConfig, MultiTurnConfig
 from megatron_dapo.rollout.engine import assign_prompts
 from megatron_dapo.rollout.routing import routed_experts_fields, row_routing
-from megatron_dapo.rollout.types import Conversation, RolloutBatch, SamplingSpec, Segment, attach_turns, batch_of_rows
+from megatron_dapo.rollout.types import (
+    Conversation,
+    FinishedSink,
+    RolloutBatch,
+    SamplingSpec,
+    Segment,
+    attach_turns,
+    batch_of_rows,
+)
 
 __all__ = ["Conversation", "MultiTurnRollout", "SingleTurn", "build_generator", "tool_metrics", "tool_schemas"]
 
@@ -84,10 +92,17 @@ class MultiTurnRollout:
         self._infos: list[dict] = []  # of every sample generated since the last metrics()
         self._live: set[str] = set()  # this rank's tool instances (created, not released yet)
 
-    def generate(self, items: Sequence[dict], sampling: SamplingSpec, seed_offset: int = 0) -> RolloutBatch:
+    def generate(
+        self,
+        items: Sequence[dict],
+        sampling: SamplingSpec,
+        seed_offset: int = 0,
+        on_step: Optional[FinishedSink] = None,
+    ) -> RolloutBatch:
         """``sampling.n`` conversations per item (dataset items: ``input_ids``, ``prompt_messages``,
-        ``extra_info``), each to its end; collective over all ranks. Returns the whole batch on every rank, in prompt
-        order."""
+        ``extra_info``), each to its end; collective over all ranks. ``on_step`` gets the conversations that ended
+        after every engine step of this rank's replica (``types.FinishedSink``). Returns the whole batch on every
+        rank, in prompt order."""
         engine = self.engine
         prompts = [list(map(int, it["input_ids"])) for it in items]
         share = assign_prompts([len(p) for p in prompts], engine.dp_size)[engine.dp_rank]
@@ -96,7 +111,7 @@ class MultiTurnRollout:
         def seed_key(c: Conversation) -> tuple:  # a first turn keyed as ``generate`` keys its request
             return (seed_offset, c.prompt_index, c.sample if c.requests == 0 else f"{c.sample}.{c.requests}")
 
-        routes = self._drive(convs, {}, sampling, seed_key, seed_offset)
+        routes = self._drive(convs, {}, sampling, seed_key, seed_offset, on_step)
         rows = engine.gather_objects(
             [(c.prompt_index, c.sample, c.tokens, c.log_probs, c.truncated, c, routes.get(c.key)) for c in convs]
         )
@@ -144,15 +159,31 @@ class MultiTurnRollout:
 
     # ------------------------------------------------------------------------------------------- the loop
 
-    def _drive(self, convs: list, limits: dict, sampling: SamplingSpec, seed_key: Any, seed_offset: int) -> dict:
+    def _drive(
+        self,
+        convs: list,
+        limits: dict,
+        sampling: SamplingSpec,
+        seed_key: Any,
+        seed_offset: int,
+        on_step: Optional[FinishedSink] = None,
+    ) -> dict:
         """This replica's conversations through ``_run`` under the engine's seeding; their routing (routing replay)."""
         if not convs:
             return {}
-        return self.engine.seeded_session(lambda: self._run(convs, limits, sampling, seed_key), seed_offset)
+        return self.engine.seeded_session(lambda: self._run(convs, limits, sampling, seed_key, on_step), seed_offset)
 
-    def _run(self, convs: list[Conversation], limits: dict, sampling: SamplingSpec, seed_key: Any) -> dict:
+    def _run(
+        self,
+        convs: list[Conversation],
+        limits: dict,
+        sampling: SamplingSpec,
+        seed_key: Any,
+        on_step: Optional[FinishedSink] = None,
+    ) -> dict:
         """Drive the conversations, each to its end or, when ``limits`` caps it, through one segment: engine steps,
-        and tool turns as their results arrive. Returns each conversation's routing (routing replay only)."""
+        and tool turns as their results arrive; the conversations that ended go to ``on_step`` after each engine
+        step. Returns each conversation's routing (routing replay only)."""
         leader = self.engine.tp_rank == 0
         tools = self.tools if leader else None
         self._open_tools(convs if tools is not None else [])
@@ -162,6 +193,7 @@ class MultiTurnRollout:
         for c in convs:
             self._queue(c, sampling, seed_key, pending, limits.get(c.key))
         while pending or waiting:
+            ended: list[Conversation] = []
             for request_id, seg in self.engine.step() if self.engine.has_unfinished() else []:
                 c = pending.pop(request_id)
                 calls = self._model_turn(c, seg)
@@ -169,12 +201,18 @@ class MultiTurnRollout:
                     routes[c.key] = (seg.routed_experts, len(c.tokens))
                 if calls:  # a TP peer waits with no futures: the leader's results arrive by broadcast
                     waiting[c.key] = (c, [tools.call(c.key, call) for call in calls] if tools is not None else [])
+                elif c.done:
+                    ended.append(c)
             ready = _ready(waiting, block=not self.engine.has_unfinished()) if leader else None
             for key, results in self.engine.broadcast_in_replica(ready) or []:
                 c, _ = waiting.pop(key)
                 self._tool_turn(c, results)
-                if not c.done and key not in limits:  # a capped segment ends after its tool turn
+                if c.done:
+                    ended.append(c)
+                elif key not in limits:  # a capped segment ends after its tool turn
                     self._queue(c, sampling, seed_key, pending, None)
+            if on_step is not None:
+                on_step([(c.prompt_index, c.sample, list(c.tokens), c.info()) for c in ended])
         self._close_tools([c for c in convs if c.done] if tools is not None else [])
         return {c.key: self._routing(c, *routes[c.key]) for c in convs if c.key in routes}
 
@@ -299,8 +337,15 @@ class SingleTurn:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    def generate(self, items: Sequence[dict], sampling: SamplingSpec, seed_offset: int = 0) -> RolloutBatch:
-        return self.engine.generate([it["input_ids"] for it in items], sampling, seed_offset=seed_offset)
+    def generate(
+        self,
+        items: Sequence[dict],
+        sampling: SamplingSpec,
+        seed_offset: int = 0,
+        on_step: Optional[FinishedSink] = None,
+    ) -> RolloutBatch:
+        prompts = [it["input_ids"] for it in items]
+        return self.engine.generate(prompts, sampling, seed_offset=seed_offset, on_step=on_step)
 
     def metrics(self) -> dict[str, float]:
         return {}

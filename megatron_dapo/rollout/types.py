@@ -7,7 +7,7 @@ consumes; it is pure (no vLLM, no process group) so its padding rules are tested
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -306,6 +306,11 @@ def attach_turns(batch: RolloutBatch, convs: Sequence[Conversation]) -> RolloutB
 # One generated response: (prompt index, sample index, tokens, log-probs, truncated, routing). The routing (routing
 # replay only) is ``[prompt + response tokens, MoE layers, top-k]`` or None; rows without it may have five items.
 Row = tuple[int, int, list[int], list[float], bool, Optional[torch.Tensor]]
+
+# Where a rollout reports the responses that ended in each engine step, possibly none, as (prompt index, sample index,
+# response tokens, the conversation's ``Conversation.info()`` in a multi-turn rollout else None): the ``on_step`` of
+# ``RolloutEngine.generate`` and ``MultiTurnRollout.generate``, which scores the rollout while the engine generates.
+FinishedSink = Callable[[list[tuple[int, int, list[int], Optional[dict]]]], None]
 
 
 def pack_rows(rows: Sequence[Union[Row, tuple]]) -> tuple[torch.Tensor, ...]:

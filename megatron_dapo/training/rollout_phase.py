@@ -24,7 +24,7 @@ from megatron_dapo.rollout.types import SamplingSpec
 from megatron_dapo.training.loggers import RolloutDumper, turn_extras
 from megatron_dapo.training.metrics import compute_val_metrics, reduce_metrics
 from megatron_dapo.training.offload import MemoryHandoff
-from megatron_dapo.training.rollout_sources import PartialGroups, PromptData, WholeGroups
+from megatron_dapo.training.rollout_sources import PartialGroups, PromptData, Round, WholeGroups
 from megatron_dapo.training.scoring import RolloutScorer, greedy_baselines, score_to_batch
 from megatron_dapo.training.timing import timed
 
@@ -54,7 +54,7 @@ class RolloutPhase:
         partial = partial_plan(cfg)
         self.generator = build_generator(cfg, engine, tokenizer)
         self.source = (
-            WholeGroups(self.generator, data, self.train_sampling)
+            WholeGroups(self.generator, data, self.train_sampling, scorer)
             if partial is None
             else PartialGroups(
                 engine,
@@ -85,9 +85,9 @@ class RolloutPhase:
         if self.engine.asleep:
             self.engine_weights = None
 
-    def _score(self, rollout: Any, items: list[dict]) -> tuple[TrainBatch, dict]:
+    def _score(self, got: Round) -> tuple[TrainBatch, dict]:
         tokenizer = self.tokenizer if self.dumper is not None else None
-        return score_to_batch(self.scorer, self.cfg, rollout, items, tokenizer)
+        return score_to_batch(self.scorer, self.cfg, got.rollout, got.items, tokenizer, got.scoring)
 
     def checkpoint_states(self) -> dict[str, Any]:
         """The rollout's checkpoint components: the data position and partial rollout's buffer of unfinished
@@ -133,9 +133,9 @@ class RolloutPhase:
             if got is None:  # a partial-rollout round in which no group ended
                 acc.add({}, [])
                 continue
-            rollout, items, ids = got
-            with timed("reward", timings):
-                gen_batch, rmetrics = self._score(rollout, items)
+            rollout, items, ids = got.rollout, got.items, got.ids
+            with timed("reward", timings):  # with reward.overlap_generation, what was left when generation ended
+                gen_batch, rmetrics = self._score(got)
             if cfg.algorithm.adv_estimator == "remax":  # the greedy baseline of each prompt (verl: gen_max)
                 with timed("gen_max", timings):
                     gen_batch.reward_baselines = greedy_baselines(

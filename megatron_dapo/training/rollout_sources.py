@@ -8,14 +8,14 @@ score and filter (dynamic sampling) until the training batch is full.
   groups that are done, oldest first. Unfinished
   responses stay in its buffer (a checkpoint component) and continue at the next step with that step's weights.
 
-A round returns ``(rollout, items, group_ids)`` (the rollout's rows, the dataset rows of its prompts, a group id per
-row) or None when no group finished in it.
+A round returns a ``Round`` (the rollout's rows, the dataset rows of its prompts, a group id per row, and the rewards
+being computed already when the rollout was scored while it was generated) or None when no group finished in it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import PartialPlan
@@ -24,8 +24,14 @@ from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.multi_turn import MultiTurnRollout, tool_metrics, tool_schemas
 from megatron_dapo.rollout.partial import PartialRollout, groups_to_rollout, segments_of
 from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec
+from megatron_dapo.training.scoring import RolloutScorer, ScoringInFlight
 
-Round = Optional[tuple[RolloutBatch, list[dict], list]]
+
+class Round(NamedTuple):
+    rollout: RolloutBatch
+    items: list[dict]
+    ids: list
+    scoring: Optional[ScoringInFlight] = None  # the rollout's rewards, computed while it was generated
 
 
 @dataclass
@@ -37,16 +43,18 @@ class PromptData:
 
 class WholeGroups:
     """Synchronous rollout: every round is a new generation batch, generated whole by the run's ``generator``
-    (single-turn, or multi-turn with tools: ``rollout/multi_turn.py``)."""
+    (single-turn, or multi-turn with tools: ``rollout/multi_turn.py``), and scored while it is generated where the
+    ``scorer`` overlaps (``RunPlan.reward_overlap``)."""
 
-    def __init__(self, generator: Any, data: PromptData, sampling: SamplingSpec) -> None:
-        self.generator, self.data, self.sampling = generator, data, sampling
+    def __init__(self, generator: Any, data: PromptData, sampling: SamplingSpec, scorer: RolloutScorer) -> None:
+        self.generator, self.data, self.sampling, self.scorer = generator, data, sampling, scorer
 
-    def round(self, step: int, version: int, need: int, index: int) -> Round:
+    def round(self, step: int, version: int, need: int, index: int) -> Optional[Round]:
         items = [self.data.train[i] for i in self.data.sampler.next_batch()]
-        rollout = self.generator.generate(items, self.sampling, seed_offset=step * 1000 + index)
+        scoring = self.scorer.start(items, self.sampling.n)
+        rollout = self.generator.generate(items, self.sampling, seed_offset=step * 1000 + index, on_step=scoring)
         ids = [f"{step}-{index}-{int(i)}" for i in rollout.prompt_index]
-        return rollout, items, ids
+        return Round(rollout, items, ids, scoring)
 
     def metrics(self) -> dict[str, float]:
         return self.generator.metrics()
@@ -77,7 +85,7 @@ class PartialGroups:
         self._segments: list[int] = []  # of every response handed over since the last metrics()
         self._turns: list[dict] = []  # multi-turn: the conversations handed over since the last metrics()
 
-    def round(self, step: int, version: int, need: int, index: int) -> Round:
+    def round(self, step: int, version: int, need: int, index: int) -> Optional[Round]:
         buf = self.buffer
         if buf.num_done() < need:
             todo = buf.pending(step)
@@ -99,7 +107,7 @@ class PartialGroups:
         ids = [f"g{g.key}" for g in groups for _ in g.responses]
         rollout = groups_to_rollout(groups, self.engine.pad_token_id)
         self._turns += rollout.turns or []
-        return rollout, items, ids
+        return Round(rollout, items, ids)
 
     def metrics(self) -> dict[str, float]:
         """``rollout/partial/*``: segments per response handed over since the last call, responses carried over;

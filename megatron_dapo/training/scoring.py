@@ -3,6 +3,10 @@
 Every response is scored once, on one rank (rows dealt round-robin), and every rank gets all results (one object
 gather on the CPU control group), so ranks agree on rewards — timeouts included — and on what dynamic sampling
 keeps. A scorer failure on any rank is raised on every rank. ``eval`` scores on one rank with the same call.
+
+With ``RunPlan.reward_overlap`` a generation batch is scored while it is generated (``ScoringInFlight``, the
+generator's ``on_step``): each rank scores the responses of its replica that are its share as the engine ends them,
+and the same gather then brings every rank's rows together.
 """
 
 from __future__ import annotations
@@ -31,13 +35,71 @@ def reward_inputs(rollout: RolloutBatch, items: list[dict]) -> tuple[list, list,
     return [items[i]["data_source"] for i in rows], [items[i]["ground_truth"] for i in rows], extras
 
 
+class ScoringInFlight:
+    """A generation batch scored while the engine generates it: the ``on_step`` sink of the run's generator
+    (``types.FinishedSink``). Each response that ends goes to the reward workers at once; a replica's TP ranks all see
+    it end and share the scoring (response ``k`` of the batch on peer ``k mod peers``). A failure (a data source no
+    scorer takes) is kept and named at ``RolloutScorer.__call__``, so the engine's steps stay in lockstep."""
+
+    def __init__(self, reward: RewardManager, items: list[dict], n: int, peer: int, peers: int) -> None:
+        self.items, self.n, self.peer, self.peers = items, n, peer, peers
+        self.stream = reward.stream()
+        self.rows: list[int] = []  # the batch row of each response added, in order
+        self.failure: Optional[BaseException] = None
+
+    def __call__(self, finished: list[tuple[int, int, list[int], Optional[dict]]]) -> None:
+        for prompt_index, sample, tokens, turns in finished:
+            row = prompt_index * self.n + sample
+            if row % self.peers != self.peer or self.failure is not None:
+                continue
+            item = self.items[prompt_index]
+            extra = item["extra_info"] if turns is None else {**item["extra_info"], **turns}
+            try:
+                self.stream.add(tokens, item["data_source"], item["ground_truth"], extra)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - raised after the generation, on every rank
+                self.failure = exc
+                return
+            self.rows.append(row)
+
+    def finish(self) -> tuple[list[int], object, float]:
+        """``(rows, (scored rows, failures) or the failure's message, scored before this call)``; a failure of this
+        rank is left in ``self.failure``."""
+        early = float(self.stream.settled())
+        try:
+            scored = self.stream.finish()  # after a failure too: the pool session's thread ends with it
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - raised here, and named on every other rank
+            self.failure = self.failure or exc
+        if self.failure is not None:
+            return self.rows, f"{type(self.failure).__name__}: {self.failure}", early
+        return self.rows, scored, early
+
+
 class RolloutScorer:
-    """``reward`` over the ranks of a ``world_size`` job (1: this rank scores everything)."""
+    """``reward`` over the ranks of a ``world_size`` job (1: this rank scores everything). With ``replica`` (this
+    rank's ``(TP rank, TP size)`` in its rollout replica; ``RunPlan.reward_overlap``), ``start`` scores a generation
+    batch while the engine generates it."""
 
-    def __init__(self, reward: RewardManager, world_size: int, rank: int) -> None:
-        self.reward, self.world_size, self.rank = reward, world_size, rank
+    def __init__(
+        self, reward: RewardManager, world_size: int, rank: int, replica: Optional[tuple[int, int]] = None
+    ) -> None:
+        self.reward, self.world_size, self.rank, self.replica = reward, world_size, rank, replica
 
-    def __call__(self, rollout: RolloutBatch, items: list[dict]) -> RewardResult:
+    def start(self, items: list[dict], n: int) -> Optional[ScoringInFlight]:
+        """The sink that scores a generation batch of ``items`` x ``n`` responses as they end; None without
+        overlap (the batch is then scored by ``__call__`` after the generation)."""
+        if self.replica is None:
+            return None
+        return ScoringInFlight(self.reward, items, n, *self.replica)
+
+    def __call__(
+        self, rollout: RolloutBatch, items: list[dict], in_flight: Optional[ScoringInFlight] = None
+    ) -> RewardResult:
+        if in_flight is not None:
+            return self._collect(rollout, in_flight)
         sources, truths, extras = reward_inputs(rollout, items)
         responses, mask = rollout.responses, rollout.response_mask
         if self.world_size == 1:
@@ -59,14 +121,42 @@ class RolloutScorer:
             except BaseException as exc:  # noqa: BLE001 - raised here, and named on every other rank
                 failure = exc
                 part = f"{type(exc).__name__}: {exc}"  # user exception types need not unpickle elsewhere
-        parts: list = [None] * self.world_size
-        dist.all_gather_object(parts, (mine, part), group=control_group())
+        parts = self._gathered((mine, part), failure)
+        return merge_results([(rows, result) for rows, result in parts if rows], responses.shape[0])
+
+    def _collect(self, rollout: RolloutBatch, in_flight: ScoringInFlight) -> RewardResult:
+        """The rewards of a batch scored while it was generated: every rank's rows, gathered, as one result;
+        ``reward/scored_during_gen`` is the share of the batch scored before the generation returned."""
+        mine, part, early = in_flight.finish()
+        parts = self._gathered((mine, part, early), in_flight.failure)
+        batch = rollout.responses.shape[0]
+        rows: list[Optional[dict]] = [None] * batch
+        errors = timeouts = 0
+        for indices, (scored, (num_errors, num_timeouts)), _ in parts:
+            for i, row in zip(indices, scored):
+                rows[i] = row
+            errors, timeouts = errors + num_errors, timeouts + num_timeouts
+        missing = [i for i, row in enumerate(rows) if row is None]
+        if missing:
+            raise RuntimeError(f"internal error: rollout rows {missing[:8]} were not scored while generated")
+        result = self.reward.result(rows, rollout.responses, rollout.response_mask, (errors, timeouts))
+        result.metrics["reward/scored_during_gen"] = sum(p[2] for p in parts) / batch if batch else 0.0
+        return result
+
+    def _gathered(self, part: tuple, failure: Optional[BaseException]) -> list:
+        """Every rank's ``part`` (whose second item is a failure's message on a rank whose scoring failed), on every
+        rank; a failure on any rank is raised on every rank."""
+        if self.world_size == 1:
+            parts = [part]
+        else:
+            parts = [None] * self.world_size
+            dist.all_gather_object(parts, part, group=control_group())
         if failure is not None:
             raise failure
-        for source_rank, (_, result) in enumerate(parts):
-            if isinstance(result, str):
-                raise RuntimeError(f"reward scoring failed on rank {source_rank}: {result}")
-        return merge_results([(rows, result) for rows, result in parts if rows], responses.shape[0])
+        for source_rank, gathered in enumerate(parts):
+            if isinstance(gathered[1], str):
+                raise RuntimeError(f"reward scoring failed on rank {source_rank}: {gathered[1]}")
+        return parts
 
     def close(self) -> None:
         self.reward.close()
@@ -78,11 +168,13 @@ def score_to_batch(
     rollout: RolloutBatch,
     items: list[dict],
     tokenizer: Optional[Any] = None,
+    in_flight: Optional[ScoringInFlight] = None,
 ) -> tuple[TrainBatch, dict]:
-    """The rollout as a ``TrainBatch``: rewards on the last response token, overlong shaping/filtering, per-sample
-    info; with a ``tokenizer``, the prompt and response texts too (for the rollout dump)."""
+    """The rollout as a ``TrainBatch``: rewards on the last response token (scored now, or while it was generated by
+    ``in_flight``), overlong shaping/filtering, per-sample info; with a ``tokenizer``, the prompt and response texts
+    too (for the rollout dump)."""
     rows = rollout.prompt_index.tolist()
-    result = scorer(rollout, items)
+    result = scorer(rollout, items, in_flight)
     # Multi-turn: only the tokens the model sampled are trained (tool turns are not).
     loss_mask = (rollout.response_mask if rollout.loss_mask is None else rollout.loss_mask).clone()
     if cfg.reward.overlong_filter:

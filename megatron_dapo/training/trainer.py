@@ -151,12 +151,13 @@ class DAPOTrainer:
         # With LoRA the base goes to vLLM once and then the adapters alone, into vLLM's LoRA support.
         weight_sync = make_weight_sync(engine, self.arch, cfg)
         reward = RewardManager(self.tokenizer, cfg.reward, cfg.data.max_response_length, list(self.ids.eos))
+        overlap = (engine.tp_rank, engine.tp_size) if self.plan.reward_overlap else None  # scored while generated
         phase = RolloutPhase(
             cfg,
             engine,
             lambda: weight_sync.sync(self.actor.chunks),
             self.handoff,
-            RolloutScorer(reward, self.info.world_size, self.info.rank),
+            RolloutScorer(reward, self.info.world_size, self.info.rank, overlap),
             self.data,
             self.ids.eos,
             dumper=self.dumper,

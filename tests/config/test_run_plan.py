@@ -66,6 +66,17 @@ def test_on_policy_decision():
     assert tiny_plan(["actor.use_kl_loss=true"]).uses_reference
 
 
+def test_reward_overlap_where_it_applies():
+    # tiny_cpu.yaml scores in-process (reward.num_workers=0): nothing to overlap with, the engine holds this process.
+    assert not tiny_plan().reward_overlap
+    assert tiny_plan(["reward.num_workers=2"]).reward_overlap
+    assert not tiny_plan(["reward.num_workers=2", "reward.overlap_generation=false"]).reward_overlap
+    # Partial rollout and the async rollout ranks score the groups a round completes.
+    assert not tiny_plan(["reward.num_workers=2", "rollout.partial_rollout.enable=true"]).reward_overlap
+    asynchronous = ["reward.num_workers=2", "trainer.mode=async", "placement.rollout_ranks=1"]
+    assert not tiny_plan(asynchronous).reward_overlap
+
+
 def test_platform_defaults_resolved_per_platform():
     cpu, cuda = tiny_plan(), tiny_plan(platform="cuda")
     # CPU: nothing leaves the device, vLLM never sleeps; CUDA: verl's hand-off, level-2 sleep, TE attention.

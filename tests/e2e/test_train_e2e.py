@@ -156,7 +156,11 @@ def export(checkpoints: Path, dest: Path, step: int | None = None, cli: bool = F
 
 def test_short_run_metrics_checkpoint_export_plot(demo, tmp_path):
     out = tmp_path / "run"
-    wait_ok(launch("run_local.sh", overrides(demo, out, steps=3), {"NPROC_PER_NODE": "2", "MASTER_PORT": "29960"}))
+    # Rewards scored in a worker process while vLLM generates (reward.overlap_generation, on by default): 24 requests
+    # per replica, at most 8 running, so the first ones end while the others still generate.
+    scored_early = {"reward.num_workers": 1, "rollout.max_num_seqs": 8}
+    args = overrides(demo, out, steps=3, **scored_early)
+    wait_ok(launch("run_local.sh", args, {"NPROC_PER_NODE": "2", "MASTER_PORT": "29960"}))
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # step 0: validation before training
     assert "val-core/arithmetic/acc/mean@1" in rows[0]
@@ -165,6 +169,7 @@ def test_short_run_metrics_checkpoint_export_plot(demo, tmp_path):
         assert not missing, f"step {r['step']} lacks {missing}"
         assert r["rollout/logprob_diff_max"] < 1e-3  # vLLM and Megatron score the same weights
         assert 0.0 <= r["critic/score/mean"] <= 1.0
+        assert r["reward/scored_during_gen"] > 0, r["reward/scored_during_gen"]
     assert "val-core/arithmetic/acc/mean@1" in rows[2] and "val-core/arithmetic/acc/mean@1" in rows[3]
     assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_3"
 

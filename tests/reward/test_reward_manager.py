@@ -216,6 +216,8 @@ SCORERS = textwrap.dedent(
             time.sleep(30)
         if solution_str.startswith("die"):
             os._exit(7)
+        if solution_str.startswith("nap"):
+            time.sleep(0.2)
         return {"score": float(solution_str == ground_truth), "source": data_source, "pid": os.getpid()}
     """
 )
@@ -275,3 +277,67 @@ def test_pool_worker_death_only_fails_the_culprit(pool_manager: RewardManager) -
     res = pool_manager(ids, mask, ["toy"] * 4, ["ok"] * 4, None)
     assert res.scores.tolist() == [1.0, -0.5, 1.0, 1.0]
     assert res.metrics["reward/num_errors"] == 1.0 and res.metrics["reward/num_timeouts"] == 0.0
+
+
+def work_until(stream, settled: int, seconds: float) -> float:
+    """The caller's other work (the engine generating), until ``settled`` outcomes are in; its duration."""
+    start = time.monotonic()
+    while stream.settled() < settled and time.monotonic() - start < seconds:
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_stream_scores_while_the_caller_works(pool_manager: RewardManager) -> None:
+    """``reward.overlap_generation``'s pool side: responses added one by one are scored by the workers while the
+    caller does something else, before ``finish``; the rows equal the whole batch's, scored by ``__call__``."""
+    texts = ["nap", "nap b", "nap", "Answer: 3", "nap"]
+    sources, truths = ["toy", "toy", "toy", "math_dapo", "toy"], ["nap", "x", "nap", "3", "nap"]
+    ids, mask = encode(texts, 16)
+    pool_manager.pool.ensure_started()
+    stream = pool_manager.stream()
+    for i, text in enumerate(texts):
+        stream.add([ord(c) for c in text], sources[i], truths[i], None)
+    assert stream.settled() < len(texts)  # five 0.2 s calls on two workers are not done yet
+    work_until(stream, len(texts), seconds=5)
+    assert stream.settled() == len(texts)  # all scored before finish
+    rows, failures = stream.finish()
+    overlapped = pool_manager.result(rows, ids, mask, failures)
+    whole = pool_manager(ids, mask, sources, truths, None)
+    assert overlapped.scores.tolist() == whole.scores.tolist() == [1.0, 0.0, 1.0, 1.0, 1.0]
+    assert overlapped.metrics == whole.metrics
+    for key in ("score", "acc", "source", "pred", "overlong_reward", "overlong"):  # not "pid": which worker scored
+        assert overlapped.extra[key] == whole.extra[key], key
+
+
+def test_stream_enforces_the_hard_deadline_while_the_caller_works(pool_manager: RewardManager) -> None:
+    """A scorer stuck past the hard deadline is settled as a timeout (and its pool replaced) while the caller does
+    something else, not only when the batch is collected."""
+    stream = pool_manager.stream()
+    stream.add([ord(c) for c in "hang"], "toy", "", None)
+    stream.add([ord(c) for c in "ok"], "toy", "ok", None)
+    waited = work_until(stream, 2, seconds=5)
+    assert stream.settled() == 2 and waited < 4  # timeout 0.5 s + grace 0.5 s
+    rows, failures = stream.finish()
+    assert [r["score"] for r in rows] == [-0.5, 1.0] and failures == (0, 1)
+
+
+def test_calls_per_task_grow_with_the_backlog() -> None:
+    from megatron_dapo.reward.workers import MAX_CALLS_PER_TASK, chunk_size
+
+    assert [chunk_size(w, 2) for w in (0, 1, 3, 4, 8, 9, 40)] == [1, 1, 1, 1, 2, 2, 10]
+    assert chunk_size(10_000, 2) == MAX_CALLS_PER_TASK
+
+
+@pytest.mark.parametrize("culprit", ["hang", "die"])
+def test_a_task_of_many_calls_fails_only_its_culprit(pool_manager: RewardManager, culprit: str) -> None:
+    """40 calls on 2 workers go in tasks of 10; a call that hangs past the hard deadline or kills its worker inside
+    one is found by re-running that task's calls one at a time: only it fails, every other call is scored."""
+    texts = ["ok"] * 40
+    texts[15] = culprit
+    ids, mask = encode(texts, 16)
+    res = pool_manager(ids, mask, ["toy"] * 40, ["ok"] * 40, None)
+    expected = [1.0] * 40
+    expected[15] = -0.5
+    assert res.scores.tolist() == expected
+    failures = (res.metrics["reward/num_errors"], res.metrics["reward/num_timeouts"])
+    assert failures == ((0.0, 1.0) if culprit == "hang" else (1.0, 0.0))

@@ -84,6 +84,47 @@ def masked_max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> flo
     return float((a.double() - b.double()).abs()[mask.bool()].max())
 
 
+REWARD_FN = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": len(solution_str) / 10.0 + (0.5 if ground_truth in solution_str else 0.0), "i": extra_info["i"]}
+"""
+
+
+def scored_while_generating(engine, info, prompts, spec, b1, out_dir: str, res: dict) -> None:
+    """reward.overlap_generation on the real engine and reward pool: the batch generated with the scoring sink has
+    b1's tokens, and its rewards (each rank scoring its share of its replica's responses as they end) are those of
+    scoring the finished batch."""
+    from megatron_dapo.config import CustomFunctionConfig, RewardConfig
+    from megatron_dapo.reward.manager import RewardManager
+    from megatron_dapo.testing.tokenizer import build_tiny_tokenizer
+    from megatron_dapo.training.scoring import RolloutScorer
+
+    # The tiny tokenizer, widened to the model's 128 ids (characters past its own 104).
+    tok = build_tiny_tokenizer(f"{out_dir}/tok{info.rank}", extra_texts=["".join(chr(0x100 + i) for i in range(40))])
+    fn = f"{out_dir}/reward{info.rank}.py"
+    with open(fn, "w") as f:
+        f.write(REWARD_FN)
+    cfg = RewardConfig(custom_function=CustomFunctionConfig(path=fn), num_workers=1)
+    items = [{"data_source": "digits", "ground_truth": str(i), "extra_info": {"i": i}} for i in range(len(prompts))]
+    with RewardManager(tok, cfg, max_response_length=10, eos_token_id=1) as reward:
+        scorer = RolloutScorer(reward, info.world_size, info.rank, (engine.tp_rank, engine.tp_size))
+        flight = scorer.start(items, spec.n)
+        batch = engine.generate(prompts, spec, seed_offset=0, on_step=flight)
+        overlapped = scorer(batch, items, flight)
+        after = RolloutScorer(reward, info.world_size, info.rank)(b1, items)
+    res["overlap_same_tokens"] = bool(
+        torch.equal(batch.responses, b1.responses) and torch.equal(batch.rollout_log_probs, b1.rollout_log_probs)
+    )
+    res["overlap_rows_scored_here"] = len(flight.rows)
+    res["overlap_scored_during_gen"] = overlapped.metrics.pop("reward/scored_during_gen")
+    res["overlap_scores"] = overlapped.scores.tolist()
+    res["overlap_same_rewards"] = bool(
+        torch.equal(overlapped.token_level_scores, after.token_level_scores)
+        and overlapped.extra["i"] == after.extra["i"] == [i for i in range(len(prompts)) for _ in range(spec.n)]
+        and overlapped.metrics == after.metrics
+    )
+
+
 def main() -> None:
     args = parse()
     from safetensors.torch import load_file
@@ -92,7 +133,7 @@ def main() -> None:
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.parallel import init_distributed, init_model_parallel, teardown
-    from megatron_dapo.rollout.engine import RolloutEngine
+    from megatron_dapo.rollout.engine import RolloutEngine, assign_prompts
     from megatron_dapo.rollout.recompute import megatron_sampled_log_probs
     from megatron_dapo.rollout.sync import WeightSync
     from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size
@@ -224,6 +265,7 @@ def main() -> None:
     )
     res["b1_single_replica_lp_max_diff"] = float((b1.rollout_log_probs - ref.rollout_log_probs).abs().max())
     res["b1_prompt_lengths"] = [len(p) for p in prompts]
+    scored_while_generating(engine, info, prompts, spec, b1, os.path.dirname(args.out), res)
     # Independent reference for the recompute itself: HF transformers on the checkpoint the actor was loaded from.
     from transformers import AutoModelForCausalLM
 
@@ -247,7 +289,8 @@ def main() -> None:
     if info.rank == 1:
         torch.manual_seed(999)
         torch.rand(12345)
-    local = engine._generate_share(prompts, spec, seed_offset=0)
+    share = assign_prompts([len(p) for p in prompts], engine.dp_size)[engine.dp_rank]
+    local = engine._generate_rows(prompts, share, spec, 0)
     everyone: list = [None] * info.world_size
     dist.all_gather_object(everyone, local)
     tp_r = args.rollout_tp

