@@ -158,11 +158,16 @@ def run_one_step(task: dict, out: Path, port: int, *extra: str) -> list[dict]:
 @pytest.mark.slow
 def test_rollout_tp2_runs_tools_on_the_leader_and_matches_tp1(agent_task, tmp_path):
     """Rollout TP 2 (one replica of 2 ranks: tools run on its first rank, results broadcast to the other) samples the
-    same conversations as rollout TP 1 (two replicas): per-request seeds, tool turns identical."""
+    same conversations as rollout TP 1 (two replicas): per-request seeds, tool turns identical. The TP 2 run scores
+    each conversation in a reward worker as it ends (reward.overlap_generation, the two peers sharing the replica's
+    conversations), the TP 1 run in-process after the generation: the rewards are the same."""
     tp1 = run_one_step(agent_task, tmp_path / "tp1", 29976)
-    tp2 = run_one_step(agent_task, tmp_path / "tp2", 29977, "rollout.tensor_model_parallel_size=2")
-    key = lambda r: (r["uid"], r["response_ids"])  # noqa: E731
+    tp2 = run_one_step(
+        agent_task, tmp_path / "tp2", 29977, "rollout.tensor_model_parallel_size=2", "reward.num_workers=1"
+    )
+    key = lambda r: (r["uid"], r["response_ids"], r["score"])  # noqa: E731
     assert sorted(map(key, tp1)) == sorted(map(key, tp2))
+    assert "reward/scored_during_gen" in read_metrics(tmp_path / "tp2")[1]
     assert sum(0 in r["loss_mask"] for r in tp1) > 0.9 * len(tp1)  # most samples called the tool
     val = [read_metrics(tmp_path / d)[0]["val-core/lookup/acc/mean@1"] for d in ("tp1", "tp2")]
     assert val[0] == val[1]
