@@ -68,6 +68,7 @@ def _model_parallel_ranges(out: _Problems, m: ModelConfig, p: ParallelConfig) ->
     out.positive_int("parallel.context_parallel_size", p.context_parallel_size)
     out.positive_int("parallel.expert_model_parallel_size", p.expert_model_parallel_size)
     out.positive_int("parallel.expert_tensor_parallel_size", p.expert_tensor_parallel_size, True)
+    out.positive_int("parallel.ddp_bucket_size", p.ddp_bucket_size, True)
 
 
 def _checkpoint_data_ranges(out: _Problems, c: CheckpointConfig, d: DataConfig) -> None:

@@ -40,6 +40,12 @@ class ParallelConfig:
     # Tensor parallelism inside each expert; None = tensor_model_parallel_size (megatron-core's default).
     expert_tensor_parallel_size: Optional[int] = None
     use_distributed_optimizer: bool = False
+    # megatron-core DDP (Megatron-LM --overlap-grad-reduce): each gradient bucket's data-parallel all-reduce (or
+    # reduce-scatter with the distributed optimizer) starts as soon as the backward has filled it, overlapping the
+    # communication with the rest of the backward. Buckets hold ddp_bucket_size parameters (None: megatron-core's
+    # max(40M, 1M x DP), so a model smaller than that is one bucket and nothing overlaps).
+    overlap_grad_reduce: bool = False
+    ddp_bucket_size: Optional[int] = None
     platform: Literal["auto", "cpu", "cuda", "npu"] = "auto"
 
 

@@ -305,7 +305,8 @@ def wrap_for_training(chunks: list, cfg: ExperimentConfig) -> list:
     config = chunks[0].config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        bucket_size=cfg.parallel.ddp_bucket_size,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
     wrapped = []

@@ -316,6 +316,10 @@ class MegatronActor:
             self.model_config.grad_scale_func = optimizer.scale_loss
             no_sync = [c.no_sync for c in chunks]
             self.model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+            ddp = getattr(chunks[0], "ddp_config", None)
+            if ddp is not None and ddp.overlap_grad_reduce:  # the schedule starts each chunk's reduction (Megatron-LM)
+                start = [c.start_grad_sync for c in chunks]
+                self.model_config.grad_sync_func = start[0] if len(start) == 1 else start
 
     @property
     def device(self) -> torch.device:

@@ -33,6 +33,7 @@ def layout_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--dynamic-tokens", type=int, default=None)
+    ap.add_argument("--overlap-bucket", type=int, default=None, help="parallel.overlap_grad_reduce with this bucket")
     return ap.parse_args(argv)
 
 
@@ -63,6 +64,8 @@ def run_layout(args: argparse.Namespace, modes: list[str], out_dir: str) -> None
         overrides.append(f"parallel.virtual_pipeline_model_parallel_size={args.vpp}")
     if args.dynamic_tokens:
         overrides += ["actor.use_dynamic_bsz=true", f"actor.ppo_max_token_len_per_gpu={args.dynamic_tokens}"]
+    if args.overlap_bucket:
+        overrides += ["parallel.overlap_grad_reduce=true", f"parallel.ddp_bucket_size={args.overlap_bucket}"]
     cfg = load_config(None, overrides)
     info, _ = init_distributed(cfg.parallel)
     init_model_parallel(cfg.parallel, seed=1)
@@ -79,12 +82,13 @@ def run_layout(args: argparse.Namespace, modes: list[str], out_dir: str) -> None
     pv = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, args.tp)
     load_full_tensors(chunks, arch, lambda m: hf_to_mcore(m, [sd[n] for n in m.hf], arch, pv))
     chunks = wrap_for_training(chunks, cfg)
+    buckets = sum(len(group.buckets) for c in chunks for group in c.bucket_groups)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), chunks)
     actor = MegatronActor(chunks, arch.vocab_size, cfg.actor, optimizer=optimizer)
 
     batch = TrainBatch(**make_batch())
     lp = actor.compute_log_probs(batch, TEMPERATURE, calculate_entropy=True)
-    out = {"log_probs": lp["log_probs"], "entropy": lp["entropy"]}
+    out = {"log_probs": lp["log_probs"], "entropy": lp["entropy"], "grad_buckets": buckets}
     # The on-policy update (no old-policy forward) against the recomputed path: the old log-probs are the policy's
     # own (lp), the rollout's are perturbed so that the mismatch metric and the IS weights have something to show.
     noise = 0.05 * torch.randn(batch.responses.shape, generator=torch.Generator().manual_seed(7))

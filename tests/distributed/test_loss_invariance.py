@@ -29,6 +29,8 @@ LAYOUTS = {
     "tp2_sp_3mb": (2, "--tp 2 --sp --micro 3"),
     "pp2_4mb": (2, "--pp 2 --micro 2"),
     "dp2_4mb": (2, "--micro 1"),
+    # megatron-core DDP overlapping the gradient all-reduce with the backward, in buckets of 5000 parameters.
+    "dp2_4mb_overlap": (2, "--micro 1 --overlap-bucket 5000"),
     "tp2_pp2_sp": (4, "--tp 2 --pp 2 --sp --micro 2"),
 }
 
@@ -177,3 +179,5 @@ def test_layout_matches_float64_reference_and_single_rank(layout, tmp_root):
     assert (res["log_probs"][mask] - ref["log_probs"][mask]).abs().max() < 1e-5
     assert (res["entropy"][mask] - ref["entropy"][mask]).abs().max() < 1e-5
     assert torch.all(res["log_probs"][~mask] == 0)
+    # The overlapped reduction runs bucket by bucket (several buckets, so the backward has something to overlap).
+    assert (res["grad_buckets"] > 5) == layout.endswith("overlap"), res["grad_buckets"]

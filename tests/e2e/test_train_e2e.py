@@ -194,13 +194,16 @@ def test_short_run_metrics_checkpoint_export_plot(demo, tmp_path):
 def test_two_nodes_on_one_machine(demo, tmp_path):
     out = tmp_path / "run"
     common = {"NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29961"}
-    args = overrides(demo, out, steps=2, **{"trainer.val_before_train": "false"})
+    # The DP gradient all-reduce overlapped with the backward, bucket by bucket (parallel.overlap_grad_reduce).
+    overlap = {"parallel.overlap_grad_reduce": "true", "parallel.ddp_bucket_size": 200_000}
+    args = overrides(demo, out, steps=2, **{"trainer.val_before_train": "false", **overlap})
     nodes = [launch("run_node.sh", args, dict(common, NODE_RANK=str(r))) for r in (0, 1)]
     for p in nodes:
         wait_ok(p)  # both nodes exit 0 only after the collective run completed on both
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["perf/throughput"] > 0 and r["rollout/logprob_diff_max"] < 1e-3 for r in rows)
+    assert all(r["actor/update_ok"] == 1.0 for r in rows)  # the overlapped reduction's gradients were applied
 
 
 STRAIGHT_STEPS = 4
