@@ -1,0 +1,178 @@
+"""Step time against TRL's ``GRPOTrainer(loss_type="dapo")`` (TRL 1.16) on the same model, prompts, group size, token
+budget and reward, both on this box's 2 cores, one after the other.
+
+* ours: ``launch/run_local.sh`` on 2 processes (one thread each), as ``benchmarks/e2e.py`` runs it, dynamic sampling
+  off, the lenient first-number scorer (``tasks/arithmetic.compute_score``);
+* TRL: one process with 2 threads, HF ``generate`` (its vLLM path needs a GPU), DAPO loss, no KL (``beta=0``),
+  ``epsilon_high=0.28``, the same scorer, ``per_device_train_batch_size`` = prompts x n, one optimizer step per
+  generation batch.
+
+Sizes (``benchmarks/e2e.py``'s models and data): ``tiny`` = the demo model, 16 prompts x 8, responses of at most 8
+tokens; ``70m`` = the ~70M random Qwen2, 16 x 8, up to 128 tokens. The first step of each is excluded (warm-up).
+Tokens are prompt + response tokens trained per step (ours: ``perf/total_num_tokens``; TRL: its ``num_tokens``).
+
+TRL and ``datasets`` are not project dependencies: they are installed from the package registry into ``--trl-site``
+(outside ``.venv``, ``pip install --target``, no dependencies beyond what ``.venv`` has) and put on the TRL
+process's ``PYTHONPATH`` only.
+
+Last line: ``vs_trl_per_step=<TRL s/step ÷ ours> vs_trl_per_token=<our tokens/s ÷ TRL's>`` (above 1: faster).
+
+    python benchmarks/vs_trl.py --size tiny --steps 8
+    python benchmarks/vs_trl.py --size 70m --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e import SIZES, prepare, run_training  # noqa: E402 - the models, data and launch, shared
+
+REPO = Path(__file__).resolve().parents[1]
+TRL_PACKAGES = ["trl==1.16.0", "datasets", "multiprocess", "dill", "xxhash"]
+SHAPES = {"tiny": dict(prompts=16, n=8, tokens=8), "70m": dict(prompts=16, n=8, tokens=128)}
+
+
+def our_overrides(size: str) -> list[str]:
+    s = SHAPES[size]
+    same = [
+        f"data.train_batch_size={s['prompts']}",
+        f"data.gen_batch_size={s['prompts']}",
+        f"actor.ppo_mini_batch_size={s['prompts']}",
+        f"rollout.n={s['n']}",
+        f"data.max_response_length={s['tokens']}",
+        "algorithm.filter_groups.enable=false",
+        "reward.custom_function.name=compute_score",
+    ]
+    return [*SIZES[size]["overrides"], *same]
+
+
+def ours(demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int) -> tuple[float, float]:
+    """Steady seconds per step and tokens per step of our run."""
+    rows, _ = run_training(demo, hf_dir, tmp, size, steps, "29640", our_overrides(size))
+    steady = [r for r in rows if "timing_s/step" in r][1:]
+    return statistics.mean(r["timing_s/step"] for r in steady), statistics.mean(
+        r["perf/total_num_tokens"] for r in steady
+    )
+
+
+def ensure_trl(site: Path) -> None:
+    if (site / "trl" / "__init__.py").is_file():
+        return
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--target", str(site), "--no-deps", *TRL_PACKAGES]
+    subprocess.run(cmd, check=True)
+
+
+def trl(demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int, site: Path) -> tuple[float, float]:
+    """Steady seconds per step and tokens per step of TRL's run (a subprocess with TRL on its path)."""
+    spec = {
+        **SHAPES[size],
+        "model": str(hf_dir),
+        "tokenizer": str(demo / "tokenizer"),
+        "train": str(demo / "data" / "train.parquet"),
+        "out": str(tmp / "trl"),
+        "steps": steps,
+    }
+    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}", OMP_NUM_THREADS="2")
+    proc = subprocess.run(
+        [sys.executable, __file__, "--trl-worker", json.dumps(spec)], env=env, capture_output=True, text=True
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("TRL_RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(proc.returncode or 1)
+    result = json.loads(line.removeprefix("TRL_RESULT "))
+    ends, tokens = result["step_end"], result["num_tokens"]
+    step_s = [b - a for a, b in zip(ends, ends[1:])]  # the first step (warm-up) has no start here
+    per_step_tokens = [b - a for a, b in zip(tokens, tokens[1:])]
+    return statistics.mean(step_s), statistics.mean(per_step_tokens)
+
+
+def trl_worker(spec: dict) -> None:
+    """TRL's GRPOTrainer with the DAPO loss on the run's model and prompts (runs with TRL on ``PYTHONPATH``)."""
+    import pyarrow.parquet as pq
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from megatron_dapo.tasks.arithmetic import compute_score
+
+    torch.set_num_threads(2)
+    rows = pq.read_table(spec["train"]).to_pylist()
+    data = Dataset.from_list(
+        [{"prompt": list(r["prompt"]), "ground_truth": str(r["reward_model"]["ground_truth"])} for r in rows]
+    )
+
+    def reward(completions: list, ground_truth: list, **_: object) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [compute_score("arithmetic", t, gt)["score"] for t, gt in zip(texts, ground_truth)]
+
+    ends: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201 - TRL's callback signature
+            ends.append(time.perf_counter())
+
+    args = GRPOConfig(
+        output_dir=spec["out"],
+        per_device_train_batch_size=spec["prompts"] * spec["n"],
+        num_generations=spec["n"],
+        max_completion_length=spec["tokens"],
+        loss_type="dapo",
+        beta=0.0,
+        epsilon_high=0.28,
+        temperature=1.0,
+        learning_rate=1e-6,
+        max_steps=spec["steps"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()]
+    )
+    trainer.train()
+    tokens = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
+    print("TRL_RESULT " + json.dumps({"step_end": ends, "num_tokens": tokens}), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--trl-site", default=str(Path(tempfile.gettempdir()) / "megatron_dapo_trl_site"))
+    ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.trl_worker:
+        trl_worker(json.loads(args.trl_worker))
+        return 0
+    site = Path(args.trl_site)
+    ensure_trl(site)
+    with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
+        demo = Path(tmp) / "demo"
+        hf_dir = prepare(demo, args.size)
+        our_s, our_tokens = ours(demo, hf_dir, Path(tmp), args.size, args.steps)
+        trl_s, trl_tokens = trl(demo, hf_dir, Path(tmp), args.size, args.steps, site)
+    print(f"size={args.size} {SHAPES[args.size]} steady steps={args.steps - 1}")
+    print(f"ours s_per_step={our_s:.3f} tokens_per_step={our_tokens:.0f} tokens_per_s={our_tokens / our_s:.1f}")
+    print(f"trl  s_per_step={trl_s:.3f} tokens_per_step={trl_tokens:.0f} tokens_per_s={trl_tokens / trl_s:.1f}")
+    print(f"vs_trl_per_step={trl_s / our_s:.3f} vs_trl_per_token={(our_tokens / our_s) / (trl_tokens / trl_s):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
