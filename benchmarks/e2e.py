@@ -1,4 +1,5 @@
-"""End-to-end step time on 2 CPU processes, by phase, against a plain single-process PyTorch floor for the update.
+"""End-to-end step time on this box's 2 cores (2 processes of one thread, or ``--nproc 1``: one of two threads), by
+phase, against plain single-process floors for the update (PyTorch) and the generation (vLLM).
 
 Sizes:
 * ``tiny``: the quickstart's model and task (``configs/tiny_cpu.yaml``: 16 prompts x 32 samples, answers of a digit).
@@ -9,14 +10,18 @@ Sizes:
 Runs ``launch/run_local.sh`` for ``--steps`` steps without validation or checkpoints and summarises
 ``metrics.jsonl`` (the first step is excluded: warm-up). Then, in this process, the *floor*: the same model as an HF
 transformers module, forward + backward over the same number of sequences of the step's mean length, unpadded, in
-micro-batches of the same size, one thread — divided by the number of training processes (ideal data parallelism).
+micro-batches of the same size, with a rank's threads — divided by the number of training processes (ideal data
+parallelism).
 Prints a table of the phases (mean seconds per steady step and share of the step; ``other`` is the step's time
 outside every timed phase), the start-up (``timing_s/startup*``, logged with the first step: launch → first step,
 split into imports, init, actor, engine and reference; the first weight sync is the first step's
 ``update_weights``), the launch's whole wall time, the padding ratios, and a last line
-``e2e_s_per_step=<s> e2e_tokens_per_s=<t> update_s=<u> update_floor_s=<f> update_vs_floor=<u/f> startup_s=<s>
-startup_vs_import_floor=<r>``: the start-up against a fresh interpreter that only imports megatron-core, vLLM and
-transformers (measured in the same run), the part of it no change of ours can remove.
+``e2e_s_per_step=<s> e2e_tokens_per_s=<t> update_s=<u> update_floor_s=<f> update_vs_floor=<u/f> gen_s=<g>
+gen_floor_s=<h> gen_vs_floor=<g/h> step_vs_floors=<s/(f+h)> startup_s=<s> startup_vs_import_floor=<r>``. The
+*generation floor* is plain vLLM alone (:func:`generation_floor_s`: one rank's share of the step's sequences at the
+step's mean prompt and response lengths); ``step_vs_floors`` is the step against the sum of the two floors. The
+start-up is set against a fresh interpreter that only imports megatron-core, vLLM and transformers (measured in the
+same run), the part of it no change of ours can remove.
 
 ``--profile DIR`` runs the launch under py-spy (``--subprocesses --idle``: every process's collapsed stacks in
 ``DIR/e2e.txt``) to find fixed per-step costs; its timings are then inflated by the sampling.
@@ -41,7 +46,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
-NPROC = 2
+CORES = 2  # this box; the launch splits them over its processes (--nproc), one thread each by default
 SIZES = {
     "tiny": {"model": None, "overrides": []},
     "70m": {
@@ -90,9 +95,18 @@ def prepare(demo: Path, size: str) -> Path:
 
 
 def run_training(
-    demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int, port: str, extra: list[str], profile: str = ""
+    demo: Path,
+    hf_dir: Path,
+    tmp: Path,
+    size: str,
+    steps: int,
+    port: str,
+    extra: list[str],
+    profile: str = "",
+    nproc: int = CORES,
 ) -> tuple[list[dict], float]:
-    """The launch's metrics rows and its whole wall time (torchrun's start to its exit)."""
+    """The launch's metrics rows and its whole wall time (torchrun's start to its exit): ``nproc`` processes of
+    ``CORES // nproc`` threads each."""
     mcore = tmp / "mcore"
     subprocess.run(
         [
@@ -132,11 +146,12 @@ def run_training(
         Path(profile).mkdir(parents=True, exist_ok=True)
         spy = str(Path(sys.executable).with_name("py-spy"))
         cmd = [spy, "record", "--subprocesses", "--idle", "-r", "100", "-f", "raw", "-o", f"{profile}/e2e.txt", "--"]
-        cmd += [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}", f"--master-port={port}"]
+        cmd += [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}"]
         cmd += ["-m", "megatron_dapo.cli", "train", *cmd_launch[2:]]
     else:
         cmd = cmd_launch
-    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC_PER_NODE=str(NPROC), MASTER_PORT=port, PYTHON=sys.executable)
+    threads = str(CORES // nproc)
+    env = dict(os.environ, OMP_NUM_THREADS=threads, NPROC_PER_NODE=str(nproc), MASTER_PORT=port, PYTHON=sys.executable)
     # vLLM's caches where launch/setup_env.sh puts them (shared by runs): without it every run's fresh output dir
     # would make vLLM inspect the model class in a new subprocess again (seconds of start-up).
     env.setdefault("VLLM_CACHE_ROOT", str(REPO / ".venv" / ".vllm_cache"))
@@ -149,11 +164,12 @@ def run_training(
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], wall
 
 
-def update_floor_s(hf_dir: Path, num_seqs: int, seq_len: int, micro_batch: int) -> float:
-    """Plain PyTorch: HF forward + backward of ``num_seqs`` unpadded sequences of ``seq_len`` tokens, one process."""
+def update_floor_s(hf_dir: Path, num_seqs: int, seq_len: int, micro_batch: int, threads: int = 1) -> float:
+    """Plain PyTorch: HF forward + backward of ``num_seqs`` unpadded sequences of ``seq_len`` tokens, one process of
+    ``threads`` threads."""
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
     model.train()
     vocab = model.config.vocab_size
@@ -169,6 +185,54 @@ def update_floor_s(hf_dir: Path, num_seqs: int, seq_len: int, micro_batch: int) 
     started = time.perf_counter()
     one_pass()
     return time.perf_counter() - started
+
+
+GEN_FLOOR_CHILD = """
+import json, sys, time
+spec = json.loads(sys.argv[1])
+from vllm import LLM, SamplingParams
+llm = LLM(model=spec["hf_dir"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
+          max_model_len=spec["max_model_len"], max_num_seqs=spec["num_seqs"],
+          kv_cache_memory_bytes=spec["kv_cache_mb"] * 2**20, generation_config="vllm")
+prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 50 for j in range(spec["prompt_len"])]}
+           for i in range(spec["num_seqs"])]
+params = SamplingParams(temperature=1.0, max_tokens=spec["response_len"], ignore_eos=True, detokenize=False)
+llm.generate(prompts, params, use_tqdm=False)  # warm-up (first-call compilation, allocator)
+started = time.perf_counter()
+outs = llm.generate(prompts, params, use_tqdm=False)
+elapsed = time.perf_counter() - started
+print(json.dumps({"gen_s": elapsed, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+"""
+
+
+def generation_floor_s(
+    hf_dir: Path, num_seqs: int, prompt_len: int, response_len: int, overrides: list[str], nproc: int = CORES
+) -> float:
+    """Plain vLLM alone: one engine in a fresh process (a rank's threads, in-process engine core, engine seed, its
+    default chunked prefill) generating one rank's share of the step's sequences (``num_seqs / nproc``), each
+    ``prompt_len`` + exactly ``response_len`` tokens (``ignore_eos``). Seconds of the second of two identical calls."""
+    settings = dict(o.split("=", 1) for o in overrides if "=" in o)
+    spec = dict(
+        hf_dir=str(hf_dir),
+        num_seqs=max(1, num_seqs // nproc),
+        prompt_len=prompt_len,
+        response_len=max(1, response_len),
+        max_model_len=prompt_len + int(settings.get("data.max_response_length", response_len)),
+        kv_cache_mb=int(settings.get("rollout.kv_cache_memory_mb", 64)),
+    )
+    env = dict(os.environ, OMP_NUM_THREADS=str(CORES // nproc), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run(
+        [sys.executable, "-c", GEN_FLOOR_CHILD, json.dumps(spec)], env=env, capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        print(proc.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(proc.returncode)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if result["tokens"] != spec["num_seqs"] * spec["response_len"]:
+        raise SystemExit(
+            f"generation floor: {result['tokens']} tokens, expected {spec['num_seqs']} x {spec['response_len']}"
+        )
+    return float(result["gen_s"])
 
 
 def print_phases(steady: list[dict], step_s: float) -> None:
@@ -236,12 +300,15 @@ def main() -> int:
     ap.add_argument("--demo-dir", default=None, help="prepared demo (megatron_dapo.tasks.demo); default: make one")
     ap.add_argument("--port", default="29590")
     ap.add_argument("--profile", default="", help="directory: run the launch under py-spy (collapsed stacks)")
+    ap.add_argument("--nproc", type=int, choices=(1, 2), default=CORES, help="training processes (threads: the rest)")
     args, extra = ap.parse_known_args()
 
     with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
         demo = Path(args.demo_dir) if args.demo_dir else Path(tmp) / "demo"
         hf_dir = prepare(demo, args.size)
-        rows, wall_s = run_training(demo, hf_dir, Path(tmp), args.size, args.steps, args.port, extra, args.profile)
+        rows, wall_s = run_training(
+            demo, hf_dir, Path(tmp), args.size, args.steps, args.port, extra, args.profile, args.nproc
+        )
         rows = [r for r in rows if "timing_s/step" in r]
         first, rest = rows[0], rows[1:] or rows[:1]
         steady = [r for r in rest if "timing_s/save_checkpoint" not in r] or rest
@@ -252,16 +319,27 @@ def main() -> int:
         startup = print_startup(first, wall_s, args.steps)
         update_s = statistics.mean(r.get("timing_s/update_actor", 0.0) for r in steady)
         num_seqs, seq_len, micro = floor_shape(steady, SIZES[args.size]["overrides"] + extra)
-        floor = update_floor_s(hf_dir, num_seqs, seq_len, micro) / NPROC
+        floor = update_floor_s(hf_dir, num_seqs, seq_len, micro, CORES // args.nproc) / args.nproc
+        gen_s = statistics.mean(r.get("timing_s/gen", 0.0) for r in steady)
+        prompt_len = round(statistics.mean(r["prompt_length/mean"] for r in steady))
+        response_len = round(statistics.mean(r["response_length/mean"] for r in steady))
+        overrides = SIZES[args.size]["overrides"] + extra
+        gen_floor = generation_floor_s(hf_dir, num_seqs, prompt_len, response_len, overrides, args.nproc)
     print(
-        f"update floor: HF forward+backward of {num_seqs} x {seq_len} tokens (micro-batch {micro}), one process,"
-        f" / {NPROC} processes"
+        f"update floor: HF forward+backward of {num_seqs} x {seq_len} tokens (micro-batch {micro}), one process"
+        f" ({CORES // args.nproc} torch threads), / {args.nproc} processes"
+    )
+    print(
+        f"generation floor: plain vLLM, one process, {num_seqs // args.nproc} sequences of {prompt_len} +"
+        f" {response_len} tokens (one rank's share) in {gen_floor:.3f} s"
     )
     imports = import_floor_s()
     print(f"import floor: {imports:.2f} s for megatron-core, vLLM and transformers in a fresh interpreter")
     print(
         f"e2e_s_per_step={step_s:.3f} e2e_tokens_per_s={tokens / step_s:.1f} update_s={update_s:.3f} "
-        f"update_floor_s={floor:.3f} update_vs_floor={update_s / floor:.2f} startup_s={startup:.2f} "
+        f"update_floor_s={floor:.3f} update_vs_floor={update_s / floor:.2f} gen_s={gen_s:.3f} "
+        f"gen_floor_s={gen_floor:.3f} gen_vs_floor={gen_s / gen_floor:.2f} "
+        f"step_vs_floors={step_s / (floor + gen_floor):.2f} startup_s={startup:.2f} "
         f"startup_vs_import_floor={startup / imports:.2f}"
     )
     return 0

@@ -1,11 +1,12 @@
 """Step time against TRL's ``GRPOTrainer(loss_type="dapo")`` (TRL 1.16) on the same model, prompts, group size, token
 budget and reward, both on this box's 2 cores, one after the other.
 
-* ours: ``launch/run_local.sh`` on 2 processes (one thread each), as ``benchmarks/e2e.py`` runs it, dynamic sampling
-  off, the lenient first-number scorer (``tasks/arithmetic.compute_score``);
+* ours: ``launch/run_local.sh`` on 2 processes of one thread (``--nproc 1``: one process of two threads), as
+  ``benchmarks/e2e.py`` runs it, dynamic sampling off, the lenient first-number scorer
+  (``tasks/arithmetic.compute_score``);
 * TRL: one process with 2 threads, HF ``generate`` (its vLLM path needs a GPU), DAPO loss, no KL (``beta=0``),
-  ``epsilon_high=0.28``, the same scorer, ``per_device_train_batch_size`` = prompts x n, one optimizer step per
-  generation batch.
+  ``epsilon_high=0.28``, fp32 without gradient checkpointing as ours (TRL defaults to bf16 and checkpointing), the
+  same scorer, ``per_device_train_batch_size`` = prompts x n, one optimizer step per generation batch.
 
 Sizes (``benchmarks/e2e.py``'s models and data): ``tiny`` = the demo model, 16 prompts x 8, responses of at most 8
 tokens; ``70m`` = the ~70M random Qwen2, 16 x 8, up to 128 tokens. The first step of each is excluded (warm-up).
@@ -55,9 +56,9 @@ def our_overrides(size: str) -> list[str]:
     return [*SIZES[size]["overrides"], *same]
 
 
-def ours(demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int) -> tuple[float, float]:
+def ours(demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int, nproc: int) -> tuple[float, float]:
     """Steady seconds per step and tokens per step of our run."""
-    rows, _ = run_training(demo, hf_dir, tmp, size, steps, "29640", our_overrides(size))
+    rows, _ = run_training(demo, hf_dir, tmp, size, steps, "29640", our_overrides(size), nproc=nproc)
     steady = [r for r in rows if "timing_s/step" in r][1:]
     return statistics.mean(r["timing_s/step"] for r in steady), statistics.mean(
         r["perf/total_num_tokens"] for r in steady
@@ -71,8 +72,11 @@ def ensure_trl(site: Path) -> None:
     subprocess.run(cmd, check=True)
 
 
-def trl(demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int, site: Path) -> tuple[float, float]:
-    """Steady seconds per step and tokens per step of TRL's run (a subprocess with TRL on its path)."""
+def trl(
+    demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int, site: Path, timeout_s: float
+) -> tuple[float, float, int]:
+    """Steady seconds per step, tokens per step and the number of steady steps of TRL's run (a subprocess with TRL
+    on its path; after ``timeout_s`` it is stopped and the steps it finished count)."""
     spec = {
         **SHAPES[size],
         "model": str(hf_dir),
@@ -82,18 +86,23 @@ def trl(demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int, site: Path) 
         "steps": steps,
     }
     env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}", OMP_NUM_THREADS="2")
-    proc = subprocess.run(
-        [sys.executable, __file__, "--trl-worker", json.dumps(spec)], env=env, capture_output=True, text=True
-    )
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("TRL_RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
-        raise SystemExit(proc.returncode or 1)
-    result = json.loads(line.removeprefix("TRL_RESULT "))
-    ends, tokens = result["step_end"], result["num_tokens"]
+    cmd = [sys.executable, __file__, "--trl-worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        stdout, failed = proc.stdout, proc.returncode != 0
+        if failed:
+            print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+    except subprocess.TimeoutExpired as expired:  # keep the steps it finished (printed as they end)
+        stdout, failed = expired.stdout or "", False
+        stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+        print(f"TRL stopped after {timeout_s:.0f} s (--trl-timeout-s)", file=sys.stderr)
+    logged = [json.loads(x.removeprefix("TRL_STEP ")) for x in stdout.splitlines() if x.startswith("TRL_STEP ")]
+    if failed or len(logged) < 2:
+        raise SystemExit(f"TRL finished {len(logged)} steps; 2 are needed (the first is the warm-up)")
+    ends, tokens = [e["time"] for e in logged], [e["num_tokens"] for e in logged]
     step_s = [b - a for a, b in zip(ends, ends[1:])]  # the first step (warm-up) has no start here
     per_step_tokens = [b - a for a, b in zip(tokens, tokens[1:])]
-    return statistics.mean(step_s), statistics.mean(per_step_tokens)
+    return statistics.mean(step_s), statistics.mean(per_step_tokens), len(step_s)
 
 
 def trl_worker(spec: dict) -> None:
@@ -116,11 +125,14 @@ def trl_worker(spec: dict) -> None:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [compute_score("arithmetic", t, gt)["score"] for t, gt in zip(texts, ground_truth)]
 
-    ends: list[float] = []
-
     class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201 - TRL's callback signature
-            ends.append(time.perf_counter())
+        """Prints each step's end as it happens (``logging_steps=1``: a log follows every step), so that a run
+        stopped by the parent's timeout still reports the steps it finished."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201 - TRL's signature
+            if logs and "num_tokens" in logs:
+                print("TRL_STEP " + json.dumps({"time": time.perf_counter(), "num_tokens": logs["num_tokens"]}))
+                sys.stdout.flush()
 
     args = GRPOConfig(
         output_dir=spec["out"],
@@ -128,6 +140,10 @@ def trl_worker(spec: dict) -> None:
         num_generations=spec["n"],
         max_completion_length=spec["tokens"],
         loss_type="dapo",
+        # Ours trains in fp32 without activation recompute; TRL's config defaults to bf16 autocast and gradient
+        # checkpointing (TRL 1.16 GRPOConfig), and this CPU has no bf16 arithmetic: set both as ours.
+        bf16=False,
+        gradient_checkpointing=False,
         beta=0.0,
         epsilon_high=0.28,
         temperature=1.0,
@@ -146,8 +162,6 @@ def trl_worker(spec: dict) -> None:
         model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()]
     )
     trainer.train()
-    tokens = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
-    print("TRL_RESULT " + json.dumps({"step_end": ends, "num_tokens": tokens}), flush=True)
 
 
 def main() -> int:
@@ -155,6 +169,8 @@ def main() -> int:
     ap.add_argument("--size", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--trl-site", default=str(Path(tempfile.gettempdir()) / "megatron_dapo_trl_site"))
+    ap.add_argument("--nproc", type=int, choices=(1, 2), default=2, help="our processes (threads: 2 / nproc)")
+    ap.add_argument("--trl-timeout-s", type=float, default=3600.0, help="stop TRL after this; its finished steps count")
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
@@ -165,10 +181,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         demo = Path(tmp) / "demo"
         hf_dir = prepare(demo, args.size)
-        our_s, our_tokens = ours(demo, hf_dir, Path(tmp), args.size, args.steps)
-        trl_s, trl_tokens = trl(demo, hf_dir, Path(tmp), args.size, args.steps, site)
-    print(f"size={args.size} {SHAPES[args.size]} steady steps={args.steps - 1}")
-    print(f"ours s_per_step={our_s:.3f} tokens_per_step={our_tokens:.0f} tokens_per_s={our_tokens / our_s:.1f}")
+        our_s, our_tokens = ours(demo, hf_dir, Path(tmp), args.size, args.steps, args.nproc)
+        trl_s, trl_tokens, trl_steps = trl(demo, hf_dir, Path(tmp), args.size, args.steps, site, args.trl_timeout_s)
+    print(f"size={args.size} {SHAPES[args.size]} steady steps: ours {args.steps - 1}, TRL {trl_steps}")
+    ours_label = f"ours ({args.nproc} processes)"
+    print(f"{ours_label} s_per_step={our_s:.3f} tokens_per_step={our_tokens:.0f} tokens_per_s={our_tokens / our_s:.1f}")
     print(f"trl  s_per_step={trl_s:.3f} tokens_per_step={trl_tokens:.0f} tokens_per_s={trl_tokens / trl_s:.1f}")
     print(f"vs_trl_per_step={trl_s / our_s:.3f} vs_trl_per_token={(our_tokens / our_s) / (trl_tokens / trl_s):.3f}")
     return 0
