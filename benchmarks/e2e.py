@@ -210,15 +210,18 @@ def generation_floor_s(
 ) -> float:
     """Plain vLLM alone: one engine in a fresh process (a rank's threads, in-process engine core, engine seed, its
     default chunked prefill) generating one rank's share of the step's sequences (``num_seqs / nproc``), each
-    ``prompt_len`` + exactly ``response_len`` tokens (``ignore_eos``). Seconds of the second of two identical calls."""
-    settings = dict(o.split("=", 1) for o in overrides if "=" in o)
+    ``prompt_len`` + exactly ``response_len`` tokens (``ignore_eos``), with the run's context length and KV cache
+    (``configs/tiny_cpu.yaml`` + ``overrides``). Seconds of the second of two identical calls."""
+    from megatron_dapo.config.load import load_config
+
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", overrides)
     spec = dict(
         hf_dir=str(hf_dir),
         num_seqs=max(1, num_seqs // nproc),
         prompt_len=prompt_len,
         response_len=max(1, response_len),
-        max_model_len=prompt_len + int(settings.get("data.max_response_length", response_len)),
-        kv_cache_mb=int(settings.get("rollout.kv_cache_memory_mb", 64)),
+        max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        kv_cache_mb=cfg.rollout.kv_cache_memory_mb,
     )
     env = dict(os.environ, OMP_NUM_THREADS=str(CORES // nproc), VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = subprocess.run(
