@@ -191,8 +191,8 @@ GEN_FLOOR_CHILD = """
 import json, sys, time
 spec = json.loads(sys.argv[1])
 from vllm import LLM, SamplingParams
-llm = LLM(model=spec["hf_dir"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
-          max_model_len=spec["max_model_len"], max_num_seqs=spec["num_seqs"],
+llm = LLM(model=spec["hf_dir"], skip_tokenizer_init=True, dtype=spec["dtype"], enforce_eager=True, seed=0,
+          max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
           kv_cache_memory_bytes=spec["kv_cache_mb"] * 2**20, generation_config="vllm")
 prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 50 for j in range(spec["prompt_len"])]}
            for i in range(spec["num_seqs"])]
@@ -210,9 +210,11 @@ def generation_floor_s(
 ) -> float:
     """Plain vLLM alone: one engine in a fresh process (a rank's threads, in-process engine core, engine seed, its
     default chunked prefill) generating one rank's share of the step's sequences (``num_seqs / nproc``), each
-    ``prompt_len`` + exactly ``response_len`` tokens (``ignore_eos``), with the run's context length and KV cache
-    (``configs/tiny_cpu.yaml`` + ``overrides``). Seconds of the second of two identical calls."""
+    ``prompt_len`` + exactly ``response_len`` tokens (``ignore_eos``), with the run's rollout dtype, context length,
+    batch and KV cache (``configs/tiny_cpu.yaml`` + ``overrides``). Seconds of the second of two identical calls."""
+    from megatron_dapo import dtypes
     from megatron_dapo.config.load import load_config
+    from megatron_dapo.config.plan import rollout_dtype
 
     cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", overrides)
     spec = dict(
@@ -221,6 +223,8 @@ def generation_floor_s(
         prompt_len=prompt_len,
         response_len=max(1, response_len),
         max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        max_num_seqs=cfg.rollout.max_num_seqs,
+        dtype=dtypes.hf_name(dtypes.from_config_name(rollout_dtype(cfg), "rollout.dtype")),
         kv_cache_mb=cfg.rollout.kv_cache_memory_mb,
     )
     env = dict(os.environ, OMP_NUM_THREADS=str(CORES // nproc), VLLM_ENABLE_V1_MULTIPROCESSING="0")

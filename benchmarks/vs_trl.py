@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import SIZES, prepare, run_training  # noqa: E402 - the models, data and launch, shared
+from e2e import CORES, SIZES, prepare, run_training  # noqa: E402 - the models, data and launch, shared
 
 REPO = Path(__file__).resolve().parents[1]
 TRL_PACKAGES = ["trl==1.16.0", "datasets", "multiprocess", "dill", "xxhash"]
@@ -169,7 +169,7 @@ def main() -> int:
     ap.add_argument("--size", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--trl-site", default=str(Path(tempfile.gettempdir()) / "megatron_dapo_trl_site"))
-    ap.add_argument("--nproc", type=int, choices=(1, 2), default=2, help="our processes (threads: 2 / nproc)")
+    ap.add_argument("--nproc", type=int, choices=(1, 2), default=CORES, help="our processes (threads: the rest)")
     ap.add_argument("--trl-timeout-s", type=float, default=3600.0, help="stop TRL after this; its finished steps count")
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
