@@ -8,7 +8,8 @@ Sizes:
   off (rewards are nearly all zero) — this measures the machinery, not learning.
 
 Runs ``launch/run_local.sh`` for ``--steps`` steps without validation or checkpoints and summarises
-``metrics.jsonl`` (the first step is excluded: warm-up). Then, in this process, the *floor*: the same model as an HF
+``metrics.jsonl`` (:func:`steady_rows`: the first step is excluded, warm-up, and so is the last, which saves the
+end-of-run checkpoint). Then, in this process, the *floor*: the same model as an HF
 transformers module, forward + backward over the same number of sequences of the step's mean length, unpadded, in
 micro-batches of the same size, with a rank's threads — divided by the number of training processes (ideal data
 parallelism).
@@ -289,6 +290,14 @@ def import_floor_s() -> float:
     return time.perf_counter() - started
 
 
+def steady_rows(rows: list[dict]) -> list[dict]:
+    """The steps that measure the steady state: not the first (warm-up: vLLM's and the allocator's first calls) and
+    not one that saved a checkpoint (the end-of-run save lands in the last step's time)."""
+    rows = [r for r in rows if "timing_s/step" in r]
+    rest = rows[1:] or rows[:1]
+    return [r for r in rest if "timing_s/save_checkpoint" not in r] or rest
+
+
 def floor_shape(steady: list[dict], overrides: list[str]) -> tuple[int, int, int]:
     """``(sequences, tokens per sequence, micro-batch)`` of a step, for :func:`update_floor_s`."""
     seq_len_mean = statistics.mean(r["prompt_length/mean"] + r["response_length/mean"] for r in steady)
@@ -317,8 +326,7 @@ def main() -> int:
             demo, hf_dir, Path(tmp), args.size, args.steps, args.port, extra, args.profile, args.nproc
         )
         rows = [r for r in rows if "timing_s/step" in r]
-        first, rest = rows[0], rows[1:] or rows[:1]
-        steady = [r for r in rest if "timing_s/save_checkpoint" not in r] or rest
+        first, steady = rows[0], steady_rows(rows)
         step_s = statistics.mean(r["timing_s/step"] for r in steady)
         tokens = statistics.mean(r["perf/total_num_tokens"] for r in steady)
         print(f"size={args.size} steady_steps={len(steady)}")

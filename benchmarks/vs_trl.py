@@ -9,7 +9,8 @@ budget and reward, both on this box's 2 cores, one after the other.
   same scorer, ``per_device_train_batch_size`` = prompts x n, one optimizer step per generation batch.
 
 Sizes (``benchmarks/e2e.py``'s models and data): ``tiny`` = the demo model, 16 prompts x 8, responses of at most 8
-tokens; ``70m`` = the ~70M random Qwen2, 16 x 8, up to 128 tokens. The first step of each is excluded (warm-up).
+tokens; ``70m`` = the ~70M random Qwen2, 16 x 8, up to 128 tokens. The first step of each is excluded (warm-up),
+and of ours the last (it holds the end-of-run checkpoint save; TRL saves nothing).
 Tokens are prompt + response tokens trained per step (ours: ``perf/total_num_tokens``; TRL: its ``num_tokens``).
 
 TRL and ``datasets`` are not project dependencies: they are installed from the package registry into ``--trl-site``
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import CORES, SIZES, prepare, run_training  # noqa: E402 - the models, data and launch, shared
+from e2e import CORES, SIZES, prepare, run_training, steady_rows  # noqa: E402 - the models, data and launch, shared
 
 REPO = Path(__file__).resolve().parents[1]
 TRL_PACKAGES = ["trl==1.16.0", "datasets", "multiprocess", "dill", "xxhash"]
@@ -56,12 +57,14 @@ def our_overrides(size: str) -> list[str]:
     return [*SIZES[size]["overrides"], *same]
 
 
-def ours(demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int, nproc: int) -> tuple[float, float]:
-    """Steady seconds per step and tokens per step of our run."""
+def ours(demo: Path, hf_dir: Path, tmp: Path, size: str, steps: int, nproc: int) -> tuple[float, float, int]:
+    """Steady seconds per step, tokens per step and the number of steady steps of our run."""
     rows, _ = run_training(demo, hf_dir, tmp, size, steps, "29640", our_overrides(size), nproc=nproc)
-    steady = [r for r in rows if "timing_s/step" in r][1:]
-    return statistics.mean(r["timing_s/step"] for r in steady), statistics.mean(
-        r["perf/total_num_tokens"] for r in steady
+    steady = steady_rows(rows)  # as TRL's (save_strategy="no"): without the end-of-run checkpoint
+    return (
+        statistics.mean(r["timing_s/step"] for r in steady),
+        statistics.mean(r["perf/total_num_tokens"] for r in steady),
+        len(steady),
     )
 
 
@@ -181,9 +184,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         demo = Path(tmp) / "demo"
         hf_dir = prepare(demo, args.size)
-        our_s, our_tokens = ours(demo, hf_dir, Path(tmp), args.size, args.steps, args.nproc)
+        our_s, our_tokens, our_steps = ours(demo, hf_dir, Path(tmp), args.size, args.steps, args.nproc)
         trl_s, trl_tokens, trl_steps = trl(demo, hf_dir, Path(tmp), args.size, args.steps, site, args.trl_timeout_s)
-    print(f"size={args.size} {SHAPES[args.size]} steady steps: ours {args.steps - 1}, TRL {trl_steps}")
+    print(f"size={args.size} {SHAPES[args.size]} steady steps: ours {our_steps}, TRL {trl_steps}")
     ours_label = f"ours ({args.nproc} processes)"
     print(f"{ours_label} s_per_step={our_s:.3f} tokens_per_step={our_tokens:.0f} tokens_per_s={our_tokens / our_s:.1f}")
     print(f"trl  s_per_step={trl_s:.3f} tokens_per_step={trl_tokens:.0f} tokens_per_s={trl_tokens / trl_s:.1f}")
