@@ -7,12 +7,11 @@ Sizes:
   tokens; a random model rarely stops early, so response lengths vary at random up to the cap. Dynamic sampling is
   off (rewards are nearly all zero) — this measures the machinery, not learning.
 
-Runs ``launch/run_local.sh`` for ``--steps`` steps without validation or checkpoints and summarises
-``metrics.jsonl`` (:func:`steady_rows`: the first step is excluded, warm-up, and so is the last, which saves the
-end-of-run checkpoint). Then, in this process, the *floor*: the same model as an HF
-transformers module, forward + backward over the same number of sequences of the step's mean length, unpadded, in
-micro-batches of the same size, with a rank's threads — divided by the number of training processes (ideal data
-parallelism).
+Runs ``launch/run_local.sh`` for ``--steps`` steps without validation or periodic checkpoints and summarises
+``metrics.jsonl`` over :func:`steady_rows` (not the first step, warm-up, nor the last, which saves the end-of-run
+checkpoint). Then, in this process, the *floor*: the same model as an HF transformers module, forward + backward over
+the same number of sequences of the step's mean length, unpadded, in micro-batches of the same size, with a rank's
+threads — divided by the number of training processes (ideal data parallelism).
 Prints a table of the phases (mean seconds per steady step and share of the step; ``other`` is the step's time
 outside every timed phase), the start-up (``timing_s/startup*``, logged with the first step: launch → first step,
 split into imports, init, actor, engine and reference; the first weight sync is the first step's
