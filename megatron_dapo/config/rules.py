@@ -193,6 +193,7 @@ def _sampling_ranges(out: _Problems, prefix: str, temperature: float, top_p: flo
 
 def _rollout_ranges(out: _Problems, r: RolloutConfig) -> None:
     out.positive_int("rollout.tensor_model_parallel_size", r.tensor_model_parallel_size)
+    out.positive_int("rollout.expert_parallel_size", r.expert_parallel_size)
     out.positive_int("rollout.n", r.n)
     _sampling_ranges(out, "rollout", r.temperature, r.top_p, r.top_k)
     out.in_unit("rollout.gpu_memory_utilization", r.gpu_memory_utilization, low_open=True, high_open=False)

@@ -201,6 +201,12 @@ def rollout_layout_problems(
             f"rollout.tensor_model_parallel_size={tp} must be >= 1 and divide the world size {world_size}{world_desc}"
             f" (each group of {tp} consecutive ranks forms one vLLM replica); use a divisor of {world_size}"
         )
+    ep = cfg.rollout.expert_parallel_size
+    if ep > 1 and ep != tp:
+        problems.append(
+            f"rollout.expert_parallel_size={ep} must be 1 or equal rollout.tensor_model_parallel_size={tp}: vLLM's "
+            "expert parallelism spans one engine's ranks (EP = TP x DP, one TP group per engine here)"
+        )
     if arch is not None and tp >= 1:
         heads, groups, ffn = arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size
         if heads % tp:
@@ -218,7 +224,9 @@ def rollout_layout_problems(
                 f"rollout.tensor_model_parallel_size={tp} does not divide intermediate_size={ffn}; use a divisor"
             )
         if arch.is_moe:
-            problems += _rollout_expert_problems(tp, arch.moe_ffn_hidden_size, platform or config_platform(cfg))
+            problems += _rollout_expert_problems(tp, ep, arch, platform or config_platform(cfg))
+        elif ep > 1:
+            problems.append(f"rollout.expert_parallel_size={ep} needs a mixture-of-experts model; set it to 1")
     prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
     if prompt < 1 or response < 1:
         return problems + [f"data.max_prompt_length={prompt} and data.max_response_length={response} must both be >= 1"]
@@ -238,15 +246,29 @@ def rollout_layout_problems(
     return problems
 
 
-def _rollout_expert_problems(tp: int, expert_ffn: int, platform: Platform) -> list[str]:
-    """vLLM splits each expert's FFN over rollout TP; the platform's fused-MoE kernel may need an aligned share
-    (``check`` passes the config's platform: it runs for a CUDA config on a CPU machine)."""
+def _rollout_expert_problems(tp: int, ep: int, arch: ModelArch, platform: Platform) -> list[str]:
+    """Without engine EP vLLM splits each expert's FFN over rollout TP, with it each rank holds E/EP whole experts;
+    the platform's fused-MoE kernel may need an aligned FFN share (``check`` passes the config's platform: it runs
+    for a CUDA config on a CPU machine)."""
+    expert_ffn = arch.moe_ffn_hidden_size
+    if ep > 1:
+        if arch.num_experts % ep:
+            return [
+                f"rollout.expert_parallel_size={ep} does not divide num_experts={arch.num_experts} (each engine rank "
+                "holds an equal block of experts); use a divisor"
+            ]
+        tp = 1  # whole experts: the FFN is not split
     if expert_ffn % tp:
         return [
             f"rollout.tensor_model_parallel_size={tp} does not divide moe_intermediate_size={expert_ffn} (vLLM splits "
             "each expert's FFN); use a divisor"
         ]
     align = platform.vllm_moe_ffn_alignment
+    if ep > 1 and expert_ffn % align:
+        return [
+            f"moe_intermediate_size={expert_ffn} is not a multiple of {align}: the engine's fused-MoE kernel on the "
+            f"{platform.name} platform pads it, and vLLM cannot reload weights into a padded layer"
+        ]
     if (expert_ffn // tp) % align:
         return [
             f"moe_intermediate_size={expert_ffn} / rollout.tensor_model_parallel_size={tp} = {expert_ffn // tp} is not "

@@ -246,6 +246,11 @@ class MultiTurnConfig:
 @dataclass
 class RolloutConfig:
     tensor_model_parallel_size: int = 1
+    # MoE: 1 = vLLM splits every expert's FFN over the engine's TP ranks; = tensor_model_parallel_size: vLLM's
+    # expert parallelism (enable_expert_parallel), each engine rank holds E/EP whole experts (verl's name and rule:
+    # EP = TP x DP, one TP group per engine here). The weight sync then writes each rank's own experts, with no
+    # exchange, where its Megatron experts are those its engine rank holds (docs/moe.md).
+    expert_parallel_size: int = 1
     n: int = 8
     temperature: float = 1.0
     top_p: float = 1.0

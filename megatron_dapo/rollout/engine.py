@@ -247,6 +247,8 @@ def vllm_llm_kwargs(cfg: ExperimentConfig, hf_dir: str, rp: RolloutPlan, platfor
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         )
     )
+    if rp.ep_size > 1:  # each rank holds E/EP whole experts (vLLM's default linear placement: contiguous blocks)
+        kwargs["enable_expert_parallel"] = True
     # Routing replay: vLLM returns the experts it routed each token to (where it cannot, resolve refused the run).
     kwargs.update(engine_routing_kwargs(cfg))
     # The colocated actor's adapters run in vLLM's LoRA layers (RolloutEngine.load_lora_adapter); trainer.mode=async

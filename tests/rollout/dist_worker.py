@@ -27,6 +27,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--rollout-tp", type=int, default=1)
+    p.add_argument("--rollout-ep", type=int, default=1, help="the engine's expert parallelism (1 or --rollout-tp)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE checkpoints)")
     p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: TP)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (megatron-core needs it for MoE with TP)")
@@ -151,6 +152,7 @@ def main() -> None:
             "parallel.platform=cpu",
             "model.params_dtype=fp32",
             f"rollout.tensor_model_parallel_size={args.rollout_tp}",
+            f"rollout.expert_parallel_size={args.rollout_ep}",
             "rollout.n=3",
             "rollout.temperature=1.0",
             "rollout.seed=7",
@@ -197,6 +199,20 @@ def main() -> None:
     engine = RolloutEngine(cfg, args.hf_dir, platform, pad_token_id=0, eos_token_ids=[1])
     res["engine_start_s"] = time.perf_counter() - t
     res["per_request_seed"] = engine.per_request_seed
+    # What this rank's engine holds: every HF tensor, less the routed experts its expert map (vLLM's expert
+    # parallelism) places on another rank.
+    held = {
+        name.split(".mlp.")[0]: [e for e, slot in enumerate(buf.tolist()) if slot >= 0]
+        for name, buf in engine.local_model().named_buffers()
+        if name.endswith("_expert_map") and buf is not None
+    }
+    res["engine_experts"] = sorted({tuple(v) for v in held.values()})
+    res["engine_hf_bytes"] = res["hf_bytes"] - sum(
+        hf[n].numel() * 4
+        for m in param_mappings(arch)
+        if m.is_expert and held and m.expert not in held[f"model.layers.{m.layer}"]
+        for n in m.hf
+    )
     res["chunked_prefill"] = bool(engine.llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill)
     sync = WeightSync(engine, arch, cfg)
     # One Megatron module per reload_weights call, through the reload transport (``sync`` writes directly).

