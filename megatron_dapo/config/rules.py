@@ -60,6 +60,7 @@ class _Problems(list):
 
 def _model_parallel_ranges(out: _Problems, m: ModelConfig, p: ParallelConfig) -> None:
     out.positive_int("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
+    out.need("model.attention_backend", m.attention_backend, m.attention_backend in ("sdpa", "local"), "sdpa or local")
     out.in_unit("model.attention_dropout", m.attention_dropout)
     out.in_unit("model.hidden_dropout", m.hidden_dropout)
     out.positive_int("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size)

@@ -22,6 +22,10 @@ class ModelConfig:
     # auto = the platform's choice (TransformerEngine on CUDA, MindSpeed-patched on NPU, local on CPU); asking for
     # transformer_engine where it does not import is an error, not a silent fallback.
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
+    # The local spec's core attention (TransformerEngine and MindSpeed bring their own): sdpa = torch's
+    # scaled_dot_product_attention (fused kernels, no [b, heads, s, s] scores kept), local = megatron-core's
+    # DotProductAttention (materialises them).
+    attention_backend: Literal["sdpa", "local"] = "sdpa"
     make_vocab_size_divisible_by: int = 128
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0

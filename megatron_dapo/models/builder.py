@@ -181,9 +181,29 @@ def resolve_transformer_impl(model: ModelConfig, parallel: ParallelConfig) -> st
     return impl
 
 
-def layer_spec(arch: ModelArch, config, vp_stage: Optional[int] = None, impl: Optional[str] = None):
+def set_core_attention(spec, attention_backend: str) -> None:
+    """The local spec's core attention by ``model.attention_backend``: ``sdpa`` = ``SDPAttention`` (torch's fused
+    scaled_dot_product_attention kernels), ``local`` = megatron-core's ``DotProductAttention`` as the spec has it."""
+    if attention_backend == "local":
+        return
+    if attention_backend != "sdpa":
+        raise ValueError(f"model.attention_backend={attention_backend!r}: expected sdpa or local")
+    # heavy: megatron-core (SDPAttention subclasses its DotProductAttention), once the platform has patched it
+    from megatron_dapo.models.sdpa_attention import SDPAttention
+
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+
+
+def layer_spec(
+    arch: ModelArch,
+    config,
+    vp_stage: Optional[int] = None,
+    impl: Optional[str] = None,
+    attention_backend: str = "sdpa",
+):
     """TransformerEngine spec (``impl="transformer_engine"``; on NPU MindSpeed implements it); otherwise
-    megatron-core's local spec with SP-aware RMSNorms. ``impl=None``: the platform's default."""
+    megatron-core's local spec with SP-aware RMSNorms and the core attention of ``attention_backend``
+    (``model.attention_backend``: ``set_core_attention``). ``impl=None``: the platform's default."""
     # heavy: megatron-core, once the platform has patched it
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -194,7 +214,7 @@ def layer_spec(arch: ModelArch, config, vp_stage: Optional[int] = None, impl: Op
     if impl is None:
         impl = get_platform().resolve_transformer_impl("auto")
     if arch.is_moe:
-        return moe_layer_specs(config, vp_stage, impl)
+        return moe_layer_specs(config, vp_stage, impl, attention_backend)
     if impl == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
@@ -204,15 +224,17 @@ def layer_spec(arch: ModelArch, config, vp_stage: Optional[int] = None, impl: Op
     if arch.qk_layernorm:
         sub.self_attention.submodules.q_layernorm = QKRMSNorm
         sub.self_attention.submodules.k_layernorm = QKRMSNorm
+    set_core_attention(spec, attention_backend)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=RMSNorm)
 
 
-def moe_layer_specs(config, vp_stage: Optional[int], impl: str):
+def moe_layer_specs(config, vp_stage: Optional[int], impl: str, attention_backend: str = "sdpa"):
     """Per-layer specs of an MoE model (dense or MoE MLP by ``config.moe_layer_freq``), this chunk's slice.
 
     megatron-core's ``get_gpt_decoder_layer_specs``; on the local spec the norms are the project's HF-exact
-    ``RMSNorm``/``QKRMSNorm``. The TE spec returns a block spec (megatron-core slices it for PP/VPP itself)."""
+    ``RMSNorm``/``QKRMSNorm`` and the core attention is ``attention_backend``'s. The TE spec returns a block spec
+    (megatron-core slices it for PP/VPP itself)."""
     # heavy: megatron-core, once the platform has patched it
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs
     from megatron.core.transformer.mlp import MLP
@@ -237,6 +259,7 @@ def moe_layer_specs(config, vp_stage: Optional[int], impl: str):
         if config.qk_layernorm:
             sub.self_attention.submodules.q_layernorm = QKRMSNorm
             sub.self_attention.submodules.k_layernorm = QKRMSNorm
+        set_core_attention(spec, attention_backend)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=RMSNorm)
@@ -276,7 +299,7 @@ def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig, transformer_impl: O
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(arch, config, stage, impl),
+            transformer_layer_spec=layer_spec(arch, config, stage, impl, cfg.model.attention_backend),
             vocab_size=vocab,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
