@@ -10,6 +10,7 @@ gradients do not depend on TP/PP/DP sizes or the micro-batch split.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -44,6 +45,12 @@ from megatron_dapo.parallel import control_group
 from megatron_dapo.platform import get_platform
 from megatron_dapo.training.moe import MoEMeter
 from megatron_dapo.training.router_replay import RouterReplayer
+
+# The autograd mode of a forward-only pass. megatron-core's schedules never turn autograd off for forward_only: with
+# it on, every micro-batch's graph (its activations) lives until the pass ends, held by the results (Megatron-LM's
+# evaluate and verl's megatron actor run the same call under no_grad). tests/gpu/gpu_check.py swaps it to measure
+# the pass as it was.
+FORWARD_ONLY_GRAD_MODE: Callable[[], contextlib.AbstractContextManager] = torch.no_grad
 
 
 def balance_rows(lengths: list[int], dp: int) -> list[list[int]]:
@@ -282,6 +289,45 @@ class _LogitScoring:
         return sq.view(mb.response_index.shape)
 
 
+def seq_multiple(config) -> int:
+    """Sequence lengths are padded to this: sequence parallelism splits them over TP, context parallelism into
+    ``2 x CP`` chunks (each CP rank's share again split over TP with SP)."""
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    cp = config.context_parallel_size
+    return tp * (2 * cp if cp > 1 else 1)
+
+
+def local_micro_batches(
+    batch: TrainBatch, micro_batch_size: int, actor_cfg: ActorConfig, packed: bool, multiple: int
+) -> tuple[list[list[int]], TrainBatch, list[list[int]], list[MicroBatch], float]:
+    """This rank's share of ``batch`` as micro-batches: (every DP rank's rows, this rank's rows of ``batch``, its
+    micro-batch positions, the micro-batches, the padding ratio)."""
+    from megatron.core import (
+        parallel_state as ps,
+    )  # heavy: megatron-core
+
+    budget = actor_cfg.ppo_max_token_len_per_gpu if actor_cfg.use_dynamic_bsz else None
+    dp_rank = ps.get_data_parallel_rank()
+    ranks, groups, padding_ratio = plan_micro_batches(
+        batch.sequence_lengths.tolist(),
+        ps.get_data_parallel_world_size(),
+        dp_rank,
+        micro_batch_size,
+        budget,
+        packed,
+        multiple,
+    )
+    local = batch.select(ranks[dp_rank])
+    if packed:  # packed (THD), the whole padded to the SP multiple; CP is refused by config
+        micro_batches = [pack_micro_batch(make_micro_batch(local, rows), 1, multiple) for rows in groups]
+    else:
+        cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        micro_batches = [
+            context_parallel_slice(make_micro_batch(local, rows, multiple), cp_size, cp_rank) for rows in groups
+        ]
+    return ranks, local, groups, micro_batches, padding_ratio
+
+
 class MegatronActor:
     """Megatron-Core model chunks (actor or frozen reference) and, for the actor, its optimizer."""
 
@@ -388,57 +434,19 @@ class MegatronActor:
 
         iterators = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
         try:
-            return get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iterators,
-                model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-                num_microbatches=len(micro_batches),
-                seq_length=max(int(mb.tokens.shape[1]) for mb in micro_batches),
-                micro_batch_size=max(int(mb.tokens.shape[0]) for mb in micro_batches),
-                forward_only=forward_only,
-            )
+            with FORWARD_ONLY_GRAD_MODE() if forward_only else contextlib.nullcontext():
+                return get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=iterators,
+                    model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                    num_microbatches=len(micro_batches),
+                    seq_length=max(int(mb.tokens.shape[1]) for mb in micro_batches),
+                    micro_batch_size=max(int(mb.tokens.shape[0]) for mb in micro_batches),
+                    forward_only=forward_only,
+                )
         finally:
             if self.router_replay is not None:
                 self.router_replay.finish()
-
-    @property
-    def _seq_multiple(self) -> int:
-        """Sequence lengths are padded to this: sequence parallelism splits them over TP, context parallelism into
-        ``2 x CP`` chunks (each CP rank's share again split over TP with SP)."""
-        config = self.model_config
-        tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-        cp = config.context_parallel_size
-        return tp * (2 * cp if cp > 1 else 1)
-
-    def _local_micro_batches(
-        self, batch: TrainBatch, micro_batch_size: int
-    ) -> tuple[list[list[int]], TrainBatch, list[list[int]], list[MicroBatch], float]:
-        """(every rank's rows, this rank's rows of ``batch``, its micro-batch positions, the micro-batches, the
-        padding ratio)."""
-        from megatron.core import (
-            parallel_state as ps,
-        )  # heavy: megatron-core
-
-        budget = self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None
-        ranks, groups, padding_ratio = plan_micro_batches(
-            batch.sequence_lengths.tolist(),
-            ps.get_data_parallel_world_size(),
-            ps.get_data_parallel_rank(),
-            micro_batch_size,
-            budget,
-            self.packed,
-            self._seq_multiple,
-        )
-        local = batch.select(ranks[ps.get_data_parallel_rank()])
-        if self.packed:  # packed (THD), the whole padded to the SP multiple; CP is refused by config
-            micro_batches = [pack_micro_batch(make_micro_batch(local, rows), 1, self._seq_multiple) for rows in groups]
-        else:
-            cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-            micro_batches = [
-                context_parallel_slice(make_micro_batch(local, rows, self._seq_multiple), cp_size, cp_rank)
-                for rows in groups
-            ]
-        return ranks, local, groups, micro_batches, padding_ratio
 
     def compute_log_probs(
         self, batch: TrainBatch, temperature: float, calculate_entropy: bool = False, calculate_sum_pi_squared=False
@@ -452,8 +460,8 @@ class MegatronActor:
 
         for c in self.chunks:
             c.eval()
-        ranks, local, groups, micro_batches, padding_ratio = self._local_micro_batches(
-            batch, self.cfg.log_prob_micro_batch_size_per_gpu
+        ranks, local, groups, micro_batches, padding_ratio = local_micro_batches(
+            batch, self.cfg.log_prob_micro_batch_size_per_gpu, self.cfg, self.packed, seq_multiple(self.model_config)
         )
 
         def keep(log_probs, entropy, mb: MicroBatch, sum_pi_squared=None):
@@ -540,8 +548,8 @@ class MegatronActor:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        _, local, _, micro_batches, padding_ratio = self._local_micro_batches(
-            mini_batch, self.cfg.ppo_micro_batch_size_per_gpu
+        _, local, _, micro_batches, padding_ratio = local_micro_batches(
+            mini_batch, self.cfg.ppo_micro_batch_size_per_gpu, self.cfg, self.packed, seq_multiple(self.model_config)
         )
         if self.moe is not None:
             self.moe.start_step(micro_batches, self.device)

@@ -128,10 +128,12 @@ def recorded_fields(actor, b: TrainBatch) -> TrainBatch:
     fields, summed over all ranks (DP ranks hold other rows, PP ranks other layers)."""
     from megatron.core import parallel_state as ps
 
+    from megatron_dapo.training.actor import local_micro_batches, seq_multiple
     from megatron_dapo.training.router_replay import moe_layer_numbers
 
     replayer = actor.router_replay
-    ranks, local, groups, mbs, _ = actor._local_micro_batches(b, actor.cfg.log_prob_micro_batch_size_per_gpu)
+    size, multiple = actor.cfg.log_prob_micro_batch_size_per_gpu, seq_multiple(actor.model_config)
+    ranks, local, groups, mbs, _ = local_micro_batches(b, size, actor.cfg, actor.packed, multiple)
     assert len(mbs) == 1
     mb = mbs[0]
     rows = [ranks[ps.get_data_parallel_rank()][i] for i in groups[0]]

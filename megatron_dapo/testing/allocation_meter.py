@@ -1,0 +1,110 @@
+"""Every storage a torch op creates, charged while it lives: the device ledger's allocator.
+
+A GPU's allocator sees every allocation, whoever makes it; a list of named holders sees only what it was told about
+(a log-prob pass that keeps every micro-batch's autograd graph is invisible to it). ``AllocationMeter`` is a
+``TorchDispatchMode``: every aten op that runs while it is active passes through it, and each output tensor whose
+storage it has not seen is charged with the storage's bytes until the storage is freed (a finalizer on the storage:
+its Python object lives exactly as long as the storage). Views share their base's storage and cost nothing; in-place
+ops that resize a storage (``resize_``, ``set_``) are re-read; ``recharge`` re-reads a storage resized outside
+dispatch (``UntypedStorage.resize_``, the hand-off's release and restore).
+
+``live`` is the bytes held now, ``peak`` the most held since ``reset_peak``. ``paused()`` leaves a block out: what the
+modelled engine allocates for itself (it is charged as vLLM reserves it, not per tensor) and host buffers.
+
+What it cannot see: storages made outside dispatch (``torch.from_numpy``, ``torch.frombuffer``), and CPU work that a
+GPU run would also keep on the host (the step's batch, its metrics) is charged as device memory: the ledger errs on
+the high side.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# In-place ops after which a storage may have changed size.
+_RESIZING = {"resize_", "set_", "resize_as_"}
+
+
+class AllocationMeter(TorchDispatchMode):
+    """Charges every storage created by a torch op while active (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._charged: dict[int, int] = {}  # storage key (StorageImpl address) -> bytes charged
+        self._paused = threading.local()
+        self._lock = threading.Lock()
+
+    # ----- accounting
+    def _paused_here(self) -> bool:
+        return getattr(self._paused, "depth", 0) > 0
+
+    def _add(self, delta: int) -> None:
+        with self._lock:
+            self.live += delta
+            if self.live > self.peak:
+                self.peak = self.live
+
+    def _freed(self, key: int) -> None:
+        with self._lock:
+            nbytes = self._charged.pop(key, 0)
+            self.live -= nbytes
+
+    def charge(self, storage: torch.UntypedStorage) -> None:
+        """Charge ``storage`` (once) for its current bytes until it is freed."""
+        key = int(storage._cdata)
+        if key in self._charged:
+            return
+        nbytes = storage.nbytes()
+        self._charged[key] = nbytes
+        weakref.finalize(storage, self._freed, key)
+        self._add(nbytes)
+
+    def recharge(self, storage: torch.UntypedStorage) -> None:
+        """Re-read a charged storage's size (it was resized in place); an uncharged one is left alone."""
+        key = int(storage._cdata)
+        if key not in self._charged:
+            return
+        nbytes = storage.nbytes()
+        with self._lock:
+            delta = nbytes - self._charged[key]
+            self._charged[key] = nbytes
+        self._add(delta)
+
+    def adjust(self, delta: int) -> None:
+        """Charge (or give back) ``delta`` bytes held by something the meter does not see tensor by tensor."""
+        self._add(delta)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing created in the block (on this thread) is charged."""
+        self._paused.depth = getattr(self._paused, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._paused.depth -= 1
+
+    # ----- the dispatch hook
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self._paused_here():
+            return out
+        resized = func.__name__.split(".")[0] in _RESIZING
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                storage = t.untyped_storage()
+                if resized:
+                    self.recharge(storage)
+                self.charge(storage)
+        return out
