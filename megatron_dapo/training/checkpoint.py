@@ -16,7 +16,8 @@ Atomicity: everything is written into ``<save_dir>/.tmp-step_<n>``, which is ren
 after every rank finished; the ``latest`` marker (``global_step_<n>``) is replaced last (write + ``os.replace``).
 A crash at any point leaves the previous checkpoint and ``latest`` untouched; a stale ``.tmp-*`` directory is
 ignored and removed by the next save (``megatron_dapo/weights/atomic.py`` holds the rename/fsync helpers, shared with
-the converter). Assumes a file system shared by all ranks (as Megatron-LM does).
+the converter). Checkpoints beyond ``max_ckpt_to_keep`` are renamed to ``.tmp-delete-*`` at once and deleted by a
+background thread of rank 0. Assumes a file system shared by all ranks (as Megatron-LM does).
 
 Layout changes on load: model weights are resharded by ``dist_checkpointing`` for any TP/PP/DP change. The
 non-distributed optimizer's state is keyed like the parameters, so it reshards the same way. The distributed
@@ -33,10 +34,10 @@ nor keeps it per parameter on load; ``_restore_torch_adam_steps`` sets it from `
 
 Integrity: ``manifest.json`` in the step directory lists every file with its size and checksum (XXH3-64; the
 version 1 manifests of older checkpoints hold CRC-32 and still verify: ``megatron_dapo/weights/integrity.py``), hashed
-as the bytes are written: megatron-core's tensor files through our writer helpers (``_run_request_bounded``),
-rng/trainer_state/config as we write them; only megatron-core's three small bookkeeping files (``common.pt``,
-``.metadata``, ``metadata.json``), written inside megatron-core, are hashed by rank 0 right after they are written
-(page cache). ``load``/``resolve_resume`` verify sizes and checksums first (the ranks
+as the bytes are written: megatron-core's tensor files by our writer (``BucketWriter``), rng/trainer_state/config as
+we write them; only megatron-core's three small bookkeeping files (``common.pt``, ``.metadata``, ``metadata.json``),
+written inside megatron-core, are hashed by rank 0 right after they are written (page cache), and fsynced then.
+``load``/``resolve_resume`` verify sizes and checksums first (the ranks
 split the files, one collective agrees) and raise ``CheckpointIntegrityError`` naming the step directory, the file
 and expected vs found ("truncated" / "corrupt"); ``resume_mode=auto`` falls back to the newest intact checkpoint
 with a warning. A checkpoint without a manifest (written before manifests existed) loads with a warning.
@@ -44,17 +45,27 @@ with a warning. A checkpoint without a manifest (written before manifests existe
 No non-finite weight: ``save`` refuses (before any rank writes anything) a state whose floating model or optimizer
 tensors hold NaN/inf, naming the first such tensor.
 
-Bounded writes, through megatron-core's public API: ``dist_checkpointing.save(..., async_sharded_save=True)`` with its
-``TorchDistSaveShardedStrategy`` plans the save and returns the file writing as an ``AsyncRequest`` for its caller to
-execute (the write buckets, one per file; the queue its finalisation reads the write results from; the finalize
-functions). megatron-core's own executor forks one helper process per file and waits for them without a time limit
-(``count_queue.join()`` in ``FileSystemWriterAsync.write_preloaded_data_multiproc``: a killed helper hangs the save
-forever). We execute the request ourselves (``_run_request_bounded``): our forked helpers write and hash the buckets,
-the rank polls each helper's liveness and gives up after ``timeout_s`` with a ``CheckpointError`` naming the helper's
-pid, its file and the step (the temporary directory is never published); otherwise the results go into the request's
-queue and megatron-core's finalize functions write ``.metadata`` and ``metadata.json``. That queue is megatron-core's
-process-wide ``multiprocessing`` manager, started with ``spawn`` at a process's first save (a few seconds, once): it
-re-imports the launching script, so scripts run under torchrun keep their work under ``if __name__ == "__main__"``.
+Writing, through megatron-core's public API: ``dist_checkpointing.save(..., async_sharded_save=True)`` with its
+``TorchDistSaveShardedStrategy`` plans the save (rank 0 writes ``common.pt``) and returns the file writing as an
+``AsyncRequest`` (the write buckets, one per file; the queue its finalisation reads the write results from; the
+finalize functions, which write ``.metadata`` and ``metadata.json``). We execute the request ourselves
+(``megatron_dapo/weights/dist_writer.py``): the buckets' tensors are staged in host buffers kept for the run
+(``HostStaging``: device tensors, and every tensor of a background save; a CPU tensor of a synchronous save is written
+in place, a view through an exact-storage alias where megatron-core would clone it), and threads of the rank write
+one file each in megatron-core's item format, hashed as written, the disk started on the bytes every 64 MB, one
+fsync per file (``BucketWriter``). The wait on them is bounded by ``timeout_s``: a writer that fails or does not
+finish raises ``CheckpointError`` on every rank naming the file and the step, and the temporary directory is never
+published. Then the results go into the request's queue and megatron-core's finalize functions run. megatron-core's
+own executor would fork one helper process per file and wait for them without a time limit. That queue is
+megatron-core's process-wide ``multiprocessing`` manager, started with ``spawn`` at a process's first save (a few
+seconds, once; the CPU shims replace it by an in-process queue): it re-imports the launching script, so scripts run
+under torchrun keep their work under ``if __name__ == "__main__"``.
+
+Background saves (``save(blocking=False)``): the save returns once the state is staged in host memory and the small
+files are written; the tensor files are written while training goes on, and ``finalize`` (collective; called by the
+next ``save`` first, and by the caller before it exits) waits for them and publishes the step. Until then ``latest``
+names the previous step; a process killed meanwhile leaves an unpublished ``.tmp-step_<n>``, which the next save
+removes. A failed background write raises ``CheckpointError`` from that ``finalize``.
 
 Components (``Stateful``: ``state_dict``/``load_state_dict``, torchtitan's pattern) registered with the manager are
 saved in ``trainer_state.json`` under their names and restored in place by ``load``; the trainer registers itself
@@ -65,6 +76,7 @@ leaves that component as constructed.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -72,16 +84,15 @@ import os
 import queue
 import re
 import shutil
-import signal
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol, Union
 
 import torch
-import torch.multiprocessing as mp
 import yaml
-from torch.utils.serialization import config as serialization_config
 
 from megatron_dapo.models.builder import unwrap
 from megatron_dapo.models.lora import is_adapter_param, lora_modules_present
@@ -97,12 +108,12 @@ from megatron_dapo.weights.dist_format import (
     model_sharded_state_dict,
     model_state_key,
 )
+from megatron_dapo.weights.dist_writer import BucketWriter, HostStaging, exact_storage
 from megatron_dapo.weights.errors import CheckpointError, CheckpointIntegrityError
 from megatron_dapo.weights.integrity import (
     MANIFEST_NAME,
     FileRecord,
-    HashingWriter,
-    file_digest,
+    durable_file_record,
     first_non_finite,
     manifest_problem,
     torch_save_hashed,
@@ -204,153 +215,75 @@ def _warn_if_no_manifest(step_dir: Path) -> None:
         )
 
 
-# ------------------------------------------------------------------------------------------ bounded writer
+# ------------------------------------------------------------------------------------ megatron-core's request
 
 
-def _write_bucket_hashed(transform_list: list, proc_idx: int, bucket: Any, results: Any) -> None:
-    """Helper-process body: megatron-core's ``write_preloaded_data`` with the file stream hashed as it is written.
+class _ExactStoragePlanner:
+    """megatron-core's save planner, its tensors resolved to exact-storage aliases (``exact_storage``): megatron-core's
+    ``FileSystemWriterAsync.prepare_write_data`` then finds no CPU view to clone, and the writer writes the views'
+    own bytes in place (the clone was a copy of every such view into freshly faulted memory, at every save)."""
 
-    Puts ``(proc_idx, write_results, size, digest)`` or ``(proc_idx, error text)`` on ``results``. torch.save's
-    own zip CRC-32 is turned off in this (forked, short-lived) process: the manifest's checksum, computed here as the
-    bytes are written, covers the file, and a second pass over every byte is what this writer avoids.
-    """
-    # heavy: torch.distributed.checkpoint (~1 s on top of torch)
-    from torch.distributed.checkpoint.filesystem import _write_item
+    def __init__(self, planner: Any) -> None:
+        self.planner = planner
 
+    def resolve_data(self, write_item: Any) -> Any:
+        data = self.planner.resolve_data(write_item)
+        return exact_storage(data.detach()) if isinstance(data, torch.Tensor) else data
+
+
+@contextlib.contextmanager
+def _views_not_cloned() -> Iterator[None]:
+    """megatron-core's torch_dist strategy, for this block, builds its file writer as the subclass whose
+    ``prepare_write_data`` resolves through ``_ExactStoragePlanner`` (what it hands back is unchanged otherwise).
+    A megatron-core without that module attribute keeps its own writer (and its clones)."""
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch  # heavy: megatron-core
+
+    base = getattr(mcore_torch, "FileSystemWriterAsync", None)
+    if base is None:
+        yield
+        return
+
+    class _InPlaceViewsWriter(base):
+        def prepare_write_data(self, plan: Any, planner: Any) -> None:
+            super().prepare_write_data(plan, _ExactStoragePlanner(planner))
+
+    mcore_torch.FileSystemWriterAsync = _InPlaceViewsWriter
     try:
-        file_name, storage_key, (bytes_data, tensor_data) = bucket
-        extra = {}
-        if "serialization_format" in inspect.signature(_write_item).parameters:
-            # heavy: torch.distributed.checkpoint (~1 s on top of torch)
-            from torch.distributed.checkpoint.filesystem import SerializationFormat
-
-            extra["serialization_format"] = SerializationFormat.TORCH_SAVE
-        write_results = []
-        serialization_config.save.compute_crc32 = False
-        with open(file_name, "wb") as raw:
-            stream = HashingWriter(raw)
-            for item, data in list(bytes_data) + list(tensor_data):
-                write_results.append(_write_item(*transform_list, stream, data, item, storage_key, **extra))
-            raw.flush()
-            os.fsync(raw.fileno())
-        results.put((proc_idx, write_results, stream.size, stream.digest))
-    except BaseException as e:  # noqa: BLE001 - reported to the rank, which raises it named
-        results.put((proc_idx, f"{type(e).__name__}: {e}"))
+        yield
+    finally:
+        mcore_torch.FileSystemWriterAsync = base
 
 
-def _signal_name(exitcode: int) -> str:
-    try:
-        return f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
-    except ValueError:
-        return f"exit code {exitcode}"
+def _request_buckets(request: Any) -> tuple[Optional[list], Optional[str]]:
+    """This rank's write buckets in megatron-core's ``AsyncRequest`` (``dist_checkpointing.save(...,
+    async_sharded_save=True)``): (buckets or None when this rank writes nothing, error). Its arguments as megatron-core
+    documents them (``AsyncRequest.execute_sync``, ``get_save_function_and_args``): this rank, the write buckets (one
+    per file), the queue its finalisation reads the write results from. Its ``preload_fn`` (``.to("cpu")`` into
+    fresh pageable memory) is not run: ``HostStaging`` makes the host copies."""
+    if request.async_fn is None:  # nothing to write on this rank
+        return None, None
+    args = list(request.async_fn_args)
+    if len(args) != 3:
+        return None, (
+            f"megatron-core's AsyncRequest has {len(args)} write arguments, expected 3 (rank, write buckets, results "
+            "queue): this megatron-core version's checkpoint writer is not supported"
+        )
+    return list(args[1]), None
 
 
-class _HelperPool:
-    """The forked writer helpers of one rank's save, one per file, and every bounded wait on them."""
-
-    def __init__(self, transform_list: list, write_buckets: list, label: str) -> None:
-        ctx = mp.get_context("fork")
-        self.buckets, self.label = write_buckets, label
-        self.results = ctx.Queue()
-        self.procs = [
-            ctx.Process(target=_write_bucket_hashed, args=(transform_list, i, bucket, self.results), daemon=True)
-            for i, bucket in enumerate(write_buckets)
-        ]
-        self.exited_at: dict[int, float] = {}
-
-    def what(self, i: int) -> str:
-        return f"checkpoint writer helper pid {self.procs[i].pid} (writing {self.buckets[i][0]}) for {self.label}"
-
-    def poll_exits(self, done: dict, now: float) -> Optional[str]:
-        """An error when a helper exited without a result (a clean exit gets a short grace period: its result may
-        still be in the pipe)."""
-        for i, p in enumerate(self.procs):
-            if i in done or p.exitcode is None:
-                continue
-            self.exited_at.setdefault(i, now)
-            if p.exitcode != 0 or now - self.exited_at[i] > 5.0:
-                return f"{self.what(i)} died ({_signal_name(p.exitcode)}) before finishing its file"
-        return None
-
-    def run(self, timeout_s: float, records: list) -> tuple[dict[int, Any], Optional[str]]:
-        """Start the helpers and collect their results (``records`` gets each file's record) until all are in, one
-        failed or died, or ``timeout_s`` passed; then stop them. Returns (results by helper, error or None)."""
-        for p in self.procs:
-            p.start()
-        done: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
-        error: Optional[str] = None
-        while len(done) < len(self.procs) and error is None:
-            try:
-                got = self.results.get(timeout=0.2)
-            except queue.Empty:
-                now = time.monotonic()
-                error = self.poll_exits(done, now)
-                if error is None and now > deadline:
-                    late = [i for i in range(len(self.procs)) if i not in done]
-                    error = f"{self.what(late[0])} did not finish within timeout_s={timeout_s:g}"
-                continue
-            if isinstance(got[1], str):
-                error = f"{self.what(got[0])} failed: {got[1]}"
-            else:
-                done[got[0]] = got[1]
-                records.append(FileRecord(self.buckets[got[0]][0], got[2], got[3]))
-        for p in self.procs:
-            if p.exitcode is None and error is not None:
-                p.kill()
-            p.join(timeout=5.0)
-        self.results.close()
-        return done, error
-
-
-def _write_transforms() -> list:
-    """``_write_item``'s leading arguments: torch >= 2.6 takes the writer's stream transforms. megatron-core builds its
-    writer without extensions (the default: no transform); the write results we hand back record what was applied,
-    so the ``.metadata`` megatron-core writes from them describes the files as written either way."""
-    from torch.distributed.checkpoint import filesystem  # heavy: torch.distributed.checkpoint (~1 s on top of torch)
-
-    if "transforms" not in inspect.signature(filesystem._write_item).parameters:
-        return []
-    return [filesystem._StorageWriterTransforms()]
-
-
-def _hand_back_results(results_queue: Any, done: dict[int, Any]) -> None:
+def _hand_back_results(request: Any, done: dict[int, Any]) -> None:
     """Give megatron-core's finalisation (``FileSystemWriterAsync.retrieve_write_results``) this rank's write results
     through the queue the request names. The queue lives as long as the process (megatron-core's, shared by every
     save): an entry a failed save left behind is dropped first, or the next save would read it as its own."""
+    if request.async_fn is None:
+        return
+    results_queue = request.async_fn_args[2]
     while True:
         try:
             results_queue.get_nowait()
         except queue.Empty:
             break
     results_queue.put(done)
-
-
-def _run_request_bounded(request: Any, timeout_s: float, label: str, records: list[FileRecord]) -> Optional[str]:
-    """This rank's file writing of megatron-core's ``AsyncRequest`` (``dist_checkpointing.save(...,
-    async_sharded_save=True)``), run by us the way megatron-core's own callers run it (``AsyncRequest.execute_sync``:
-    preload, ``async_fn(*async_fn_args)``, then the finalize functions), except that the files are written by our
-    forked helpers (``_HelperPool``, hashed into ``records``) with every wait bounded by ``timeout_s``, where
-    megatron-core's ``write_preloaded_data_multiproc`` waits for its helpers without a limit.
-
-    Returns the error (a helper died, failed or did not finish in time) or None. Nothing raises here, so no rank
-    leaves the others waiting in a collective; the caller agrees on the outcome and then runs the (collective)
-    finalize functions."""
-    if request.async_fn is None:  # nothing to write on this rank
-        return None
-    args = list(request.async_fn_args)
-    # The request's arguments as megatron-core documents them (AsyncRequest.execute_sync, get_save_function_and_args):
-    # this rank, the write buckets (one per file), the queue its finalisation reads the write results from.
-    if len(args) != 3:
-        return (
-            f"megatron-core's AsyncRequest has {len(args)} write arguments, expected 3 (rank, write buckets, results "
-            "queue): this megatron-core version's checkpoint writer is not supported"
-        )
-    buckets = request.preload_fn() if request.preload_fn is not None else args[1]
-    done, error = _HelperPool(_write_transforms(), buckets, label).run(timeout_s, records)
-    if error is None:
-        _hand_back_results(args[2], done)
-    return error
 
 
 def _async_save_kwargs(save_fn: Any) -> dict[str, Any]:
@@ -363,6 +296,20 @@ def _async_save_kwargs(save_fn: Any) -> dict[str, Any]:
     if "async_strategy" in params:  # newer megatron-core defaults to nvidia-resiliency-ext's request type
         kwargs["async_strategy"] = "mcore"
     return kwargs
+
+
+@dataclass
+class _PendingSave:
+    """A save whose files are being written: what its completion (``CheckpointManager.finalize``) needs."""
+
+    step: int
+    tmp: Path
+    final: Path
+    request: Any  # megatron-core's AsyncRequest: its finalize functions write .metadata and metadata.json
+    writer: Optional[BucketWriter]  # None: nothing to write on this rank, or planning failed (``error``)
+    records: list[FileRecord]  # this rank's files written so far
+    started: float
+    error: Optional[str] = None
 
 
 def _uses_distributed_optimizer(optimizer) -> bool:
@@ -598,13 +545,16 @@ class CheckpointManager:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         states: Optional[Mapping[str, Stateful]] = None,
     ) -> None:
-        """``timeout_s`` bounds every wait on the checkpoint-writer helper processes during ``save``."""
+        """``timeout_s`` bounds every wait on the checkpoint writer threads (``save``, ``finalize``)."""
         if not timeout_s or timeout_s <= 0:
             raise ValueError(f"CheckpointManager(timeout_s={timeout_s!r}): expected a positive number of seconds")
         self.save_dir = Path(save_dir)
         self.max_ckpt_to_keep = max_ckpt_to_keep
         self.timeout_s = float(timeout_s)
         self.states: dict[str, Stateful] = {}
+        self._pending: Optional[_PendingSave] = None
+        self._cleanup: Optional[threading.Thread] = None
+        self._staging: Optional[HostStaging] = None  # made by the first save
         for name, component in (states or {}).items():
             self.register(name, component)
 
@@ -642,14 +592,21 @@ class CheckpointManager:
         data_state: Optional[dict] = None,
         config: Optional[dict] = None,
         save_optimizer: bool = True,
+        blocking: bool = True,
     ) -> Path:
         """Collective (every rank calls it). Returns the final step directory. ``data_state`` is the data position for
         a caller without a component registered as ``data_state``.
 
+        ``blocking=False``: returns once the state is snapshotted into host memory (``HostStaging``) and the small
+        files are written; the tensor files are written in the background and the step is published by
+        ``finalize`` (collective), which the next ``save`` calls first. Until then ``latest`` names the previous step.
+
         Raises ``CheckpointIntegrityError`` (every rank, nothing written) when a floating model/optimizer tensor is
         non-finite, and ``CheckpointError`` (every rank, temporary directory unpublished, ``latest`` unchanged) when
-        writing fails, e.g. a writer helper dies or does not finish within ``timeout_s``.
+        writing fails, e.g. a writer thread fails or does not finish within ``timeout_s`` (for ``blocking=False``:
+        raised by the ``finalize`` that completes it).
         """
+        self.finalize()  # the previous background save completes (or raises) before this one touches the directory
         started = time.perf_counter()
         tmp = self.save_dir / f"{TMP_PREFIX}{step}"
         final = self.save_dir / step_dir_name(step)
@@ -668,10 +625,46 @@ class CheckpointManager:
         sharded = _sharded_state_dict(model_chunks, saved_optimizer, is_loading=False, step=step)
         self._refuse_non_finite(model_chunks, sharded, final)
         self._make_tmp(tmp)
-        records = self._write_dist(sharded, tmp, final)
-        records.append(torch_save_hashed(rng, tmp / RNG_DIR / _rng_name(rank())))
+        pending = self._start_writing(step, sharded, tmp, final, background=not blocking)
+        pending.started = started
+        pending.records.append(torch_save_hashed(rng, tmp / RNG_DIR / _rng_name(rank())))
         if rank() == 0:
-            records += _write_rank0_files(tmp, state_text, config)
+            pending.records += _write_rank0_files(tmp, state_text, config)
+        self._pending = pending
+        if blocking:
+            self.finalize()
+        return final
+
+    @property
+    def pending_step(self) -> Optional[int]:
+        """The step of a save still being written in the background (``save(blocking=False)``), else None."""
+        return self._pending.step if self._pending is not None else None
+
+    def finalize(self) -> Optional[Path]:
+        """Collective. Complete the pending save, if any: wait for its files (at most ``timeout_s``), let
+        megatron-core write its metadata, write the manifest, publish the step directory, move ``latest`` to it and
+        rotate. Returns the published directory (None: nothing was pending). A failure on any rank raises
+        ``CheckpointError`` on every rank; the step stays unpublished and ``latest`` unchanged."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        done, records, error = ({}, [], pending.error)
+        if pending.writer is not None and error is None:
+            done, records, error = pending.writer.wait(self.timeout_s)
+        error = agree_error(error)
+        if error is not None:
+            raise CheckpointError(
+                f"saving checkpoint {pending.final} failed: {error}; {pending.tmp} was not published, "
+                f"{self.save_dir / LATEST} is unchanged"
+            )
+        _hand_back_results(pending.request, done)
+        for finalize in pending.request.finalize_fns:  # megatron-core's .metadata and metadata.json (collective)
+            finalize()
+        tmp, final = pending.tmp, pending.final
+        records += pending.records
+        if rank() == 0:
+            bookkeeping = [tmp / DIST_DIR / name for name in _MCORE_BOOKKEEPING]
+            records += [durable_file_record(path) for path in bookkeeping if path.is_file()]
         # Every rank's files are in place; rank 0 gets their records (this is the barrier).
         everyone = all_gather_object([(os.path.relpath(r.path, tmp), r.size, r.digest) for r in records])
         if rank() == 0:
@@ -682,7 +675,7 @@ class CheckpointManager:
             self._rotate(keep=final)
         barrier()
         if rank() == 0:
-            log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - started)
+            log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - pending.started)
         return final
 
     def _refuse_non_finite(self, model_chunks: list, sharded: dict, final: Path) -> None:
@@ -707,6 +700,7 @@ class CheckpointManager:
         """Rank 0 creates the temporary step directory (removing stale ones first); every rank waits for it."""
         if rank() == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
+            self.wait_for_cleanup()
             for stale in self.save_dir.glob(".tmp-*"):  # left by a crashed save or deletion
                 if stale.is_dir():
                     shutil.rmtree(stale)
@@ -714,35 +708,39 @@ class CheckpointManager:
             (tmp / RNG_DIR).mkdir()
         barrier()
 
-    def _write_dist(self, sharded: dict, tmp: Path, final: Path) -> list[FileRecord]:
-        """megatron-core's dist checkpoint of ``sharded`` into ``tmp``, its files written by the bounded writer; the
-        records of this rank's files. Collective: a failure on any rank raises ``CheckpointError`` on every rank."""
+    def _start_writing(self, step: int, sharded: dict, tmp: Path, final: Path, background: bool) -> _PendingSave:
+        """megatron-core plans the dist checkpoint of ``sharded`` (rank 0 also writes ``common.pt``) and hands its
+        tensor files back as write buckets; they are staged in host memory (device tensors always, all of them for a
+        ``background`` save) and written by a ``BucketWriter``. Collective (the planning, whose errors propagate as
+        megatron-core raises them); a failure after it is kept in the pending save and agreed on by ``finalize``, so
+        that no rank waits for a failed one."""
         # heavy: megatron-core, once the platform has patched it
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-        # megatron-core plans the save (rank 0 also writes common.pt) and hands the tensor files back as a request.
-        request = dist_checkpointing.save(
-            sharded,
-            str(tmp / DIST_DIR),
-            sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
-            **_async_save_kwargs(dist_checkpointing.save),
-        )
-        records: list[FileRecord] = []
-        try:
-            label = f"{final.name} (being written in {tmp})"
-            local_error = _run_request_bounded(request, self.timeout_s, label, records)
-        except Exception as e:  # noqa: BLE001 - agreed below so that no rank waits for a failed one
-            local_error = f"{type(e).__name__}: {e}"
-        error = agree_error(local_error)
-        if error is not None:
-            raise CheckpointError(
-                f"saving checkpoint {final} failed: {error}; {tmp} was not published, {self.save_dir / LATEST} "
-                "is unchanged"
+        with _views_not_cloned():
+            request = dist_checkpointing.save(
+                sharded,
+                str(tmp / DIST_DIR),
+                sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
+                **_async_save_kwargs(dist_checkpointing.save),
             )
-        for finalize in request.finalize_fns:  # megatron-core's .metadata and metadata.json (collective)
-            finalize()
-        return records
+        pending = _PendingSave(step, tmp, final, request, writer=None, records=[], started=time.perf_counter())
+        try:
+            buckets, pending.error = _request_buckets(request)
+            if buckets:
+                staged = self._host_staging().stage(buckets, host_too=background)
+                pending.writer = BucketWriter(staged, f"{final.name} (being written in {tmp})").start()
+        except Exception as e:  # noqa: BLE001 - agreed in finalize so that no rank waits for a failed one
+            pending.error = f"{type(e).__name__}: {e}"
+        return pending
+
+    def _host_staging(self) -> HostStaging:
+        """Host copies of the saved tensors (device tensors; all of them for a background save), kept for the run."""
+        if self._staging is None:
+            platform = get_platform()
+            self._staging = HostStaging(platform.host_buffer, platform.free_host_buffer, platform.synchronize)
+        return self._staging
 
     def _commit(self, tmp: Path, final: Path) -> None:
         # Re-saving a step (e.g. after resuming from it): swap, then delete the old copy.
@@ -750,14 +748,29 @@ class CheckpointManager:
         write_text_atomic(self.save_dir / LATEST, final.name + "\n")
 
     def _rotate(self, keep: Path) -> None:
+        """Drop the oldest checkpoints beyond ``max_ckpt_to_keep``: each is renamed out of sight at once (no
+        half-deleted ``global_step_<n>`` is ever visible), and deleted by a background thread (freeing a checkpoint's
+        page cache takes a while; the next save waits for it, and any leftover ``.tmp-*`` is removed by it)."""
         if not self.max_ckpt_to_keep or self.max_ckpt_to_keep <= 0:
             return
         others = [(s, p) for s, p in complete_checkpoints(self.save_dir) if p != keep]
         excess = len(others) + 1 - self.max_ckpt_to_keep
+        doomed = []
         for _, path in others[: max(excess, 0)]:  # lowest steps first
-            doomed = path.with_name(f".tmp-delete-{path.name}")
-            os.rename(path, doomed)  # no half-deleted global_step_<n> is ever visible
-            shutil.rmtree(doomed, ignore_errors=True)
+            doomed.append(path.with_name(f".tmp-delete-{path.name}"))
+            os.rename(path, doomed[-1])
+        if doomed:
+            self.wait_for_cleanup()
+            self._cleanup = threading.Thread(
+                target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed], daemon=True
+            )
+            self._cleanup.start()
+
+    def wait_for_cleanup(self) -> None:
+        """Wait for the deletion of rotated-out checkpoints (``_rotate``) to finish."""
+        if self._cleanup is not None:
+            self._cleanup.join()
+            self._cleanup = None
 
     # ------------------------------------------------------------------------------------------------ load
 
@@ -839,16 +852,11 @@ def _trainer_state_text(
 
 
 def _write_rank0_files(tmp: Path, state_text: str, config: Optional[dict]) -> list[FileRecord]:
-    """Rank 0's part: ``trainer_state.json``, ``config.yaml``, and the records of megatron-core's bookkeeping files
-    (written by megatron-core itself, hashed right after)."""
+    """Rank 0's part: ``trainer_state.json`` and ``config.yaml``, with their records."""
     records = [write_bytes_hashed(tmp / STATE_FILE, state_text.encode("utf-8"))]
     if config is not None:
         text = yaml.safe_dump(config, sort_keys=False)
         records.append(write_bytes_hashed(tmp / CONFIG_FILE, text.encode("utf-8")))
-    for name in _MCORE_BOOKKEEPING:
-        path = tmp / DIST_DIR / name
-        if path.is_file():
-            records.append(FileRecord(str(path), *file_digest(path)))
     return records
 
 

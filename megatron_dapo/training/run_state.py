@@ -90,7 +90,11 @@ def why_not_save_after(
 
 class StepCheckpoints:
     """Checkpoints of completed steps: the save (the engine asleep meanwhile), the resume, and the save of the last
-    completed step after a failure, from the components' state and RNG recorded at that step's boundary."""
+    completed step after a failure, from the components' state and RNG recorded at that step's boundary.
+
+    ``background``: a save returns once the state is staged in host memory and its files are written while training
+    goes on (``CheckpointManager.save(blocking=False)``); the next save publishes it first, and the owner calls
+    ``finish_saves`` before it exits (``saved_step`` is the step last handed to a save)."""
 
     def __init__(
         self,
@@ -100,9 +104,10 @@ class StepCheckpoints:
         handoff: MemoryHandoff,
         engine_released: Callable[[], None],
         is_main: bool,
+        background: bool = False,
     ) -> None:
         self.ckpt, self.cfg, self.platform, self.handoff = ckpt, cfg, platform, handoff
-        self.engine_released, self.is_main = engine_released, is_main
+        self.engine_released, self.is_main, self.background = engine_released, is_main, background
         self.saved_step: Optional[int] = None
         self.saving = False
         self.boundary = self.snapshot()
@@ -129,13 +134,22 @@ class StepCheckpoints:
             scheduler=scheduler,
             config=to_dict(self.cfg),
             save_optimizer=self.cfg.checkpoint.save_optimizer,
+            blocking=not self.background,
         )
         self.handoff.after_save()
         self.saving = False
         self.saved_step = step
 
+    def finish_saves(self) -> None:
+        """Collective: a save still being written in the background is published (or its failure raised as
+        ``CheckpointError``). Before the process exits; a no-op when nothing is pending."""
+        self.saving = True
+        self.ckpt.finalize()
+        self.saving = False
+
     def resume(self, actor: Any, scheduler: Any) -> Optional[int]:
         """Load the checkpoint ``checkpoint.resume_mode`` names (None: none); returns its step."""
+        self.finish_saves()  # ``latest`` names a published step only
         step_dir = resolve_resume(self.cfg.checkpoint.resume_mode, self.ckpt.save_dir)
         if step_dir is None:
             return None
@@ -155,10 +169,14 @@ class StepCheckpoints:
             # The groups of the failed step have left the queue and are in no snapshot: resume from the last periodic
             # checkpoint instead (docs/async.md).
             why_not = "asynchronous mode resumes from its last periodic checkpoint (checkpoint.save_freq)"
+        # A background save made before the failure is complete state: published if every rank can take part.
+        pending = self.ckpt.pending_step is not None and not self.saving and not isinstance(exc, KeyboardInterrupt)
         world, timeout_s = dist_world_size(), min(60.0, self.cfg.trainer.collective_timeout_s)
-        if why_not is None and not all_ranks_in_handler(world, timeout_s):
-            why_not = "not every rank reached the failure handler (the others are blocked or gone)"
+        if (why_not is None or pending) and not all_ranks_in_handler(world, timeout_s):
+            why_not, pending = "not every rank reached the failure handler (the others are blocked or gone)", False
         if why_not is not None:
+            if pending:
+                self._finish_after_failure()
             if why_not and self.is_main:
                 log.error(
                     "not saving step %d after the failure: %s; last checkpoint: step %s", step, why_not, self.saved_step
@@ -175,6 +193,13 @@ class StepCheckpoints:
         except Exception as save_exc:  # noqa: BLE001 - the original failure is what the caller raises
             if self.is_main:
                 log.error("saving step %d after the failure failed too: %r", step, save_exc)
+
+    def _finish_after_failure(self) -> None:
+        try:
+            self.finish_saves()
+        except Exception as save_exc:  # noqa: BLE001 - the original failure is what the caller raises
+            if self.is_main:
+                log.error("the background save of step %s failed too: %r", self.saved_step, save_exc)
 
 
 class LoraBase:

@@ -33,7 +33,7 @@ from typing import Any, Optional, Union
 import torch
 import xxhash
 
-from megatron_dapo.weights.atomic import write_bytes_durable
+from megatron_dapo.weights.atomic import start_writeback, write_bytes_durable
 
 PathLike = Union[str, Path]
 
@@ -83,14 +83,17 @@ def bytes_digest(data: Any, algorithm: str = CHECKSUM) -> str:
 
 class HashingWriter(io.RawIOBase):
     """Wraps a binary stream: every ``write`` goes through to it and updates a running hash (XXH3-64) and byte count,
-    from the caller's buffer itself (no copy)."""
+    from the caller's buffer itself (no copy). ``writeback_every`` > 0 (a file written from its start): the kernel is
+    asked to start writing each such many bytes to disk as soon as they are written (``atomic.start_writeback``)."""
 
-    def __init__(self, raw: Any, algorithm: str = CHECKSUM) -> None:
+    def __init__(self, raw: Any, algorithm: str = CHECKSUM, writeback_every: int = 0) -> None:
         super().__init__()
         self.raw = raw
         self.algorithm = algorithm
         self.hasher = new_hasher(algorithm)
         self.size = 0
+        self.writeback_every = writeback_every
+        self._written_back = 0
 
     def writable(self) -> bool:
         return True
@@ -101,6 +104,9 @@ class HashingWriter(io.RawIOBase):
         n = len(view) if n is None else n
         self.hasher.update(view[:n] if n < len(view) else view)
         self.size += n
+        if self.writeback_every and self.size - self._written_back >= self.writeback_every:
+            start_writeback(self.raw.fileno(), self._written_back, self.size - self._written_back)
+            self._written_back = self.size
         return n
 
     @property
@@ -159,8 +165,9 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return crc1 ^ crc2
 
 
-def file_digest(path: PathLike, algorithm: str = CHECKSUM) -> tuple[int, str]:
-    """(size, hex digest) of a file, read in chunks into one reused buffer."""
+def file_digest(path: PathLike, algorithm: str = CHECKSUM, fsync: bool = False) -> tuple[int, str]:
+    """(size, hex digest) of a file, read in chunks into one reused buffer; ``fsync``: the file is also made durable
+    (on the same descriptor), for a file another writer made without an fsync."""
     h, size = new_hasher(algorithm), 0
     buf = bytearray(_READ_CHUNK)
     view = memoryview(buf)
@@ -168,9 +175,17 @@ def file_digest(path: PathLike, algorithm: str = CHECKSUM) -> tuple[int, str]:
         while True:
             n = f.readinto(buf)
             if not n:
+                if fsync:
+                    os.fsync(f.fileno())
                 return size, h.hexdigest()
             h.update(view[:n])
             size += n
+
+
+def durable_file_record(path: PathLike) -> FileRecord:
+    """The record of a file megatron-core wrote without an fsync (``common.pt``, ``.metadata``, ``metadata.json``),
+    hashed from the page cache right after it was written and fsynced before its directory is published."""
+    return FileRecord(str(path), *file_digest(path, fsync=True))
 
 
 # The name callers outside this package still use (e.g. tests' checkpoint helpers): (size, digest) of a file in

@@ -272,6 +272,8 @@ def rotation_and_crash(out: Path) -> dict[str, Any]:
     from megatron_dapo.training.checkpoint import CheckpointManager, resolve_resume
 
     def listing(d: Path) -> list[str]:
+        manager.wait_for_cleanup()  # rank 0 deletes rotated-out checkpoints in the background
+        dist.barrier()
         names = sorted(p.name for p in d.iterdir())
         dist.barrier()  # every rank has looked before any starts the next save
         return names

@@ -3,13 +3,14 @@
 In one process pair, in order:
   1. ``save`` steps 1 and 2 (the manifest is checked by the test against an independent read of the files);
   2. a NaN written into one weight on rank 1 only: ``save(3)`` must refuse on both ranks, naming the tensor;
-  3. a writer helper killed with SIGKILL mid-save (on rank 0, which writes the files at DP=2; its helpers are
-     slowed by a wrapper so the kill lands during the write) and helpers that never finish (``timeout_s=3``): both
-     ranks raise ``CheckpointError`` within the timeout; nothing is published, ``latest`` is unchanged;
+  3. a writer thread failing with an I/O error mid-file (on rank 0, which writes the files at DP=2) and writers that
+     never finish (``timeout_s=3``): both ranks raise ``CheckpointError`` (within the timeout); nothing is
+     published, ``latest`` is unchanged;
   4. damaged copies of step 2 (a truncated ``.distcp``, a truncated ``rng`` file, a flipped byte): explicit
      ``resolve_resume``/``load`` raise on both ranks; ``auto`` falls back to step 1 with a warning and loads it;
-     with step 1 damaged too, ``auto`` raises.
-Rank r writes ``<out>/integrity_rank<r>.json``. Imports stay inside functions (the writer forks helpers).
+     with step 1 damaged too, ``auto`` raises;
+  5. background saves (``save(blocking=False)``, ``background_saves``).
+Rank r writes ``<out>/integrity_rank<r>.json``. Imports stay inside functions.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SLOW_HELPER_S = 60.0
+SLOW_WRITER_S = 60.0
 
 
 def _error(fn) -> dict[str, Any]:
@@ -41,47 +42,68 @@ def listing(d: Path) -> list[str]:
     return names
 
 
-def slow_helpers(kill_on_rank: int | None):
-    """Make the writer helpers sleep before writing — on every rank, or only on ``kill_on_rank``, where a thread
-    then SIGKILLs the first helper (the other rank finishes and waits for it in a collective)."""
-    import os
-    import threading
-
-    import psutil
+def broken_writer(kind: str, on_rank: int | None):
+    """Make the checkpoint writer threads ``"fail"`` (an I/O error after part of the file) or hang (``"stuck"``) —
+    on every rank, or only on ``on_rank`` (the other rank finishes and waits for it in a collective). Returns a
+    function that restores the real writer."""
     import torch.distributed as dist
 
-    from megatron_dapo.training import checkpoint
+    from megatron_dapo.weights import dist_writer
 
-    original = checkpoint._write_bucket_hashed
+    original = dist_writer.write_bucket
 
-    def sleepy(*args, **kwargs):
-        time.sleep(SLOW_HELPER_S)
-        return original(*args, **kwargs)
+    def failing(bucket):
+        with open(bucket[0], "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
 
-    if kill_on_rank is None or dist.get_rank() == kill_on_rank:
-        checkpoint._write_bucket_hashed = sleepy
-    killed: dict[str, Any] = {}
-    if kill_on_rank is not None and dist.get_rank() == kill_on_rank:
-        me = psutil.Process(os.getpid())
-        before = {c.pid for c in me.children()}
+    def stuck(bucket):
+        time.sleep(SLOW_WRITER_S)
+        return original(bucket)
 
-        def killer() -> None:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                new = [c for c in me.children() if c.pid not in before]
-                if new:
-                    time.sleep(0.5)  # it is inside the (slowed) write
-                    killed["pid"] = new[0].pid
-                    new[0].kill()
-                    return
-                time.sleep(0.05)
-
-        threading.Thread(target=killer, daemon=True).start()
+    if on_rank is None or dist.get_rank() == on_rank:
+        dist_writer.write_bucket = failing if kind == "fail" else stuck
 
     def restore() -> None:
-        checkpoint._write_bucket_hashed = original
+        dist_writer.write_bucket = original
 
-    return killed, restore
+    return restore
+
+
+def background_saves(save_dir: Path, chunks, optimizer, scheduler) -> dict[str, Any]:
+    """``save(blocking=False)``: what is visible while the files are written, publication by the next save and by
+    ``finalize``, the state saved being the one at ``save()`` although training went on, and a failing background
+    writer raising in the ``finalize`` that completes it."""
+    from megatron_dapo.training.checkpoint import CheckpointManager, checkpoint_problem
+    from tests.training.checkpoint_worker import train_step
+    from tests.training.common import named_params
+
+    def latest() -> str:
+        return (save_dir / "latest").read_text() if (save_dir / "latest").exists() else ""
+
+    manager = CheckpointManager(save_dir, timeout_s=20)
+    manager.save(1, chunks, optimizer, scheduler, data_state={"position": 1})
+    at_save = {n: p.detach().clone() for n, p in named_params(chunks)}
+    manager.save(2, chunks, optimizer, scheduler, data_state={"position": 2}, blocking=False)
+    res: dict[str, Any] = {"pending": manager.pending_step, "while_pending": listing(save_dir)}
+    res["latest_pending"] = latest()
+    train_step(chunks, optimizer, scheduler, seed=9)  # the parameters change while step 2's files are written
+    manager.save(3, chunks, optimizer, scheduler, data_state={"position": 3}, blocking=False)
+    res.update(pending_after_next=manager.pending_step, latest_after_next=latest())
+    res["finalized"] = manager.finalize().name
+    res.update(latest_after_finalize=latest(), after_finalize=listing(save_dir), problem=None)
+    res["problem"] = checkpoint_problem(save_dir / "global_step_2")
+    info = manager.load(save_dir / "global_step_2", chunks, optimizer, scheduler)
+    diffs = [float((p.detach() - at_save[n]).abs().max()) for n, p in named_params(chunks)]
+    res.update(loaded_step=info["step"], max_diff_vs_save_time=max(diffs))
+    restore = broken_writer("fail", on_rank=0)
+    try:
+        res["failing_save"] = _error(lambda: manager.save(4, chunks, optimizer, scheduler, blocking=False))
+        res["failing_finalize"] = _error(manager.finalize)
+    finally:
+        restore()
+    res.update(latest_after_failure=latest(), after_failure=listing(save_dir), nothing_pending=manager.finalize())
+    return res
 
 
 def main() -> None:
@@ -131,16 +153,15 @@ def main() -> None:
         param.copy_(saved_value)
     res["nan"] = {**nan, "param": name, "after": listing(save_dir), "latest": (save_dir / "latest").read_text()}
 
-    # 3a. a writer helper killed mid-save (rank 0: at DP=2 the replicated state is written by rank 0 only)
-    killed, restore = slow_helpers(kill_on_rank=0)
+    # 3a. a writer thread failing mid-save (rank 0: at DP=2 the replicated state is written by rank 0 only)
+    restore = broken_writer("fail", on_rank=0)
     try:
-        kill = _error(lambda: manager.save(4, chunks, optimizer, scheduler, data_state={"position": 4}))
+        failed = _error(lambda: manager.save(4, chunks, optimizer, scheduler, data_state={"position": 4}))
     finally:
         restore()
-    res["killed"] = {**kill, "pid": killed.get("pid"), "after": listing(save_dir)}
-    res["killed"]["latest"] = (save_dir / "latest").read_text()
-    # 3b. a helper that never finishes (both ranks): the timeout fires
-    _, restore = slow_helpers(kill_on_rank=None)
+    res["failed"] = {**failed, "after": listing(save_dir), "latest": (save_dir / "latest").read_text()}
+    # 3b. a writer that never finishes (both ranks): the timeout fires
+    restore = broken_writer("stuck", on_rank=None)
     try:
         stuck = _error(
             lambda: CheckpointManager(save_dir, timeout_s=3).save(5, chunks, optimizer, scheduler, data_state={})
@@ -208,6 +229,7 @@ def main() -> None:
             entry["none_intact"] = _error(lambda r=root: resolve_resume("auto", r))
         res[kind] = entry
 
+    res["background"] = background_saves(out / "background", chunks, optimizer, scheduler)
     (out / f"integrity_rank{rank}.json").write_text(json.dumps(res, indent=1))
     destroy_model_parallel()
     dist.destroy_process_group()

@@ -1,8 +1,9 @@
 """Checkpoint integrity (``training.checkpoint`` + ``weights.integrity``): the manifest matches an independent read
 of every file; damaged checkpoints (truncated ``.distcp``, truncated rng file, a flipped byte) give the same named
 error on both ranks, ``auto`` falls back to the previous intact step with a warning, and raises when none is
-intact; a NaN weight is refused before anything is written; a killed or stuck writer helper ends the save with a
-``CheckpointError`` within ``timeout_s`` and nothing is published.
+intact; a NaN weight is refused before anything is written; a failing or stuck writer thread ends the save with a
+``CheckpointError`` within ``timeout_s`` and nothing is published; background saves (``save(blocking=False)``) hold
+the state of the moment they were asked for and are published by the next save or ``finalize``.
 
 ``integrity_worker.py`` runs everything in one torchrun (world 2); see its docstring.
 """
@@ -56,24 +57,45 @@ def test_nan_weight_is_refused(run: dict) -> None:
     assert run["ranks"][0]["nan"]["error"] == run["ranks"][1]["nan"]["error"]
 
 
-def test_killed_or_stuck_writer_helper(run: dict) -> None:
-    killed = [r["killed"] for r in run["ranks"]]
-    pid = killed[0]["pid"]
-    assert isinstance(pid, int)
-    for k in killed:
-        assert k["type"] == "CheckpointError"
-        assert f"checkpoint writer helper pid {pid} (writing " in k["error"]
-        assert "__0_0.distcp) for global_step_4" in k["error"] and "died (killed by SIGKILL)" in k["error"]
-        assert "was not published" in k["error"]
-        assert k["seconds"] < 20  # the manager's timeout_s; the helpers would have slept 60 s
-        assert k["latest"] == "global_step_2\n" and "global_step_4" not in k["after"]
+def test_failing_or_stuck_writer(run: dict) -> None:
     for r in run["ranks"]:
+        failed = r["failed"]
+        assert failed["type"] == "CheckpointError"
+        assert "checkpoint writer thread (writing " in failed["error"]
+        assert "__0_0.distcp) for global_step_4" in failed["error"]
+        assert "failed: OSError: [Errno 28] No space left on device" in failed["error"]
+        assert "was not published" in failed["error"]
+        assert failed["latest"] == "global_step_2\n" and "global_step_4" not in failed["after"]
         stuck = r["stuck"]
         assert stuck["type"] == "CheckpointError" and "did not finish within timeout_s=3" in stuck["error"]
-        assert 3 <= stuck["seconds"] < 15
+        assert 3 <= stuck["seconds"] < 15  # the writers would have slept 60 s
         assert stuck["latest"] == "global_step_2\n" and "global_step_5" not in stuck["after"]
         # The next save works and removes the unpublished leftovers.
         assert r["after_recovery"] == ["global_step_1", "global_step_2", "global_step_6", "latest"]
+    assert run["ranks"][0]["failed"]["error"] == run["ranks"][1]["failed"]["error"]
+
+
+def test_background_save(run: dict) -> None:
+    for r in run["ranks"]:
+        bg = r["background"]
+        # While step 2's files are written, latest names step 1 and step 2 is only a temporary directory.
+        assert bg["pending"] == 2 and bg["latest_pending"] == "global_step_1\n"
+        assert bg["while_pending"] == [".tmp-step_2", "global_step_1", "latest"]
+        # The next save publishes it first; finalize publishes the last one.
+        assert bg["pending_after_next"] == 3 and bg["latest_after_next"] == "global_step_2\n"
+        assert bg["finalized"] == "global_step_3" and bg["latest_after_finalize"] == "global_step_3\n"
+        assert bg["after_finalize"] == ["global_step_1", "global_step_2", "global_step_3", "latest"]
+        # Step 2 holds the parameters of the moment save() was called, not those trained while it was written.
+        assert bg["problem"] is None and bg["loaded_step"] == 2
+        assert bg["max_diff_vs_save_time"] == 0.0
+        # A background write that fails: save() returned, the finalize that completes it raises on every rank.
+        assert bg["failing_save"]["error"] is None
+        fin = bg["failing_finalize"]
+        assert fin["type"] == "CheckpointError" and "global_step_4" in fin["error"] and "No space left" in fin["error"]
+        assert bg["latest_after_failure"] == "global_step_3\n" and "global_step_4" not in bg["after_failure"]
+        assert bg["nothing_pending"] is None
+    errors = [r["background"]["failing_finalize"]["error"] for r in run["ranks"]]
+    assert errors[0] == errors[1]
 
 
 @pytest.mark.parametrize(
@@ -148,3 +170,33 @@ def test_crc32_combine_and_first_non_finite() -> None:
     assert first_non_finite([("ok", ok), ("ints", ints)]) is None
     assert first_non_finite([("ok", ok), ("inf", inf), ("nan", nan)]) == "inf"
     assert first_non_finite([("nan", nan), ("inf", inf)]) == "nan"
+
+
+def test_process_killed_during_background_save(tmp_path: Path) -> None:
+    """A process killed while a background save writes its files: ``latest`` stays on the previous step, which
+    verifies and is what ``auto`` resumes from; the unpublished step is a temporary directory (the next save removes
+    it: ``test_failing_or_stuck_writer``)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO_ROOT
+
+    save_dir = tmp_path / "ckpt"
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29866")
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])))
+    worker = Path(__file__).with_name("background_kill_worker.py")
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(save_dir)],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-4000:]
+    assert (tmp_path / "pending_step.txt").read_text() == "2"
+    assert sorted(p.name for p in save_dir.iterdir()) == [".tmp-step_2", "global_step_1", "latest"]
+    assert (save_dir / "latest").read_text() == "global_step_1\n"
+    assert resolve_resume("auto", save_dir) == save_dir / "global_step_1"  # checksums verified

@@ -104,3 +104,51 @@ def test_async_rollout_state_and_the_data_position_across_modes(tmp_path) -> Non
     # Before any snapshot (nothing generated yet) there is no data position to save: null, restored as nothing.
     manager, state = async_manager()
     assert manager.component_states() == {"rollout_state": {}, "data_state": None}
+
+
+class _RecordingManager:
+    """Stands in for ``CheckpointManager``: records how saves are asked for and when pending ones are finalised."""
+
+    def __init__(self, save_dir) -> None:
+        self.save_dir, self.calls, self.pending_step = save_dir, [], None
+
+    def component_states(self) -> dict:
+        return {}
+
+    def load_component_states(self, states) -> list:
+        return []
+
+    def save(self, step: int, blocking: bool = True, **kwargs) -> None:
+        self.calls.append(("save", step, blocking))
+        self.pending_step = None if blocking else step
+
+    def finalize(self) -> None:
+        self.calls.append(("finalize", self.pending_step))
+        self.pending_step = None
+
+
+def test_step_checkpoints_background_saves_are_finished(tmp_path) -> None:
+    """``StepCheckpoints(background=True)``: saves do not block; ``finish_saves`` (before exit), a resume and the
+    failure handler (even when it saves nothing new) publish a pending save first."""
+    from types import SimpleNamespace
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.training.failure import NonFiniteUpdateError
+    from megatron_dapo.training.run_state import StepCheckpoints
+
+    cfg = load_config(None, ["parallel.platform=cpu", f"checkpoint.save_dir={tmp_path}"])
+    handoff = SimpleNamespace(before_save=lambda engine: None, after_save=lambda: None)
+    platform = SimpleNamespace(rng_state=lambda: {}, set_rng_state=lambda state: None)
+    manager = _RecordingManager(tmp_path)
+    steps = StepCheckpoints(manager, cfg, platform, handoff, lambda: None, is_main=True, background=True)
+    actor = SimpleNamespace(chunks=[], optimizer=None)
+    steps.save(3, actor, scheduler=None, engine=None)
+    assert manager.calls == [("save", 3, False)] and steps.saved_step == 3 and not steps.saving
+    steps.finish_saves()
+    assert manager.calls[-1] == ("finalize", 3) and manager.pending_step is None
+    assert steps.resume(actor, scheduler=None) is None  # nothing to resume from in an empty save_dir
+    assert manager.calls[-1] == ("finalize", None)  # ``latest`` is read after any pending save is published
+    # A failure after a background save of the last completed step: nothing new to save, the pending one published.
+    steps.save(4, actor, scheduler=None, engine=None)
+    steps.save_after_failure(NonFiniteUpdateError("boom"), 4, update_in_progress=False, save=lambda: None)
+    assert manager.calls[-2:] == [("save", 4, False), ("finalize", 4)]
