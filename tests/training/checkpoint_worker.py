@@ -10,6 +10,8 @@ Phase ``main`` (TP=1, DP=2), for two actors — ``fp32-plain`` (non-distributed 
   4. perturb parameters, scheduler and RNG; ``load``; compare with the snapshot (max |diff|, draws);
   5. the zero-gradient step again → compare with ``P_cont``;
   6. (bf16) a weights-only save (``save_optimizer=False``) and load: weights back, fp32 main params refreshed.
+  ``bf16-distopt``'s save of step 2 is a background save (``save(blocking=False)``), finalised after steps 3-4
+  changed the state: what loads is the state at ``save()``.
   Then ``max_ckpt_to_keep=2`` rotation over three saves, a crash inside a save (megatron-core's writer raises after
   the temporary directory exists), the state afterwards, and a successful re-save. Then at TP=2 (DP=1) in the same
   processes: the ``fp32-plain`` checkpoint loaded into a TP=2 actor (model and non-distributed optimizer reshard);
@@ -213,10 +215,13 @@ def round_trip(case: str, out: Path) -> dict[str, Any]:
     np.random.rand(1 + rank)
     torch.rand(1 + rank)
     manager = CheckpointManager(out / case)
+    # bf16-distopt saves in the background, finalised only after the state is changed below: it must hold this one.
+    background = case == "bf16-distopt"
     t0 = time.perf_counter()
-    path = manager.save(2, chunks, optimizer, scheduler, data_state=DATA_STATE, config=to_dict(cfg))
+    kwargs = {"data_state": DATA_STATE, "config": to_dict(cfg), "blocking": not background}
+    path = manager.save(2, chunks, optimizer, scheduler, **kwargs)
     save_seconds = time.perf_counter() - t0
-    # Whatever the save started (its writer helpers; off the CPU megatron-core's results manager) and left running.
+    # Whatever the save started (off the CPU megatron-core's results manager) and left running.
     children = [" ".join(c.cmdline()[:4]) for c in psutil.Process().children(recursive=True)]
     before = snapshot(chunks, optimizer, scheduler)
     expected_draws = draws()
@@ -238,6 +243,8 @@ def round_trip(case: str, out: Path) -> dict[str, Any]:
     scheduler.step(3)
     draws()
     perturbed = snapshot(chunks, optimizer, scheduler)
+    if background:
+        assert manager.finalize() == path
 
     t0 = time.perf_counter()
     info = manager.load(path, chunks, optimizer, scheduler)
