@@ -625,11 +625,12 @@ class CheckpointManager:
         sharded = _sharded_state_dict(model_chunks, saved_optimizer, is_loading=False, step=step)
         self._refuse_non_finite(model_chunks, sharded, final)
         self._make_tmp(tmp)
-        pending = self._start_writing(step, sharded, tmp, final, background=not blocking)
-        pending.started = started
-        pending.records.append(torch_save_hashed(rng, tmp / RNG_DIR / _rng_name(rank())))
+        # The small files first: the tensor files' writer threads, started last, then have the cores to themselves.
+        records = [torch_save_hashed(rng, tmp / RNG_DIR / _rng_name(rank()))]
         if rank() == 0:
-            pending.records += _write_rank0_files(tmp, state_text, config)
+            records += _write_rank0_files(tmp, state_text, config)
+        pending = self._start_writing(step, sharded, tmp, final, background=not blocking)
+        pending.started, pending.records = started, records
         self._pending = pending
         if blocking:
             self.finalize()
