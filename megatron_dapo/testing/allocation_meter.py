@@ -4,9 +4,10 @@ A GPU's allocator sees every allocation, whoever makes it; a list of named holde
 (a log-prob pass that keeps every micro-batch's autograd graph is invisible to it). ``AllocationMeter`` is a
 ``TorchDispatchMode``: every aten op that runs while it is active passes through it, and each output tensor whose
 storage it has not seen is charged with the storage's bytes until the storage is freed (a finalizer on the storage:
-its Python object lives exactly as long as the storage). Views share their base's storage and cost nothing; in-place
-ops that resize a storage (``resize_``, ``set_``) are re-read; ``recharge`` re-reads a storage resized outside
-dispatch (``UntypedStorage.resize_``, the hand-off's release and restore).
+its Python object lives exactly as long as the storage). Views share their base's storage and cost nothing, and a view
+or in-place result of a storage the meter did not charge (a host buffer made while paused, a tensor from before
+metering) is no new allocation. In-place ops that resize a storage (``resize_``, ``set_``) are re-read; ``recharge``
+re-reads a storage resized outside dispatch (``UntypedStorage.resize_``, the hand-off's release and restore).
 
 ``live`` is the bytes held now, ``peak`` the most held since ``reset_peak``. ``paused()`` leaves a block out: what the
 modelled engine allocates for itself (it is charged as vLLM reserves it, not per tensor) and host buffers.
@@ -19,6 +20,7 @@ the high side.
 from __future__ import annotations
 
 import threading
+import traceback
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,11 +37,14 @@ _RESIZING = {"resize_", "set_", "resize_as_"}
 class AllocationMeter(TorchDispatchMode):
     """Charges every storage created by a torch op while active (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, site_min_bytes: int = 64 * 2**10) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
         self._charged: dict[int, int] = {}  # storage key (StorageImpl address) -> bytes charged
+        # Where each storage of at least site_min_bytes was made: the innermost frames of this package.
+        self.site_min_bytes = site_min_bytes
+        self._sites: dict[int, str] = {}
         self._paused = threading.local()
         self._lock = threading.Lock()
 
@@ -56,7 +61,13 @@ class AllocationMeter(TorchDispatchMode):
     def _freed(self, key: int) -> None:
         with self._lock:
             nbytes = self._charged.pop(key, 0)
+            self._sites.pop(key, None)
             self.live -= nbytes
+
+    def largest(self, count: int, exclude: set[int] = frozenset()) -> list[tuple[int, str]]:
+        """The ``count`` largest live storages not in ``exclude`` (storage keys): (bytes, where it was made)."""
+        sized = [(n, self._sites.get(k, "?")) for k, n in self._charged.items() if k not in exclude and n]
+        return sorted(sized, key=lambda x: -x[0])[:count]
 
     def charge(self, storage: torch.UntypedStorage) -> None:
         """Charge ``storage`` (once) for its current bytes until it is freed."""
@@ -65,6 +76,8 @@ class AllocationMeter(TorchDispatchMode):
             return
         nbytes = storage.nbytes()
         self._charged[key] = nbytes
+        if nbytes >= self.site_min_bytes:
+            self._sites[key] = _site()
         weakref.finalize(storage, self._freed, key)
         self._add(nbytes)
 
@@ -101,10 +114,26 @@ class AllocationMeter(TorchDispatchMode):
         if self._paused_here():
             return out
         resized = func.__name__.split(".")[0] in _RESIZING
+        inputs = None
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not t.is_meta:
                 storage = t.untyped_storage()
                 if resized:
                     self.recharge(storage)
-                self.charge(storage)
+                if int(storage._cdata) in self._charged:
+                    continue
+                if inputs is None:  # a view or an in-place result shares an input's storage: nothing was made
+                    inputs = {_key(a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+                if int(storage._cdata) not in inputs:
+                    self.charge(storage)
         return out
+
+
+def _key(t: torch.Tensor) -> int:
+    return -1 if t.is_meta else int(t.untyped_storage()._cdata)
+
+
+def _site() -> str:
+    """The innermost three frames of this package (or of anything, if none) on the stack: where a storage was made."""
+    frames = [f for f in traceback.extract_stack()[:-3] if "megatron_dapo" in f.filename] or traceback.extract_stack()
+    return " < ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))

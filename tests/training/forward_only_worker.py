@@ -40,7 +40,8 @@ def measure(actor: MegatronActor, batch: TrainBatch) -> dict:
     meter = AllocationMeter()
     with meter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = actor.compute_log_probs(batch, TEMPERATURE, calculate_entropy=True, calculate_sum_pi_squared=True)
-    return {"saved": saved[0], "transient": meter.peak, "sum": float(out["log_probs"].sum())}
+    data = sum(t.numel() * t.element_size() for t in vars(batch).values() if isinstance(t, torch.Tensor))
+    return {"saved": saved[0], "transient": meter.peak, "batch_bytes": data, "sum": float(out["log_probs"].sum())}
 
 
 def main() -> None:

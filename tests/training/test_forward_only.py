@@ -33,5 +33,7 @@ def test_log_prob_pass_saves_nothing_for_backward(report, layout):
 @pytest.mark.parametrize("layout", ["pp2", "dp2"])
 def test_log_prob_pass_memory_does_not_grow_with_micro_batches(report, layout):
     few, many = report[layout]["few"], report[layout]["many"]
-    # 4x the micro-batches: only the results grow (3 floats per response token), not one graph per micro-batch.
-    assert many["transient"] < 1.25 * few["transient"], report[layout]
+    # 4x the micro-batches: the pass grows by what its inputs and results do (on CPU the micro-batches' tensors, a
+    # few copies of the batch's, are "device" memory), not by a graph per micro-batch (before the fix: +2.1 MB at
+    # dp2, 190x the batch's bytes).
+    assert many["transient"] - few["transient"] <= 4 * many["batch_bytes"], report[layout]
