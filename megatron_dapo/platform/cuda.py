@@ -21,9 +21,9 @@ class CudaPlatform(Platform):
     default_enforce_eager = False  # verl's GPU default: CUDA graphs on
     context_parallel_unsupported = None  # TransformerEngine's attention implements CP (checked when TE is used)
 
-    # model.transformer_impl=auto needs TransformerEngine (its absence is an error naming the fix): the local spec
-    # materialises s x s attention scores and caches causal masks on the device, an out-of-memory at RL sequence
-    # lengths instead of a clear message. model.transformer_impl=local asks for it explicitly.
+    # model.transformer_impl=auto needs TransformerEngine (its absence is an error naming the fix): TE's fused
+    # kernels (norms, fp8, CP) are what large runs use. model.transformer_impl=local asks for the local spec
+    # explicitly; its core attention is torch's SDPA by default (model.attention_backend, docs/platforms.md).
     default_transformer_impl = "transformer_engine"
 
     def device(self) -> torch.device:
@@ -59,11 +59,19 @@ class CudaPlatform(Platform):
         buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
         if nbytes:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+            # Held here until free_host_buffer unregisters it: memory freed (and reused by the host allocator) while
+            # still registered leaves a stale mapping behind (docs/platforms.md, "resource already mapped").
+            self._registered_host_buffers()[buffer.data_ptr()] = buffer
         return buffer
 
     def free_host_buffer(self, buffer: torch.Tensor) -> None:
-        if buffer.numel():
+        if buffer.numel() and self._registered_host_buffers().pop(buffer.data_ptr(), None) is not None:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+
+    def _registered_host_buffers(self) -> dict[int, torch.Tensor]:
+        if not hasattr(self, "_host_registered"):
+            self._host_registered: dict[int, torch.Tensor] = {}
+        return self._host_registered
 
     def device_rng_state(self) -> torch.Tensor:
         return torch.cuda.get_rng_state()

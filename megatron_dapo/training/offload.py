@@ -288,6 +288,13 @@ class StorageOffloader:
         self._record(component, moved, len(restored), start)
         return moved
 
+    def close(self) -> None:
+        """Give every host buffer back to the platform (CUDA/NPU: unregistered before the memory can be reused).
+        The run is over: an offloaded component's values go with its buffer."""
+        for host in self._host.values():
+            self.platform.free_host_buffer(host.buffer)
+        self._host.clear()
+
     def _record(self, component: str, nbytes: int, count: int, start: float) -> None:
         self.stats.bytes[component] = nbytes
         self.stats.storages[component] = count
@@ -478,6 +485,10 @@ class MemoryHandoff:
     def end_step(self) -> None:
         """Close the update phase's peak window (call after the optimizer step, before ``metrics``)."""
         self._enter(None)
+
+    def close(self) -> None:
+        """At the end of the run: the host buffers go back to the platform."""
+        self.offloader.close()
 
     def metrics(self) -> dict[str, float]:
         out = {f"perf/peak_memory_gb/{k}": v for k, v in self.phase_peaks_gb.items()}

@@ -356,6 +356,7 @@ class DAPOTrainer:
         self.progress.close()
         self.rollout.close()
         self.logger.close()
+        self.handoff.close()
         teardown(self.engine)
 
 
