@@ -402,7 +402,10 @@ def _layers(
 def _activations(plan: RunPlan, arch: ModelArch, cfg: ExperimentConfig, counts: ParamCounts) -> Activations:
     a, b, pp, seq = cfg.actor, plan.param_bytes, plan.pp, plan.max_model_len
     tokens, lp_tokens = plan.batches.micro_batch_tokens, plan.batches.log_prob_micro_batch_tokens
-    flash = plan.on_device and plan.transformer_impl != "local"
+    # Only softmax statistics kept: TransformerEngine / MindSpeed, or the local spec's SDPA core attention.
+    flash = (plan.on_device and plan.transformer_impl != "local") or (
+        plan.transformer_impl == "local" and cfg.model.attention_backend == "sdpa"
+    )
     t_upd, t_lp = -(-tokens // plan.cp), -(-lp_tokens // plan.cp)  # tokens per rank: CP splits the sequence
     full, kept, chunk_bytes = _layers(plan, arch, cfg, counts, min(seq, tokens), flash)
     chunk_layers = arch.num_layers // (pp * (plan.vpp or 1))
