@@ -43,6 +43,7 @@ MANIFEST_VERSION = 2
 CHECKSUM = "xxh3_64"  # what new manifests use
 LEGACY_CHECKSUM = "crc32"  # version 1 manifests (zlib CRC-32, stored as an int)
 _READ_CHUNK = 8 << 20
+_PIECE = 4 << 20  # HashingWriter's write size: a piece hashed just before it is written is still in the cache
 
 
 class NonFiniteTensorError(ValueError):
@@ -99,15 +100,21 @@ class HashingWriter(io.RawIOBase):
         return True
 
     def write(self, b: Any) -> int:
+        """Writes all of ``b`` (``torch.save`` ignores a short count), in pieces of ``_PIECE`` bytes, each hashed
+        right before it is written: the copy into the file then reads it from the cache, not from memory again."""
         view = memoryview(b).cast("B")
-        n = self.raw.write(view)
-        n = len(view) if n is None else n
-        self.hasher.update(view[:n] if n < len(view) else view)
-        self.size += n
-        if self.writeback_every and self.size - self._written_back >= self.writeback_every:
-            start_writeback(self.raw.fileno(), self._written_back, self.size - self._written_back)
-            self._written_back = self.size
-        return n
+        for start in range(0, len(view), _PIECE):
+            piece = view[start : start + _PIECE]
+            self.hasher.update(piece)
+            done = 0
+            while done < len(piece):
+                n = self.raw.write(piece[done:])
+                done = len(piece) if n is None else done + n
+            self.size += len(piece)
+            if self.writeback_every and self.size - self._written_back >= self.writeback_every:
+                start_writeback(self.raw.fileno(), self._written_back, self.size - self._written_back)
+                self._written_back = self.size
+        return len(view)
 
     @property
     def digest(self) -> str:
