@@ -4,6 +4,9 @@ Every torchrun process runs the same code (SPMD): it holds a slice of the Megatr
 reference (when a KL term is on) and a member of the colocated vLLM engine. Only rank 0 logs. With
 ``trainer.mode=async`` the last ``placement.rollout_ranks`` processes run ``training/rollout_worker.py`` instead, and
 the others this trainer, whose rollout phase is their remote end (``training/async_phase.py``); the step is the same.
+
+``DAPOTrainer(cfg, engine_factory=...)`` builds the colocated engine through the seam of ``rollout/protocol.py``:
+vLLM's ``RolloutEngine`` by default, ``testing/standin_engine.StandInEngine`` where vLLM cannot run (the GPU check).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from megatron_dapo.parallel import any_rank, init_distributed, init_model_parall
 from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.rollout.engine import RolloutEngine, freeze_heap_before_engine
 from megatron_dapo.rollout.lora_sync import make_weight_sync
+from megatron_dapo.rollout.protocol import ColocatedEngine, EngineFactory
 from megatron_dapo.rollout.remote import BridgeSender
 from megatron_dapo.training.actor import MegatronActor
 from megatron_dapo.training.advantage import batch_advantages
@@ -59,7 +63,7 @@ log = logging.getLogger("megatron_dapo.trainer")
 
 
 class DAPOTrainer:
-    def __init__(self, cfg: ExperimentConfig) -> None:
+    def __init__(self, cfg: ExperimentConfig, engine_factory: EngineFactory = RolloutEngine) -> None:
         self.startup = StartupClock()  # timing_s/startup/*, logged with the first step
         self.cfg = cfg
         validate_config(cfg)
@@ -88,7 +92,7 @@ class DAPOTrainer:
         self.startup.mark("init")  # process groups, tokenizer, data, plan
         self._build_actor()
         self.startup.mark("actor")
-        self.engine, self.rollout = self._build_rollout(hf_dir)
+        self.engine, self.rollout = self._build_rollout(hf_dir, engine_factory)
         self.startup.mark("engine")
         # The frozen reference, when a KL term needs it, built once the engine sleeps (LoRA: the adapter-free actor).
         self.ref = build_reference(cfg, self.plan, self.arch, self.actor, self.handoff)
@@ -144,7 +148,7 @@ class DAPOTrainer:
             )
         self.handoff.before_engine_start()  # collects what it released (accelerators) before the heap is frozen
         freeze_heap_before_engine()
-        engine = RolloutEngine(
+        engine = new_engine(
             cfg, hf_dir, self.platform, pad_token_id=self.ids.pad, eos_token_ids=self.ids.eos, plan=self.plan
         )
         self.handoff.after_engine_start(engine)

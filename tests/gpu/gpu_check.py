@@ -30,7 +30,13 @@ traceback in the JSON), every number is written to ``--out`` as soon as its phas
    (``config/memory.memory_model``: the ``update`` and ``old_log_prob`` phases, the engine's terms left out)
    predicted against the measured peak.
 
-Not here yet: the real ``DAPOTrainer`` with a stand-in rollout engine (vLLM's wheel cannot travel to the lent machine).
+9. ``trainer_standin``: the real ``DAPOTrainer`` with the stand-in rollout engine (``testing/standin_engine.py``:
+   vLLM's wheel cannot travel to the lent machine) on the demo's task, made locally in a temporary directory (its
+   tokenizer and data; a Qwen2 model of 12 layers at Qwen2.5-0.5B's width, the demo's own with ``--tiny``): 2 steps
+   with validation and a save, then a resume to step 3. The run's end and resume step, the last weight sync complete,
+   and each hand-off phase's peak (``perf/peak_memory_gb/*``) against ``megatron-dapo check``'s plan for the same run
+   (``config/memory.memory_model`` of the trainer's plan, the stand-in's weights and KV cache sized as vLLM's):
+   within 15% (informational with ``--tiny``). It ends with the default group closed (the trainer's teardown).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import contextlib
 import gc
 import json
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -66,6 +73,17 @@ SHAPE_3B = dict(  # Qwen2.5-3B
     intermediate_size=11008,
     max_position_embeddings=32768,
     tie_word_embeddings=True,
+)
+# trainer_standin's model (the demo's tokenizer and data): Qwen2.5-0.5B's width, 12 layers (about 0.2B parameters,
+# enough for the plan's terms to dwarf the CUDA libraries' workspaces); --tiny: the demo's own shape.
+STANDIN_SHAPE = dict(
+    hidden_size=896,
+    num_layers=12,
+    num_heads=14,
+    num_kv_heads=2,
+    intermediate_size=4864,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
 )
 PROMPT, RESPONSE, BATCH = 512, 1536, 8
 LONG_RESPONSE = 8192
@@ -510,6 +528,135 @@ def phase_dense_3b(res, check, ctx) -> None:
     )
 
 
+# The hand-off's phases (``MemoryHandoff``) as ``config/memory.py`` names them.
+HANDOFF_TO_PLAN = {
+    "startup": "startup",
+    "weight_sync": "sync",
+    "rollout": "gen",
+    "old_log_probs": "old_log_prob",
+    "reference": "ref",
+    "update": "update",
+    "save": "save",
+}
+PLAN_MARGIN = 1.15
+
+
+def standin_task(root: Path, tiny: bool) -> dict:
+    """The demo's tokenizer and arithmetic data, and a random Qwen2 model (the demo's shape with ``tiny``, else
+    ``STANDIN_SHAPE``), written under ``root``: nothing is downloaded."""
+    from megatron_dapo.tasks.arithmetic import make_rows, make_table_rows, write_dataset
+    from megatron_dapo.tasks.demo import MODEL_SHAPE
+    from megatron_dapo.testing.tiny_models import make_tiny_hf_model
+    from megatron_dapo.testing.tokenizer import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(root / "tokenizer")
+    write_dataset(root / "train.parquet", make_rows(64, seed=0, max_operand=4, split="train"))
+    write_dataset(root / "val.parquet", make_table_rows(max_operand=4, split="val"))
+    shape = MODEL_SHAPE if tiny else STANDIN_SHAPE
+    model = make_tiny_hf_model("qwen2", seed=0, dtype=torch.bfloat16, vocab_size=len(tokenizer), **shape)
+    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(root / "hf_model", safe_serialization=True)
+    return {"tokenizer": root / "tokenizer", "hf_model": root / "hf_model", "root": root}
+
+
+def standin_config(ctx, task: dict, steps: int, resume: bool):
+    """configs/tiny_cpu.yaml with test_train_e2e's plumbing overrides, on this platform in bf16, the checkpoint the
+    HF directory itself; ``resume``: no validation before the first step (the run continues at ``steps``)."""
+    from megatron_dapo.config import load_config
+
+    items = {
+        "model.hf_config_dir": task["hf_model"],
+        "model.tokenizer_dir": task["tokenizer"],
+        "checkpoint.load_dir": task["hf_model"],
+        "data.train_files": f"[{task['root'] / 'train.parquet'}]",
+        "data.val_files": f"[{task['root'] / 'val.parquet'}]",
+        "trainer.output_dir": task["root"] / "run",
+        "trainer.total_training_steps": steps,
+        "trainer.test_freq": 2,
+        "trainer.val_before_train": str(not resume).lower(),
+        "trainer.progress_bar": "false",
+        "data.train_batch_size": 4,
+        "data.gen_batch_size": 6,
+        "actor.ppo_mini_batch_size": 2,
+        "rollout.n": 8,
+        "reward.custom_function.name": "compute_score",
+        "algorithm.filter_groups.enable": "false",
+        "actor.optim.lr_warmup_steps": 1,
+    }
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+    return load_config(str(config), ctx["base"] + [f"{k}={v}" for k, v in items.items()])
+
+
+def run_standin_trainer(ctx, cfg) -> dict:
+    """``DAPOTrainer`` with the stand-in engine to its end: the step it resumed from and ended at, whether the last
+    weight sync delivered every rollout tensor, and ``check``'s plan of this run's phases (GiB)."""
+    from megatron_dapo.config.memory import memory_model
+    from megatron_dapo.testing.standin_engine import StandInEngine
+    from megatron_dapo.training.trainer import DAPOTrainer
+
+    platform = ctx["platform"]
+    resident = platform.memory_allocated_gb()
+    trainer = DAPOTrainer(cfg, engine_factory=StandInEngine)
+    resumed: list = []
+    resume = trainer.checkpoints.resume
+    trainer.checkpoints.resume = lambda *args: resumed.append(resume(*args)) or resumed[-1]
+    try:
+        trainer.fit()
+        engine = trainer.engine
+        expected = {n: int(torch.Size(s).numel()) * engine.dtype.itemsize for n, s in engine.shapes.items()}
+        capacity = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+        model = memory_model(trainer.plan, trainer.arch, cfg, capacity)
+        return {
+            "resident_before_gb": round(resident, 3),
+            "resumed_at": resumed[0] if resumed else None,
+            "global_step": trainer.global_step,
+            "weight_updates": engine.weight_updates,
+            "sync_complete": engine.last_update == expected,
+            "kv_cache_gb": round(engine.kv_cache_bytes / 2**30, 3),
+            "plan_gb": {ph.name: ph.device_total / 2**30 for ph in model.phases if ph.runs},
+        }
+    finally:
+        trainer.close()
+        # The trainer froze the heap for its engine (rollout/engine.freeze_heap_before_engine); this process builds
+        # another trainer: what the first one held must be collectable again.
+        gc.unfreeze()
+        gc.collect()
+        platform.empty_cache()
+
+
+def phase_trainer_standin(res, check, ctx) -> None:
+    release(ctx, "actor")
+    with tempfile.TemporaryDirectory(prefix="trainer_standin_") as tmp:
+        task = standin_task(Path(tmp), ctx["tiny"])
+        runs = [run_standin_trainer(ctx, standin_config(ctx, task, steps, steps > 2)) for steps in (2, 3)]
+        rows = [json.loads(line) for line in (task["root"] / "run" / "metrics.jsonl").read_text().splitlines()]
+    measured: dict = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith("perf/peak_memory_gb/"):
+                name = key.rsplit("/", 1)[1]
+                measured[name] = max(measured.get(name, 0.0), value)
+    plan = runs[0]["plan_gb"]
+    table = {
+        name: {"measured_gb": round(gb, 3), "planned_gb": round(plan[HANDOFF_TO_PLAN[name]], 3)}
+        for name, gb in measured.items()
+        if HANDOFF_TO_PLAN.get(name) in plan
+    }
+    for name, row in table.items():
+        row["ratio"] = round(row["measured_gb"] / max(row["planned_gb"], 1e-9), 3)
+        log(f"standin:{name}", **row)
+    trained = [r["step"] for r in rows if "actor/pg_loss" in r]
+    res["trainer_standin"] = {"runs": runs, "phases": table, "trained_steps": trained}
+    log("standin", **{k: v for k, v in runs[1].items() if k != "plan_gb"})
+    ends = [r["global_step"] for r in runs]
+    check("trainer_standin_finished", ends == [2, 3] and trained == [1, 2, 3], f"ended at {ends}, trained {trained}")
+    check("trainer_standin_resumed_at_2", runs[1]["resumed_at"] == 2, str(runs[1]["resumed_at"]))
+    check("trainer_standin_sync_complete", all(r["sync_complete"] for r in runs), "a rollout tensor was not synced")
+    over = {k: v for k, v in table.items() if v["ratio"] > PLAN_MARGIN}
+    check("trainer_standin_peaks_within_plan", ctx["tiny"] or (bool(table) and not over), str(over or table))
+
+
 PHASES = (
     ("init", phase_init),
     ("recompute", phase_recompute),
@@ -520,6 +667,7 @@ PHASES = (
     ("logprob_graph", phase_logprob_graph),
     ("logprobs_8k", phase_logprobs_8k),
     ("dense_3b", phase_dense_3b),
+    ("trainer_standin", phase_trainer_standin),
 )
 
 
