@@ -135,7 +135,7 @@ class DAPOTrainer:
         )
         self.handoff = MemoryHandoff(self.platform, plan.handoff, self.actor.chunks, self.actor.optimizer)
 
-    def _build_rollout(self, hf_dir: str) -> tuple[Optional[RolloutEngine], Any]:
+    def _build_rollout(self, hf_dir: str, new_engine: EngineFactory) -> tuple[Optional[ColocatedEngine], Any]:
         """The colocated engine (weights from the first sync) and the rollout phase that keeps it in step with the
         actor; in async mode the engines are on the rollout ranks and the phase is their remote end."""
         cfg = self.cfg
