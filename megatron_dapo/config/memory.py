@@ -784,21 +784,25 @@ def _largest_module(plan: RunPlan, arch: ModelArch, counts: ParamCounts) -> int:
     return max(modules) * plan.param_bytes
 
 
-def _step_work(act: Activations, sync_buckets: float, own: float, gathered: float) -> dict[str, dict[str, float]]:
+def _step_work(
+    act: Activations, sync_buckets: float, own: float, gathered: float, mask: float
+) -> dict[str, dict[str, float]]:
     """Each step phase's own working set: one sync bucket of full tensors plus vLLM's staging copy; this rank's
     log-prob results and the forward (or, when larger, the DP all-gather of the results, once the forward's tensors
-    are freed); the update's activations and logits."""
+    are freed); the update's activations and logits; the explicit causal mask where the forward takes one
+    (``mask``: bytes, 0 without; ``RunPlan.explicit_causal_mask``)."""
     log_prob: dict[str, float] = {"log-prob results": own}
     if sum(act.log_prob_terms.values()) >= gathered:
         log_prob.update(act.log_prob_terms)
     else:
         log_prob["DP all-gather of results"] = gathered
+    forward = {"causal mask": mask} if mask else {}
     return {
         "sync": {"sync buckets": sync_buckets},
         "gen": {},
-        "old_log_prob": log_prob,
-        "ref": dict(log_prob),
-        "update": dict(act.update_terms),
+        "old_log_prob": {**log_prob, **forward},
+        "ref": {**log_prob, **forward},
+        "update": {**act.update_terms, **forward},
     }
 
 
@@ -968,7 +972,8 @@ def memory_model(
     rows = plan.batches.trajectories_per_step
     own = 8 * plan.batches.log_prob_sequences_per_rank * cfg.data.max_response_length  # fp32 log-prob + entropy
     gathered = 8 * rows * cfg.data.max_response_length + own
-    phases = _phases(plan, state, _step_work(act, buckets, own, gathered), act.update_stage, capacity)
+    mask = plan.max_model_len**2 if plan.explicit_causal_mask else 0  # one [s, s] bool mask, the longest s
+    phases = _phases(plan, state, _step_work(act, buckets, own, gathered, mask), act.update_stage, capacity)
     if rollout_rank is not None:  # a training rank's phases: no engine term at all
         phases = tuple(
             replace(ph, device={k: v for k, v in ph.device.items() if not k.startswith("vLLM")}) for ph in phases

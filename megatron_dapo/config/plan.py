@@ -200,6 +200,10 @@ class RunPlan:
     warmup_steps: Optional[int]  # lr warm-up over total_steps; None when total_steps is
     transformer_impl: str  # model.transformer_impl resolved: "transformer_engine" or "local"
     use_remove_padding: bool  # packed (THD) micro-batches
+    # The forward passes an explicit [1, 1, s, s] causal mask (kept on the device, one for the longest s): only
+    # megatron-core's DotProductAttention needs one (model.attention_backend=local). TransformerEngine ignores it for a
+    # causal layer, MindSpeed's flash attention and the local spec's SDPA core attention derive causality themselves.
+    explicit_causal_mask: bool
     handoff: HandoffPlan
     uses_reference: bool
     on_policy_update: bool  # the old-policy forward is skipped: the update's own forward is the old policy
@@ -383,6 +387,7 @@ def build_plan(
         warmup_steps=warmup_steps(cfg.actor.optim, steps) if steps is not None else None,
         transformer_impl=impl,
         use_remove_padding=_remove_padding(cfg, impl),
+        explicit_causal_mask=platform.causal_mask_needed and impl == "local" and cfg.model.attention_backend == "local",
         handoff=resolve_handoff_plan(cfg, platform),
         uses_reference=uses_reference(cfg),
         on_policy_update=on_policy_update(cfg),

@@ -11,7 +11,6 @@ gradients do not depend on TP/PP/DP sizes or the micro-batch split.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from megatron_dapo.batch import (
     padded_seq_len,
 )
 from megatron_dapo.config import ActorConfig
+from megatron_dapo.config.plan import RunPlan
 from megatron_dapo.models.builder import unwrap
 from megatron_dapo.models.lora import adapters_enabled
 from megatron_dapo.parallel import control_group
@@ -169,10 +169,19 @@ def _loss_inputs_finite(local: TrainBatch) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=64)
+_CAUSAL_MASKS: dict[str, torch.Tensor] = {}  # device -> the longest mask asked for there
+
+
 def causal_mask(seq_len: int, device) -> torch.Tensor:
-    """``[1, 1, S, S]`` True above the diagonal (masked); cached: built once per length and device, read-only."""
-    return torch.triu(torch.ones((1, 1, seq_len, seq_len), dtype=torch.bool, device=device), diagonal=1)
+    """``[1, 1, S, S]`` True above the diagonal (masked), read-only. One mask per device, grown to the longest
+    length asked for: a shorter one is its top-left corner (a view). A mask per length would keep one S x S tensor
+    on the device for every micro-batch length ever seen."""
+    key = str(device)
+    mask = _CAUSAL_MASKS.get(key)
+    if mask is None or mask.shape[-1] < seq_len:
+        mask = torch.triu(torch.ones((1, 1, seq_len, seq_len), dtype=torch.bool, device=device), diagonal=1)
+        _CAUSAL_MASKS[key] = mask
+    return mask[..., :seq_len, :seq_len]
 
 
 def _wraps_float16_module(chunk) -> bool:
@@ -338,13 +347,18 @@ class MegatronActor:
         actor_cfg: ActorConfig,
         optimizer=None,
         packed: Optional[bool] = None,
+        explicit_causal_mask: Optional[bool] = None,
     ):
         """``packed``: packed (THD) micro-batches, the run's ``RunPlan.use_remove_padding``; None = as
-        ``actor.use_remove_padding`` says (off when unset: tests and tools outside a training run)."""
+        ``actor.use_remove_padding`` says (off when unset: tests and tools outside a training run).
+        ``explicit_causal_mask``: the run's ``RunPlan.explicit_causal_mask``; None = the platform's default."""
         from megatron.core.distributed import finalize_model_grads  # heavy: megatron-core
 
         self.chunks = chunks
         self.packed = bool(actor_cfg.use_remove_padding) if packed is None else packed
+        self.explicit_causal_mask = (
+            get_platform().causal_mask_needed if explicit_causal_mask is None else explicit_causal_mask
+        )
         self.true_vocab_size = true_vocab_size
         self.cfg = actor_cfg
         self.optimizer = optimizer
@@ -366,6 +380,21 @@ class MegatronActor:
             if ddp is not None and ddp.overlap_grad_reduce:  # the schedule starts each chunk's reduction (Megatron-LM)
                 start = [c.start_grad_sync for c in chunks]
                 self.model_config.grad_sync_func = start[0] if len(start) == 1 else start
+
+    @classmethod
+    def for_plan(
+        cls, chunks: list, true_vocab_size: int, actor_cfg: ActorConfig, plan: RunPlan, optimizer=None
+    ) -> MegatronActor:
+        """The actor (with ``optimizer``) or a frozen reference of a run: its micro-batch layout and causal mask as
+        the run's plan resolved them."""
+        return cls(
+            chunks,
+            true_vocab_size,
+            actor_cfg,
+            optimizer,
+            packed=plan.use_remove_padding,
+            explicit_causal_mask=plan.explicit_causal_mask,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -394,7 +423,7 @@ class MegatronActor:
         tp_group = ps.get_tensor_model_parallel_group()
         platform = get_platform()
         vocab_start_rank = ps.get_tensor_model_parallel_rank()
-        explicit_mask = platform.causal_mask_needed  # MindSpeed's flash attention wants None (causal itself)
+        explicit_mask = self.explicit_causal_mask
         # Float16Module upcasts the last stage's output to fp32 by default: a second, 2x larger copy of the logits.
         half_wrapped = _wraps_float16_module(self.chunks[0])
 

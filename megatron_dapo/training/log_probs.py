@@ -78,6 +78,6 @@ def build_reference(
         return AdapterFreeReference(actor)
     chunks = freeze(build_gpt_chunks(arch, cfg, plan.transformer_impl))
     load_mcore_checkpoint(chunks, arch, cfg.checkpoint.ref_load_dir or cfg.checkpoint.load_dir)
-    ref = MegatronActor(chunks, arch.vocab_size, cfg.actor, packed=plan.use_remove_padding)
+    ref = MegatronActor.for_plan(chunks, arch.vocab_size, cfg.actor, plan)
     handoff.attach_reference(ref.chunks)
     return ref

@@ -130,9 +130,7 @@ class DAPOTrainer:
             apply_lora(actor_chunks, cfg.actor.lora)
         actor_chunks = wrap_for_training(actor_chunks, cfg)
         optimizer, self.scheduler = build_optimizer(actor_chunks, cfg.actor.optim, self.total_steps)
-        self.actor = MegatronActor(
-            actor_chunks, self.arch.vocab_size, cfg.actor, optimizer, packed=plan.use_remove_padding
-        )
+        self.actor = MegatronActor.for_plan(actor_chunks, self.arch.vocab_size, cfg.actor, plan, optimizer)
         self.handoff = MemoryHandoff(self.platform, plan.handoff, self.actor.chunks, self.actor.optimizer)
 
     def _build_rollout(self, hf_dir: str, new_engine: EngineFactory) -> tuple[Optional[ColocatedEngine], Any]:

@@ -132,10 +132,16 @@ def test_update_phase_is_the_sum_of_its_terms():
     expected = P_RANK * BF16 + P_RANK * 4 + P_RANK * 12 / 4 + activations + logits + chunks
     assert update.device_total == expected == m.numbers()["memory_phase_update_bytes"]
     assert m.act.update_bytes == activations == m.numbers()["memory_activations_bytes"]
-    # The local attention (CPU) keeps the s x s probabilities instead of the softmax statistics; nothing is
-    # offloaded and vLLM never sleeps, so its weights and KV cache stay through the update.
-    cpu = model_of(platform="cpu", memory_gb=None)
+    # megatron-core's local DotProductAttention (model.attention_backend=local) keeps the s x s probabilities
+    # instead of the softmax statistics, and takes an explicit causal mask (one [s, s] bool tensor); the local
+    # spec's default SDPA core attention keeps the statistics, as fused attention does, and takes no mask. On CPU
+    # nothing is offloaded and vLLM never sleeps, so its weights and KV cache stay through the update.
+    cpu = model_of("model.attention_backend=local", platform="cpu", memory_gb=None)
     assert cpu.act.update_bytes == 8 * TOKENS * (LAYER_NO_CORE + LOCAL_CORE)
+    assert cpu.phase("update").device["causal mask"] == 1024 * 1024
+    sdpa = model_of(platform="cpu", memory_gb=None)
+    assert sdpa.act.update_bytes == 8 * TOKENS * (LAYER_NO_CORE + FLASH_CORE)
+    assert "causal mask" not in sdpa.phase("update").device
     cpu_update = cpu.phase("update")
     assert cpu_update.device["vLLM weights"] == P_VLLM * BF16 and cpu_update.device["vLLM KV cache"] == 64 * MIB
     assert cpu_update.device_total == sum(cpu_update.device.values()) and cpu_update.fits is None
