@@ -42,9 +42,13 @@ class AllocationMeter(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._charged: dict[int, int] = {}  # storage key (StorageImpl address) -> bytes charged
+        self._tokens: dict[int, int] = {}  # storage key -> the charge's number (a freed key's address can come back)
+        self._next_token = 0
         # Where each storage of at least site_min_bytes was made: the innermost frames of this package.
         self.site_min_bytes = site_min_bytes
         self._sites: dict[int, str] = {}
+        self._peak_seen = 0
+        self.peak_largest: list[tuple[int, str]] = []  # the largest storages near the peak since reset_peak
         self._paused = threading.local()
         self._lock = threading.Lock()
 
@@ -57,15 +61,34 @@ class AllocationMeter(TorchDispatchMode):
             self.live += delta
             if self.live > self.peak:
                 self.peak = self.live
+                if self.live > self._peak_seen * 1.01:  # what the peak is made of, re-read every 1% it grows
+                    self._peak_seen = self.live
+                    self.peak_largest = self._largest_locked(6, frozenset())
 
-    def _freed(self, key: int) -> None:
+    def _freed(self, key: int, token: int) -> None:
         with self._lock:
+            if self._tokens.get(key) != token:
+                return  # forgotten, or the address now belongs to a later storage
+            del self._tokens[key]
             nbytes = self._charged.pop(key, 0)
             self._sites.pop(key, None)
             self.live -= nbytes
 
+    def forget(self, storage: torch.UntypedStorage) -> None:
+        """Stop charging ``storage``: its bytes are accounted elsewhere (the engine's share)."""
+        key = int(storage._cdata)
+        with self._lock:
+            if self._tokens.pop(key, None) is None:
+                return
+            self.live -= self._charged.pop(key, 0)
+            self._sites.pop(key, None)
+
     def largest(self, count: int, exclude: set[int] = frozenset()) -> list[tuple[int, str]]:
         """The ``count`` largest live storages not in ``exclude`` (storage keys): (bytes, where it was made)."""
+        with self._lock:
+            return self._largest_locked(count, exclude)
+
+    def _largest_locked(self, count: int, exclude: set[int]) -> list[tuple[int, str]]:
         sized = [(n, self._sites.get(k, "?")) for k, n in self._charged.items() if k not in exclude and n]
         return sorted(sized, key=lambda x: -x[0])[:count]
 
@@ -75,10 +98,11 @@ class AllocationMeter(TorchDispatchMode):
         if key in self._charged:
             return
         nbytes = storage.nbytes()
-        self._charged[key] = nbytes
+        self._next_token += 1
+        self._charged[key], self._tokens[key] = nbytes, self._next_token
         if nbytes >= self.site_min_bytes:
             self._sites[key] = _site()
-        weakref.finalize(storage, self._freed, key)
+        weakref.finalize(storage, self._freed, key, self._next_token)
         self._add(nbytes)
 
     def recharge(self, storage: torch.UntypedStorage) -> None:
@@ -97,7 +121,9 @@ class AllocationMeter(TorchDispatchMode):
         self._add(delta)
 
     def reset_peak(self) -> None:
-        self.peak = self.live
+        with self._lock:
+            self.peak = self._peak_seen = self.live
+            self.peak_largest = self._largest_locked(6, frozenset())
 
     @contextmanager
     def paused(self) -> Iterator[None]:

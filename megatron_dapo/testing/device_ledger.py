@@ -78,6 +78,7 @@ class LedgerRecord:
     phase_holders: dict[str, dict[str, int]] = field(default_factory=dict)  # holders at each phase's peak
     host_buffers: list[int] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)  # {"phase", "event", "holders"} per check
+    peak_largest: dict[str, list] = field(default_factory=dict)  # (bytes, site) of the largest storages at each peak
 
 
 def state_holders(handoff: Any) -> dict[str, int]:
@@ -227,6 +228,8 @@ class LedgerPlatform(CpuPlatform):
         large one's; ``record.peaks`` is held against ``check``'s plan instead (``tests/e2e/test_device_ledger.py``)."""
         ending, peak = self._window, self.meter.peak
         self._window = self.phase()
+        if peak >= self.record.peaks.get(ending, -1):
+            self.record.peak_largest[ending] = self.meter.peak_largest
         self._record_peak(ending, peak, self.holders())
         super().reset_peak_memory()
         self.meter.reset_peak()
@@ -269,6 +272,14 @@ class LedgerPlatform(CpuPlatform):
                 return fn(*args, **kwargs)
 
         return call
+
+    def after_vllm_weight_reload(self, llm: Any, tied_embeddings: bool) -> None:
+        """What a weight sync left in the engine's model (the direct transport re-processes written layers outside
+        the engine's calls) is the engine's, charged with its share: the meter forgets it."""
+        super().after_vllm_weight_reload(llm, tied_embeddings)
+        for model in llm.apply_model(lambda m: m):
+            for t in list(model.parameters()) + list(model.buffers()):
+                self.meter.forget(t.untyped_storage())
 
     def vllm_sleep(self, llm: Any, level: int) -> None:
         if level == 1:

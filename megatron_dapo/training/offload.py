@@ -433,10 +433,10 @@ class MemoryHandoff:
         """A save never shares the device with an awake engine: the engine sleeps (a validation leaves it awake
         with its KV cache), then the actor comes back whole. The next ``before_rollout`` starts from here. (No
         engine in async mode: the rollout ranks hold it.)"""
-        self._enter("save")
-        if engine is not None:
+        if engine is not None:  # its memory belongs to the phase before (validation), not to the save's window
             engine.sleep(self.plan.sleep_level)
         self._empty_cache()
+        self._enter("save")
         self.restore_actor()
 
     def after_save(self) -> None:
@@ -464,12 +464,12 @@ class MemoryHandoff:
         """Put the engine to sleep (planned level), give its memory back, bring the actor's params back."""
         engine.sleep(self.plan.sleep_level)
         self._empty_cache()
+        self._enter("old_log_probs")  # each phase's window holds what it brings back, not what the last one freed
         self._onload(["params"])
-        self._enter("old_log_probs")
 
     def before_reference(self) -> None:
-        self._onload(["reference"])
         self._enter("reference")
+        self._onload(["reference"])
 
     def after_reference(self) -> None:
         if self.plan.reference and self.ref_chunks:
@@ -479,8 +479,8 @@ class MemoryHandoff:
 
     def before_update(self) -> None:
         """Bring grads and optimizer state back for the actor update."""
-        self._onload(ACTOR)
         self._enter("update")
+        self._onload(ACTOR)
 
     def end_step(self) -> None:
         """Close the update phase's peak window (call after the optimizer step, before ``metrics``)."""

@@ -67,6 +67,7 @@ def main() -> None:
         peaks=r.peaks,
         phase_holders=r.phase_holders,
         events=r.events,
+        peak_largest=r.peak_largest,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
