@@ -22,7 +22,7 @@ min and median, ``save_s_per_gb=.. copy_s_per_gb=.. durable_copy_s_per_gb=..``, 
 ``save_vs_durable_copy`` (copy time / save time: 1.0 = at copy speed), and last ``save_vs_plain_write`` (plain-write
 time / save time); ratios from the min of each. Everything generated is deleted at the end.
 
-    python benchmarks/checkpoint_save.py [--work-dir /tmp] [--hidden 512] [--layers 8] [--repeats 3]
+    python benchmarks/checkpoint_save.py [--work-dir /tmp] [--hidden 512] [--layers 8] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def main() -> int:
     ap.add_argument("--ffn", type=int, default=1408)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3, help="rounds of every timing (ratios: best of N)")
+    ap.add_argument("--repeats", type=int, default=5, help="rounds of every timing (ratios: best of N)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():

@@ -306,7 +306,7 @@ class _PendingSave:
     tmp: Path
     final: Path
     request: Any  # megatron-core's AsyncRequest: its finalize functions write .metadata and metadata.json
-    writer: Optional[BucketWriter]  # None: nothing to write on this rank, or planning failed (``error``)
+    writer: Optional[BucketWriter]  # None: nothing to write on this rank, or staging failed (``error``)
     records: list[FileRecord]  # this rank's files written so far
     started: float
     error: Optional[str] = None
