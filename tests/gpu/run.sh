@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # By hand on one NVIDIA GPU (not in CI: pytest does not collect tests/gpu/, whose files are not test_*.py):
 #   bash tests/gpu/run.sh [OUT.json]
-# Needs torch (CUDA build) and megatron-core 0.16 (e.g. its wheel) in the Python on PATH or $PYTHON; no vLLM and no
-# TransformerEngine (the check uses model.transformer_impl=local). Prints one line per phase (tokens/s, peak memory)
-# and exits non-zero when a check fails. See tests/gpu/gpu_check.py for what is checked.
+# Needs torch (CUDA build) and megatron-core 0.16 in the Python on PATH or $PYTHON (installed here from the wheels
+# tests/gpu/fetch_wheels.sh downloads into tests/gpu/wheels/ when it is missing); no vLLM and no TransformerEngine
+# (the check uses model.transformer_impl=local and a stand-in rollout engine). Prints one line per phase (tokens/s,
+# peak memory) and one PASS/FAIL line per check, and exits non-zero when a check fails. See tests/gpu/gpu_check.py.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 OUT="${1:-$REPO_ROOT/gpu_check.json}"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# megatron-core (and whatever else tests/gpu/fetch_wheels.sh put there) from carried wheels, when not installed.
+WHEELS="${GPU_WHEELS:-$REPO_ROOT/tests/gpu/wheels}"
+if ! "$PYTHON" -c "import megatron.core" 2>/dev/null && compgen -G "$WHEELS/*.whl" >/dev/null; then
+  "$PYTHON" -m pip install -q --no-deps "$WHEELS"/*.whl
+fi
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible'; print(torch.__version__, torch.cuda.get_device_name())"
