@@ -274,28 +274,31 @@ def write_bucket(bucket: WriteBucket) -> tuple[list, FileRecord]:
 
 
 class BucketWriter:
-    """Writes a save's write buckets, one thread per file (``write_bucket``), and waits for them with a bound.
+    """Writes a save's write buckets (one file each, ``write_bucket``) with ``threads`` threads, and waits for them
+    with a bound.
 
     Threads, not processes: the bytes are written from this process's memory (no fork of a large process, no copy
     into a child), and the work is system calls and hashing, which release the GIL. A thread cannot be killed: one
     that fails or does not finish in time is reported (``wait``) and left behind as a daemon; its file is in a
     temporary directory that is never published."""
 
-    def __init__(self, buckets: Sequence[WriteBucket], label: str) -> None:
+    def __init__(self, buckets: Sequence[WriteBucket], label: str, threads: Optional[int] = None) -> None:
         self.buckets, self.label = list(buckets), label
-        self.outcomes: dict[int, Any] = {}  # index -> (results, record) or the error text
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(len(self.buckets))]
-        self._done = threading.Semaphore(0)
+        self.outcomes: dict[int, Any] = {}  # bucket index -> (results, record) or the error text
+        n = max(1, min(threads or len(self.buckets), len(self.buckets)))
+        self._threads = [threading.Thread(target=self._run, args=(k, n), daemon=True) for k in range(n)]
+        self._done = threading.Semaphore(0)  # released once per bucket
         self._started_at: Optional[float] = None
         self._crc_off = False
 
-    def _run(self, i: int) -> None:
-        try:
-            self.outcomes[i] = write_bucket(self.buckets[i])
-        except BaseException as e:  # noqa: BLE001 - reported by wait(), which names the file
-            self.outcomes[i] = f"{type(e).__name__}: {e}"
-        finally:
-            self._done.release()
+    def _run(self, first: int, stride: int) -> None:
+        for i in range(first, len(self.buckets), stride):
+            try:
+                self.outcomes[i] = write_bucket(self.buckets[i])
+            except BaseException as e:  # noqa: BLE001 - reported by wait(), which names the file
+                self.outcomes[i] = f"{type(e).__name__}: {e}"
+            finally:
+                self._done.release()
 
     def start(self) -> BucketWriter:
         _ZipCrcOff.enter()
@@ -313,9 +316,9 @@ class BucketWriter:
         bucket, the files' records, the first error or None)."""
         deadline = (self._started_at or time.monotonic()) + timeout_s
         error: Optional[str] = None
-        for _ in self._threads:
+        for _ in self.buckets:
             if not self._done.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                late = next(i for i, t in enumerate(self._threads) if t.is_alive())
+                late = next((i for i in range(len(self.buckets)) if i not in self.outcomes), 0)
                 error = f"{self.what(late)} did not finish within timeout_s={timeout_s:g}"
                 break
             failed = next((i for i, o in sorted(self.outcomes.items()) if isinstance(o, str)), None)

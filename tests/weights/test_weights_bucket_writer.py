@@ -99,3 +99,36 @@ def test_hashing_writer_writes_everything_in_pieces(monkeypatch) -> None:
     assert bytes(raw.data) == data and writer.size == len(data)
     assert writer.digest == xxhash.xxh3_64(data).hexdigest()
     assert kicked == [(0, 2000), (2000, 2000)]  # the last 1120 bytes are left to the file's fsync
+
+
+def test_bucket_writer_waits_with_a_bound(monkeypatch) -> None:
+    """Results come back by bucket (any number of threads); the first failure or the first unfinished file is named."""
+    import threading
+
+    from megatron_dapo.weights import dist_writer
+    from megatron_dapo.weights.dist_writer import BucketWriter
+    from megatron_dapo.weights.integrity import FileRecord
+
+    release = threading.Event()
+
+    def fake_write(bucket):
+        name = bucket[0]
+        if name == "bad":
+            raise OSError(28, "No space left on device")
+        if name == "slow":
+            release.wait(10)
+        return [f"result of {name}"], FileRecord(name, 1, "0" * 16)
+
+    monkeypatch.setattr(dist_writer, "write_bucket", fake_write)
+    buckets = [(name, "key", ([], [])) for name in ("a", "b", "c")]
+    for threads in (1, 2, None):
+        done, records, error = BucketWriter(buckets, "step 1", threads=threads).start().wait(5)
+        assert error is None and done == {0: ["result of a"], 1: ["result of b"], 2: ["result of c"]}
+        assert [r.path for r in records] == ["a", "b", "c"]
+    _, _, error = BucketWriter([("a", "k", ([], [])), ("bad", "k", ([], []))], "step 2").start().wait(5)
+    assert (
+        error == "checkpoint writer thread (writing bad) for step 2 failed: OSError: [Errno 28] No space left on device"
+    )
+    _, _, error = BucketWriter([("a", "k", ([], [])), ("slow", "k", ([], []))], "step 3").start().wait(0.2)
+    release.set()
+    assert error == "checkpoint writer thread (writing slow) for step 3 did not finish within timeout_s=0.2"
