@@ -11,6 +11,7 @@ gradients do not depend on TP/PP/DP sizes or the micro-batch split.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -337,6 +338,73 @@ def local_micro_batches(
     return ranks, local, groups, micro_batches, padding_ratio
 
 
+@dataclass(frozen=True)
+class ForwardStep:
+    """What ``forward_step`` needs besides the micro-batch and the model chunk: set once per pass by
+    ``MegatronActor._run``."""
+
+    device: torch.device
+    platform: Any
+    moe: bool  # MoE routers leave padding out of their losses and the expert load
+    moe_meter: Optional[MoEMeter]
+    router_replay: Optional[RouterReplayer]
+    half_wrapped: bool  # a Float16Module chunk: keep the logits in bf16/fp16 (the loss upcasts them chunk by chunk)
+    explicit_mask: bool
+    scoring: _LogitScoring
+    entropy_grad: bool
+    loss_fn: Callable[..., tuple]  # (log_probs, entropy, micro_batch[, sum_pi_squared=]) -> (loss, metric sums)
+    sum_pi_squared: bool
+
+
+def forward_step(step: ForwardStep, data_iterator, model) -> tuple[torch.Tensor, Callable]:
+    """megatron-core's ``forward_step_func`` (bound to ``step`` with ``functools.partial``, as Megatron-LM binds its
+    arguments): the chunk's forward on the next micro-batch, and the loss hook for its output."""
+    with step.platform.model_compute():
+        mb: MicroBatch = next(data_iterator)
+        if step.moe_meter is not None:  # the router losses' weights for this micro-batch (training/moe.py)
+            step.moe_meter.before_forward(mb)
+        mb = mb.to(step.device)
+        if step.router_replay is not None:  # the rollout's expert choices for this chunk's routers
+            step.router_replay.set_micro_batch(model, mb)
+        kwargs: dict[str, Any] = {"padding_mask": mb.padding_mask} if step.moe else {}
+        if step.half_wrapped:
+            kwargs["fp32_output"] = False
+        if mb.packed:  # THD: the attention masks by cu_seqlens
+            output = model(mb.tokens, mb.position_ids, None, packed_seq_params=_packed_seq_params(mb), **kwargs)
+        else:
+            mask = causal_mask(mb.tokens.shape[1], step.device) if step.explicit_mask else None
+            output = model(mb.tokens, mb.position_ids, mask, **kwargs)
+    return output, functools.partial(loss_func, step, mb)
+
+
+def loss_func(step: ForwardStep, mb: MicroBatch, logits: torch.Tensor) -> tuple:
+    """The loss hook: response log-probs and entropy (and ``Σ π²``) from the last stage's logits, handed to
+    ``step.loss_fn``."""
+    with step.platform.model_compute():
+        log_probs, entropy = step.scoring.log_probs(logits, mb, entropy_grad=step.entropy_grad)
+        if not step.sum_pi_squared:
+            return step.loss_fn(log_probs, entropy, mb)
+        return step.loss_fn(log_probs, entropy, mb, sum_pi_squared=step.scoring.sum_pi_squared(logits, mb))
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """What ``MegatronActor.compute_gradients`` leaves besides the gradients in the DDP buffers."""
+
+    micro_batch_sums: list[dict]  # the loss hook's metric sums per micro-batch (empty off the last stage)
+    inputs_finite: bool  # this rank's loss inputs were finite where the loss mask lets them in
+    padding_ratio: float
+    guard_s: float  # seconds spent checking the loss inputs
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """One guarded optimizer step: verl's ``actor/*`` metrics, and what was not finite (the step was skipped)."""
+
+    metrics: dict[str, float]
+    nonfinite: tuple[str, ...] = ()
+
+
 class MegatronActor:
     """Megatron-Core model chunks (actor or frozen reference) and, for the actor, its optimizer."""
 
@@ -362,7 +430,6 @@ class MegatronActor:
         self.true_vocab_size = true_vocab_size
         self.cfg = actor_cfg
         self.optimizer = optimizer
-        self._guard_s = 0.0
         self.model_config = unwrap(chunks[0]).config
         self.moe: Optional[MoEMeter] = None
         if getattr(self.model_config, "num_moe_experts", None) and optimizer is not None:
@@ -418,54 +485,30 @@ class MegatronActor:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        device = self.device
-        moe = bool(getattr(self.model_config, "num_moe_experts", None))
-        tp_group = ps.get_tensor_model_parallel_group()
-        platform = get_platform()
-        vocab_start_rank = ps.get_tensor_model_parallel_rank()
-        explicit_mask = self.explicit_causal_mask
-        # Float16Module upcasts the last stage's output to fp32 by default: a second, 2x larger copy of the logits.
-        half_wrapped = _wraps_float16_module(self.chunks[0])
-
-        def forward_step(data_iterator, model):
-            with platform.model_compute():
-                return _forward_step(data_iterator, model)
-
-        def _forward_step(data_iterator, model):
-            mb: MicroBatch = next(data_iterator)
-            if self.moe is not None:  # the router losses' weights for this micro-batch (training/moe.py)
-                self.moe.before_forward(mb)
-            mb = mb.to(device)
-            if self.router_replay is not None:  # the rollout's expert choices for this chunk's routers
-                self.router_replay.set_micro_batch(model, mb)
-            # MoE routers leave padding out of their losses and of the expert load.
-            kwargs = {"padding_mask": mb.padding_mask} if moe else {}
-            if half_wrapped:  # keep the logits in bf16/fp16: the loss upcasts them chunk by chunk
-                kwargs["fp32_output"] = False
-            if mb.packed:  # THD: the attention masks by cu_seqlens
-                output = model(mb.tokens, mb.position_ids, None, packed_seq_params=_packed_seq_params(mb), **kwargs)
-            else:
-                mask = causal_mask(mb.tokens.shape[1], device) if explicit_mask else None
-                output = model(mb.tokens, mb.position_ids, mask, **kwargs)
-
-            def loss_func(logits):
-                with platform.model_compute():
-                    return _loss(logits)
-
-            def _loss(logits):
-                scoring = _LogitScoring(self.true_vocab_size, temperature, vocab_start_rank, tp_group)
-                log_probs, entropy = scoring.log_probs(logits, mb, entropy_grad=self.cfg.entropy_coeff != 0)
-                if not sum_pi_squared:
-                    return loss_fn(log_probs, entropy, mb)
-                return loss_fn(log_probs, entropy, mb, sum_pi_squared=scoring.sum_pi_squared(logits, mb))
-
-            return output, loss_func
-
+        step = ForwardStep(
+            device=self.device,
+            platform=get_platform(),
+            moe=bool(getattr(self.model_config, "num_moe_experts", None)),
+            moe_meter=self.moe,
+            router_replay=self.router_replay,
+            # Float16Module upcasts the last stage's output to fp32 by default: a second, 2x larger copy of the logits.
+            half_wrapped=_wraps_float16_module(self.chunks[0]),
+            explicit_mask=self.explicit_causal_mask,
+            scoring=_LogitScoring(
+                self.true_vocab_size,
+                temperature,
+                ps.get_tensor_model_parallel_rank(),
+                ps.get_tensor_model_parallel_group(),
+            ),
+            entropy_grad=self.cfg.entropy_coeff != 0,
+            loss_fn=loss_fn,
+            sum_pi_squared=sum_pi_squared,
+        )
         iterators = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
         try:
             with FORWARD_ONLY_GRAD_MODE() if forward_only else contextlib.nullcontext():
                 return get_forward_backward_func()(
-                    forward_step_func=forward_step,
+                    forward_step_func=functools.partial(forward_step, step),
                     data_iterator=iterators,
                     model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
                     num_microbatches=len(micro_batches),
@@ -527,12 +570,12 @@ class MegatronActor:
         temperature: float,
         rollout_is_threshold: Optional[float] = None,
         max_response_length: Optional[int] = None,
-    ) -> dict[str, float]:
+    ) -> UpdateResult:
         """One optimizer step on a mini-batch: forward-backward with the DAPO loss hook, then a guarded step.
 
         The step is applied only when the loss, the gradient norm and the loss inputs are finite on every rank (one
         reduction over all ranks, so no rank steps alone); otherwise parameters and optimizer state are left as
-        they were and ``actor/update_ok`` is 0, with ``nonfinite`` naming what was not finite.
+        they were and ``actor/update_ok`` is 0, with ``UpdateResult.nonfinite`` naming what was not finite.
 
         Without ``old_log_probs`` (the on-policy path: one epoch, one mini-batch, so the policy has not moved since
         the rollout) the loss uses the training forward's own log-probs, detached, as the old policy's; then the
@@ -540,21 +583,18 @@ class MegatronActor:
         ``max_response_length`` is ``seq-mean-token-sum-norm``'s constant (``data.max_response_length``; default:
         the batch's response width).
         """
-        results, inputs_ok, padding_ratio = self.compute_gradients(
-            mini_batch, temperature, rollout_is_threshold, max_response_length
-        )
-        loss_ok = all(math.isfinite(float(res["pg_loss"])) for res in results)  # empty off the last stage
-        applied, grad_norm, nonfinite = guarded_step(self.optimizer, loss_ok, inputs_ok)
-        metrics = reduce_update_metrics(results, self.cfg, self.device)
+        grads = self.compute_gradients(mini_batch, temperature, rollout_is_threshold, max_response_length)
+        loss_ok = all(math.isfinite(float(res["pg_loss"])) for res in grads.micro_batch_sums)
+        applied, grad_norm, nonfinite = guarded_step(self.optimizer, loss_ok, grads.inputs_finite)
+        metrics = reduce_update_metrics(grads.micro_batch_sums, self.cfg, self.device)
         metrics["actor/grad_norm"] = grad_norm
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["actor/update_ok"] = float(applied)
         if self.moe is not None:
             metrics.update(self.moe.metrics(self.device))
-        metrics["perf/padding_ratio/update"] = padding_ratio
-        metrics["perf/update_guard_s"] = self._guard_s
-        metrics["nonfinite"] = nonfinite  # type: ignore[assignment]  # popped by the trainer
-        return metrics
+        metrics["perf/padding_ratio/update"] = grads.padding_ratio
+        metrics["perf/update_guard_s"] = grads.guard_s
+        return UpdateResult(metrics, tuple(nonfinite))
 
     def compute_gradients(
         self,
@@ -562,11 +602,8 @@ class MegatronActor:
         temperature: float,
         rollout_is_threshold: Optional[float] = None,
         max_response_length: Optional[int] = None,
-    ) -> tuple[list[dict], bool, float]:
-        """Forward-backward of a mini-batch with the DAPO loss hook; gradients land in the DDP grad buffers.
-
-        Returns the per-micro-batch metric sums, whether this rank's loss inputs were finite, and the padding ratio.
-        """
+    ) -> Gradients:
+        """Forward-backward of a mini-batch with the DAPO loss hook; gradients land in the DDP grad buffers."""
         from megatron.core import (
             parallel_state as ps,
         )  # heavy: megatron-core
@@ -617,8 +654,9 @@ class MegatronActor:
 
         started = time.perf_counter()
         inputs_ok = _loss_inputs_finite(local)
-        self._guard_s = time.perf_counter() - started
-        return self._run(micro_batches, loss_hook, temperature, forward_only=False), inputs_ok, padding_ratio
+        guard_s = time.perf_counter() - started
+        sums = self._run(micro_batches, loss_hook, temperature, forward_only=False)
+        return Gradients(sums, inputs_ok, padding_ratio, guard_s)
 
 
 class LogProbModel(Protocol):

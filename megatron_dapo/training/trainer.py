@@ -317,20 +317,19 @@ class DAPOTrainer:
                 part = batch.select(slice(start, start + mini))
                 if not bool(part.loss_mask.any()):
                     continue  # only filler rows: nothing to train, so no optimizer step (Adam would still move)
-                metrics = self.actor.update(
+                result = self.actor.update(
                     part, cfg.rollout.temperature, self.plan.is_threshold, cfg.data.max_response_length
                 )
-                nonfinite = metrics.pop("nonfinite")
-                if nonfinite:
+                if result.nonfinite:
                     limit, main = cfg.trainer.max_consecutive_skipped_updates, self.info.is_main
-                    why = self.counters.skipped_update(step, nonfinite, limit, main)
+                    why = self.counters.skipped_update(step, list(result.nonfinite), limit, main)
                     if why is not None:
                         self._update_in_progress = False  # nothing was applied: the last good step's state stands
                         raise stop_after_skips(why, self.saved_step, self.ckpt.save_dir)
                 else:
                     applied += 1
                     self.counters.applied_update()
-                per_step.append(metrics)
+                per_step.append(result.metrics)
         if applied:
             self.scheduler.step(increment=1)  # the lr schedule counts training steps, not optimizer updates (verl)
         self._update_in_progress = False

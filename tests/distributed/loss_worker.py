@@ -111,7 +111,8 @@ def run_layout(args: argparse.Namespace, modes: list[str], out_dir: str) -> None
                     lp["log_probs"], rollout_lp, batch.response_mask, threshold
                 ),
             )
-        results, _, padding = actor.compute_gradients(mini_batch, TEMPERATURE, threshold)
+        grads = actor.compute_gradients(mini_batch, TEMPERATURE, threshold)
+        results, padding = grads.micro_batch_sums, grads.padding_ratio
         metrics = reduce_update_metrics(results, actor.cfg, actor.device)
         metrics["perf/padding_ratio/update"] = padding
         # Full gradients: TP-merge per tensor, then collect every PP stage's tensors on rank 0.

@@ -152,7 +152,7 @@ def main() -> None:
     refuse_host_tensors(host_groups, seen)
     with HostTensorMode():
         actor.compute_log_probs(batch, TEMPERATURE, calculate_entropy=True)
-        metrics = actor.update(batch, TEMPERATURE)
+        metrics = actor.update(batch, TEMPERATURE).metrics
         actor_violations = list(seen)
         # A deliberate violation: the check must see it.
         canary = torch.zeros(2)

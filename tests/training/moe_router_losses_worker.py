@@ -103,7 +103,7 @@ def main() -> None:
             if run == "z_plain":
                 moe_module.router_loss_weights = plain_weights
             try:
-                results, _, _ = actor.compute_gradients(batch, TEMPERATURE)
+                results = actor.compute_gradients(batch, TEMPERATURE).micro_batch_sums
                 metrics = meter.metrics(actor.device)
             finally:
                 moe_module.router_loss_weights = original

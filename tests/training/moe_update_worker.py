@@ -46,11 +46,11 @@ def main() -> None:
     optimizer, _ = build_optimizer(chunks, cfg.actor.optim, total_steps=10)
     actor = MegatronActor(chunks, arch.vocab_size, cfg.actor, optimizer)
     before = [p.detach().clone() for p in chunks[0].parameters()]
-    metrics = actor.update(TrainBatch(**make_batch()), TEMPERATURE)
+    metrics = actor.update(TrainBatch(**make_batch()), TEMPERATURE).metrics
     moved = [bool((p.detach() != b).any()) for p, b in zip(chunks[0].parameters(), before)]
     torch.save(
         {
-            "metrics": {k: v for k, v in metrics.items() if k != "nonfinite"},
+            "metrics": metrics,
             "counts": actor.moe.last_counts,
             "moved": sum(moved) / len(moved),
             "topk": arch.moe_router_topk,

@@ -91,7 +91,8 @@ def main() -> None:
     for packed in (False, True):
         actor.packed = packed
         lp = actor.compute_log_probs(batch, TEMPERATURE, calculate_entropy=True)
-        results, _, padding = actor.compute_gradients(batch, TEMPERATURE)
+        grads = actor.compute_gradients(batch, TEMPERATURE)
+        results, padding = grads.micro_batch_sums, grads.padding_ratio
         grads = {n: p.main_grad.detach().clone() for n, p in chunks[0].named_parameters()}
         out[packed] = {
             "log_probs": lp["log_probs"],

@@ -330,7 +330,7 @@ def main() -> None:
                 key = (f"chunk{c}/layers.{m.group(1)}", expert)
                 grads[key] = grads.get(key, 0.0) + float(param.main_grad.norm())
     result["expert_grads"] = {f"{k[0]}/e{k[1]}": v for k, v in grads.items()}
-    metrics = actor.update(update_batch, TEMPERATURE)
+    metrics = actor.update(update_batch, TEMPERATURE).metrics
     result["update_ok"] = metrics["actor/update_ok"]
     result["pg_loss"] = metrics["actor/pg_loss"]
     torch.save(result, os.path.join(args.out, f"rank{info.rank}.pt"))

@@ -104,7 +104,7 @@ def train(hf_dir: str, run_dir: Path, out: Path) -> None:
     chunks = wrap_for_training(chunks, cfg)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.0), chunks)
     actor = MegatronActor(chunks, arch.vocab_size, cfg.actor, optimizer=optimizer)
-    metrics = actor.update(TrainBatch(**make_batch()), TEMPERATURE)
+    metrics = actor.update(TrainBatch(**make_batch()), TEMPERATURE).metrics
     step_dir = CheckpointManager(cfg.checkpoint.save_dir).save(1, chunks, optimizer, config=to_dict(cfg))
     trained = {
         lp.mapping.mcore: lp.param.detach().clone() for lp in local_param_table([c.module for c in chunks], arch)
