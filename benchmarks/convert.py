@@ -39,9 +39,9 @@ from pathlib import Path
 def warm_pages(path, nbytes: int) -> None:
     """Write then delete ``nbytes`` of page cache right before a timed phase, so that the phase's writes get pages the
     guest has just used. On a VM that reports freed memory to its host (virtio-balloon free page reporting, this box)
-    a page left free for seconds is given back, and touching it again costs a host fault (docs/benchmarks.md has the same write
-    timed both ways). Every timed phase, the conversion included (its child runs this function's source), starts
-    warm, as on hardware without that cost. A 4 MiB block: the child's peak RSS barely moves.
+    a page left free for seconds is given back, and touching it again costs a host fault (docs/benchmarks.md has the
+    same write timed both ways). Every timed phase, the conversion included (its child runs this function's source),
+    starts warm, as on hardware without that cost. A 4 MiB block: the child's peak RSS barely moves.
     """
     import os
 
