@@ -26,14 +26,11 @@ from megatron_dapo.algo.advantages import (
     group_mean_std,
 )
 from megatron_dapo.algo.masked import masked_whiten
-from megatron_dapo.algo.registry import register_adv_estimator
+from megatron_dapo.algo.registry import EstimatorNeeds, register_adv_estimator
 
-#: Estimators whose inputs include the old policy's ``Σ π²`` per token: the trainer's proximal forward computes it.
-NEEDS_SUM_PI_SQUARED = ("optimal_token_baseline", "tir_optimal_token_baseline")
 OTB_EPSILON = 1e-8  # verl's default (its trainer passes none)
 
 __all__ = [
-    "NEEDS_SUM_PI_SQUARED",
     "compute_gdpo_advantages",
     "compute_gpg_advantages",
     "compute_grpo_passk_advantages",
@@ -225,12 +222,12 @@ def compute_optimal_token_baseline_advantages(
     return adv.to(dtype), returns.to(dtype)
 
 
-@register_adv_estimator("optimal_token_baseline")
+@register_adv_estimator("optimal_token_baseline", needs=EstimatorNeeds(sum_pi_squared=True))
 def _otb(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return _token_baseline(x, compact=False)
 
 
-@register_adv_estimator("tir_optimal_token_baseline")
+@register_adv_estimator("tir_optimal_token_baseline", needs=EstimatorNeeds(sum_pi_squared=True))
 def _tir_otb(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return _token_baseline(x, compact=True)
 
@@ -273,14 +270,14 @@ def _rloo_vectorized(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return compute_rloo_vectorized_advantages(x.scores, x.group_ids, x.response_mask)
 
 
-@register_adv_estimator("remax")
+@register_adv_estimator("remax", needs=EstimatorNeeds(greedy_baseline=True))
 def _remax(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     if x.token_level_rewards is None or x.reward_baselines is None:
         raise ValueError("adv_estimator 'remax' needs token_level_rewards[B, T] and reward_baselines[B]")
     return compute_remax_advantages(x.token_level_rewards, x.reward_baselines, x.response_mask)
 
 
-@register_adv_estimator("gdpo")
+@register_adv_estimator("gdpo", needs=EstimatorNeeds(reward_components=True))
 def _gdpo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     if x.reward_components is None:
         raise ValueError("adv_estimator 'gdpo' needs reward_components[B, K] (algorithm.gdpo_reward_keys)")

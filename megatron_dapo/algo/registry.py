@@ -7,7 +7,7 @@ Config validation, dispatch and the implementations meet here: ``algorithm.adv_e
 
     from megatron_dapo.algo.registry import register_adv_estimator, register_policy_loss
 
-    @register_adv_estimator("my_grpo")
+    @register_adv_estimator("my_grpo")  # needs=EstimatorNeeds(...) when it needs more than the batch
     def my_grpo(inputs):                # AdvantageInputs -> (advantages[B, T], returns[B, T])
         ...
 
@@ -21,6 +21,7 @@ Signatures are documented on :data:`ADV_ESTIMATORS` and :data:`POLICY_LOSSES`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic, Optional, TypeVar
 
 from megatron_dapo.user_code import load_python_file
@@ -30,6 +31,7 @@ F = TypeVar("F", bound=Callable)
 __all__ = [
     "ADV_ESTIMATORS",
     "POLICY_LOSSES",
+    "EstimatorNeeds",
     "Registry",
     "load_user_algorithms",
     "register_adv_estimator",
@@ -37,25 +39,42 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an advantage estimator needs from the loop beyond the step's batch; the loop asks
+    ``ADV_ESTIMATORS.needs(name)`` instead of naming estimators."""
+
+    greedy_baseline: bool = False  # a greedy response's reward per prompt (ReMax: ``reward_baselines``)
+    sum_pi_squared: bool = False  # Σ over the vocabulary of π² per token, from the old-policy forward
+    reward_components: bool = False  # the reward function's named dimensions [B, K] (``algorithm.gdpo_reward_keys``)
+
+
 class Registry(Generic[F]):
-    """Functions by name, for one config key (``config_key`` is named in every error)."""
+    """Functions by name, for one config key (``config_key`` is named in every error), each with what it needs."""
 
     def __init__(self, kind: str, config_key: str) -> None:
         self.kind = kind
         self.config_key = config_key
         self._entries: dict[str, F] = {}
+        self._needs: dict[str, EstimatorNeeds] = {}
 
-    def register(self, name: str) -> Callable[[F], F]:
-        """Decorator registering a function as ``name``. A name is registered once (a second one is an error, so a
-        user file cannot silently replace a built-in)."""
+    def register(self, name: str, needs: EstimatorNeeds = EstimatorNeeds()) -> Callable[[F], F]:
+        """Decorator registering a function as ``name`` with what it ``needs``. A name is registered once (a second
+        one is an error, so a user file cannot silently replace a built-in)."""
 
         def add(fn: F) -> F:
             if name in self._entries and self._entries[name] is not fn:
                 raise ValueError(f"{self.kind} {name!r} is registered already (by {self._entries[name].__module__})")
             self._entries[name] = fn
+            self._needs[name] = needs
             return fn
 
         return add
+
+    def needs(self, name: str) -> EstimatorNeeds:
+        """What the entry registered as ``name`` needs (``register``'s ``needs``)."""
+        self.get(name)  # the unknown-name error
+        return self._needs[name]
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self._entries))

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingAccumulator
+from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import partial_plan
@@ -136,7 +137,7 @@ class RolloutPhase:
             rollout, items, ids = got.rollout, got.items, got.ids
             with timed("reward", timings):  # with reward.overlap_generation, what was left when generation ended
                 gen_batch, rmetrics = self._score(got)
-            if cfg.algorithm.adv_estimator == "remax":  # the greedy baseline of each prompt (verl: gen_max)
+            if ADV_ESTIMATORS.needs(cfg.algorithm.adv_estimator).greedy_baseline:  # ReMax (verl: gen_max)
                 with timed("gen_max", timings):
                     gen_batch.reward_baselines = greedy_baselines(
                         self.generator, self.scorer, cfg, rollout, items, self.train_sampling, step * 1000 + 999

@@ -27,6 +27,7 @@ from dataclasses import asdict
 from typing import Any
 
 from megatron_dapo.algo.dynamic_sampling import filter_groups
+from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.config import ExperimentConfig, validate_config
 from megatron_dapo.config.plan import PartialPlan, resolve
 from megatron_dapo.data.tokens import load_tokenizer, token_ids
@@ -190,7 +191,7 @@ class RolloutWorker:
         tokenizer = self.tokenizer if self.cfg.trainer.rollout_data_dir else None
         rollout = groups_to_rollout(done, self.engine.pad_token_id)
         batch, reward_metrics = score_to_batch(self.scorer, self.cfg, rollout, items, tokenizer)
-        if self.cfg.algorithm.adv_estimator == "remax":  # greedy baselines with the weights of this round
+        if ADV_ESTIMATORS.needs(self.cfg.algorithm.adv_estimator).greedy_baseline:  # with this round's weights
             seed = self.stats["rounds"]
             batch.reward_baselines = greedy_baselines(
                 self.generator, self.scorer, self.cfg, rollout, items, self.sampling, seed

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.data.tokens import decode_responses
@@ -196,7 +197,7 @@ def score_to_batch(
         data_source=[items[i]["data_source"] for i in rows],
         **(rollout.routed_experts or {}),  # routing replay: the experts vLLM chose per token
     )
-    if cfg.algorithm.adv_estimator == "gdpo":
+    if ADV_ESTIMATORS.needs(cfg.algorithm.adv_estimator).reward_components:
         batch.reward_components = reward_components(result.extra, cfg.algorithm.gdpo_reward_keys or [])
     if tokenizer is not None:
         batch.prompt_text = [items[i]["raw_prompt"] for i in rows]

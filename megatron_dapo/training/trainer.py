@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_dapo.algo.kl import get_kl_controller
-from megatron_dapo.algo.outcome_estimators import NEEDS_SUM_PI_SQUARED
+from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ExperimentConfig, to_dict, validate_config
 from megatron_dapo.config.plan import resolve
@@ -301,7 +301,7 @@ class DAPOTrainer:
     def compute_log_probs(self, batch: TrainBatch, timings: dict[str, float]) -> dict[str, float]:
         """The old policy's (proximal or behaviour, per ``algorithm.off_policy``) and the reference's log-probs."""
         t = self.cfg.rollout.temperature
-        sq = self.cfg.algorithm.adv_estimator in NEEDS_SUM_PI_SQUARED  # the optimal-token-baseline estimators
+        sq = ADV_ESTIMATORS.needs(self.cfg.algorithm.adv_estimator).sum_pi_squared
         return batch_log_probs(batch, self.actor, self.ref, self.handoff, self.plan, self.global_step, t, timings, sq)
 
     def update_actor(self, batch: TrainBatch, step: int) -> dict[str, float]:

@@ -484,3 +484,27 @@ def test_lr_schedule_problems_are_reported_together():
         "actor.optim",
         "actor.optim.lr_warmup_steps",
     ]
+
+
+def test_estimators_declare_what_they_need_from_the_loop(tmp_path):
+    # The loop asks the registry (ADV_ESTIMATORS.needs) instead of naming estimators.
+    from megatron_dapo.algo.registry import ADV_ESTIMATORS, EstimatorNeeds
+
+    needs = {name: ADV_ESTIMATORS.needs(name) for name in ADV_ESTIMATORS.names()}
+    assert {n for n, x in needs.items() if x.greedy_baseline} >= {"remax"}
+    assert {n for n, x in needs.items() if x.sum_pi_squared} >= {"optimal_token_baseline", "tir_optimal_token_baseline"}
+    assert {n for n, x in needs.items() if x.reward_components} >= {"gdpo"}
+    assert needs["grpo"] == EstimatorNeeds()
+    path = tmp_path / "needs_algos.py"
+    path.write_text(
+        "from megatron_dapo.algo.registry import EstimatorNeeds, register_adv_estimator\n"
+        "@register_adv_estimator('test_needs_adv', needs=EstimatorNeeds(greedy_baseline=True))\n"
+        "def adv(inputs):\n"
+        "    return inputs.response_mask, inputs.response_mask\n"
+    )
+    validate_run(
+        tiny([f"algorithm.user_algorithms_file={path}", "algorithm.adv_estimator=test_needs_adv"]), tiny_arch(), 2
+    )
+    assert ADV_ESTIMATORS.needs("test_needs_adv").greedy_baseline
+    with pytest.raises(ValueError, match="no such advantage estimator"):
+        ADV_ESTIMATORS.needs("no_such_estimator")
