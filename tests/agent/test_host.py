@@ -1,13 +1,21 @@
 """The tool host (``agent/host.py``): user tools in a real child process, every way a tool can fail (raise, time
-out, exit, exhaust memory, hang holding the GIL) ending as a message and a count, and the host serving on."""
+out, exit, exhaust memory, hang holding the GIL) ending as a message and a count, and the host serving on.
+
+The tests wait for what they need to have happened (a file the tool writes when it runs, a condition polled with a
+bound), never for a fixed time; where the outcome depends on which deadlines have passed, the host's clock is the
+test's (``HostClock``)."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+from megatron_dapo.agent import host as host_module
 from megatron_dapo.agent.hermes import ToolCall
 from megatron_dapo.agent.host import ToolHost
 from megatron_dapo.agent.tools import ToolSpec
@@ -22,6 +30,8 @@ class Secret:
     def create(self, instance_id, secret=0):
         self.secrets[instance_id] = secret
     def execute(self, instance_id, arguments):
+        if "started" in arguments:  # tells the test that the call runs in this process
+            open(arguments["started"], "w").close()
         time.sleep(arguments.get("sleep", 0))
         return str(self.secrets[instance_id] + arguments["x"] + self.offset), 0.5, {"looked_up": 1}
     def release(self, instance_id):
@@ -51,6 +61,7 @@ class Misbehave:
             while True:
                 pass
         if how == "regex":  # catastrophic backtracking: C code that holds the GIL for ages
+            open(arguments["holding"], "w").close()  # tells the test: from the next line on, the GIL is held
             re.match(r"(a+)+$", "a" * 40 + "!")
         return how
 '''
@@ -82,6 +93,32 @@ def probe(host: ToolHost) -> tuple[int, str, int]:
 
 def misbehave(host: ToolHost, how: str, **arguments):
     return host.call("m", ToolCall("misbehave", {"how": how, **arguments}))
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Return as soon as ``condition()`` holds (polled every 5 ms); fail naming ``what`` after ``timeout_s``, a bound
+    that only a broken host reaches."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        time.sleep(0.005)
+
+
+class HostClock:
+    """Stands in for ``agent.host``'s ``time`` module: ``monotonic()`` reads ``now``, which only the test moves, so
+    which request deadlines have passed when the watchdog looks is the test's choice, not the scheduler's. ``sent``
+    counts the reads of the host's sender thread, one per request it sends (its ``sent`` time)."""
+
+    def __init__(self) -> None:
+        self.now, self.sent = 0.0, 0
+
+    def monotonic(self) -> float:
+        if threading.current_thread().name == "tool-host-sender":
+            self.sent += 1
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)  # the rest of the module is the real one
 
 
 def test_user_tool_from_a_file_serves_many_instances_concurrently(tmp_path):
@@ -130,8 +167,10 @@ def test_a_tool_that_exits_crashes_the_calls_in_flight_and_the_host_restarts(tmp
     with ToolHost(specs(tmp_path), timeout_s=10) as host:
         host.create("a", {"secret": {"create_kwargs": {"secret": 7}}}).result(timeout=30)
         pid = probe(host)[0]
-        other = host.call("a", ToolCall("secret", {"x": 1, "sleep": 2}))  # in flight when the child dies
-        time.sleep(0.2)
+        started = tmp_path / "started"
+        # In flight when the child dies: running in it (it says so), and for longer than timeout_s.
+        other = host.call("a", ToolCall("secret", {"x": 1, "sleep": 30, "started": str(started)}))
+        wait_until(started.exists, "the first call runs in the child")
         exited = misbehave(host, "exit").result(timeout=30)
         assert (exited.status, exited.text) == ("crashed", "error: the tool process died (exit code 3) during the call")
         assert other.result(timeout=30).status == "crashed" and "exit code 3" in other.result().text
@@ -161,20 +200,26 @@ def test_watchdog_kills_the_child_when_a_timed_out_sync_tool_spins_on(tmp_path):
         spin = misbehave(host, "spin").result(timeout=30)
         assert (spin.status, spin.text) == ("timeout", "error: misbehave timed out after 0.3 s")
         assert counts(host)["tool/crashes"] == 0.0  # answered at timeout_s; its thread spins on ...
-        deadline = time.monotonic() + 10
-        while counts(host)["tool/crashes"] == 0.0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: counts(host)["tool/crashes"] == 1.0, "the watchdog kills the child", timeout_s=10)
         assert counts(host) == expect(calls=2, timeouts=1, crashes=1)  # ... and is killed at timeout_s + grace_s
         assert probe(host)[0] != pid  # a fresh child answers
 
 
-def test_watchdog_kills_a_tool_that_holds_the_gil(tmp_path):
+def test_watchdog_kills_a_tool_that_holds_the_gil(tmp_path, monkeypatch):
+    clock = HostClock()  # the deadlines below are on it; the child's own timeouts are on the real clock
+    monkeypatch.setattr(host_module, "time", clock)
     with ToolHost(specs(tmp_path), timeout_s=0.3, grace_s=0.4) as host:
         pid = probe(host)[0]
         host.create("a", {"secret": {"create_kwargs": {"secret": 1}}}).result(timeout=30)
-        stuck = misbehave(host, "regex")  # the child's event loop cannot run: no timeout fires inside
-        time.sleep(0.5)  # its deadline is 0.5 s after the stuck call's: not overdue at the kill
+        holding, sent_at = tmp_path / "holding", time.monotonic()
+        stuck = misbehave(host, "regex", holding=str(holding))  # sent at 0: its deadline is 0.7
+        wait_until(holding.exists, "the stuck call holds the child's GIL")
+        # The child's event loop cannot run: its own timeout (timeout_s, real time) passes without an answer.
+        wait_until(lambda: time.monotonic() - sent_at > 0.3, "timeout_s passes")
+        clock.now, before = 0.5, clock.sent
         bystander = host.call("a", ToolCall("secret", {"x": 1}))
+        wait_until(lambda: clock.sent > before, "the bystander is sent")  # at 0.5: its deadline is 1.2
+        clock.now = 0.8  # the stuck call is overdue, the bystander not: the watchdog kills the child
         assert (stuck.result(timeout=30).status, stuck.result().text) == (
             "timeout",
             "error: misbehave did not return within 0.7 s; the tool process was killed",

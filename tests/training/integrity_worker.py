@@ -4,8 +4,8 @@ In one process pair, in order:
   1. ``save`` steps 1 and 2 (the manifest is checked by the test against an independent read of the files);
   2. a NaN written into one weight on rank 1 only: ``save(3)`` must refuse on both ranks, naming the tensor;
   3. a writer thread failing with an I/O error mid-file (on rank 0, which writes the files at DP=2) and writers that
-     never finish (``timeout_s=3``): both ranks raise ``CheckpointError`` (within the timeout); nothing is
-     published, ``latest`` is unchanged;
+     hang until the worker releases them after the save (``timeout_s=3``): both ranks raise ``CheckpointError``
+     while the writers still hang; nothing is published, ``latest`` is unchanged;
   4. damaged copies of step 2 (a truncated ``.distcp``, a truncated ``rng`` file, a flipped byte): explicit
      ``resolve_resume``/``load`` raise on both ranks; ``auto`` falls back to step 1 with a warning and loads it;
      with step 1 damaged too, ``auto`` raises;
@@ -18,11 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-SLOW_WRITER_S = 60.0
+# A bound on a hung writer's wait, reached only if the worker never releases it.
+HUNG_WRITER_BOUND_S = 60.0
+HUNG_WRITERS: list[str] = []  # the files whose (broken) writer thread is blocked now
 
 
 def _error(fn) -> dict[str, Any]:
@@ -43,14 +46,16 @@ def listing(d: Path) -> list[str]:
 
 
 def broken_writer(kind: str, on_rank: int | None):
-    """Make the checkpoint writer threads ``"fail"`` (an I/O error after part of the file) or hang (``"stuck"``) —
-    on every rank, or only on ``on_rank`` (the other rank finishes and waits for it in a collective). Returns a
-    function that restores the real writer."""
+    """Make the checkpoint writer threads ``"fail"`` (an I/O error after part of the file) or hang (``"stuck"``,
+    listed in ``HUNG_WRITERS`` while they do) — on every rank, or only on ``on_rank`` (the other rank finishes and
+    waits for it in a collective). Returns a function that restores the real writer and releases the hung ones,
+    which then give up without writing (so nothing of theirs lands while the next save runs)."""
     import torch.distributed as dist
 
     from megatron_dapo.weights import dist_writer
 
     original = dist_writer.write_bucket
+    released = threading.Event()
 
     def failing(bucket):
         with open(bucket[0], "wb") as f:
@@ -58,14 +63,19 @@ def broken_writer(kind: str, on_rank: int | None):
         raise OSError(28, "No space left on device")
 
     def stuck(bucket):
-        time.sleep(SLOW_WRITER_S)
-        return original(bucket)
+        HUNG_WRITERS.append(bucket[0])
+        try:
+            released.wait(HUNG_WRITER_BOUND_S)
+        finally:
+            HUNG_WRITERS.remove(bucket[0])
+        raise OSError("released by the test: the hung writer gives up")
 
     if on_rank is None or dist.get_rank() == on_rank:
         dist_writer.write_bucket = failing if kind == "fail" else stuck
 
     def restore() -> None:
         dist_writer.write_bucket = original
+        released.set()
 
     return restore
 
@@ -160,12 +170,13 @@ def main() -> None:
     finally:
         restore()
     res["failed"] = {**failed, "after": listing(save_dir), "latest": (save_dir / "latest").read_text()}
-    # 3b. a writer that never finishes (both ranks): the timeout fires
+    # 3b. writers that hang (both ranks): the timeout fires while they still do
     restore = broken_writer("stuck", on_rank=None)
     try:
         stuck = _error(
             lambda: CheckpointManager(save_dir, timeout_s=3).save(5, chunks, optimizer, scheduler, data_state={})
         )
+        stuck["hung_writers"] = len(HUNG_WRITERS)
     finally:
         restore()
     res["stuck"] = {**stuck, "after": listing(save_dir), "latest": (save_dir / "latest").read_text()}
