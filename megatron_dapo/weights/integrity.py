@@ -33,6 +33,7 @@ from typing import Any, Optional, Union
 import torch
 import xxhash
 
+from megatron_dapo.platform.base import Platform
 from megatron_dapo.weights.atomic import start_writeback, write_bytes_durable
 
 PathLike = Union[str, Path]
@@ -361,17 +362,20 @@ def torch_save_hashed(obj: Any, path: PathLike) -> FileRecord:
 
 
 _MINMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Picks the reduction when the caller passes no platform: the base rule (by the tensor's device). Not
+# ``get_platform()``: that sets a platform up (CPU shims, MindSpeed) in a process that may only write files.
+_BASE_PLATFORM = Platform()
 
 
-def _first_bad_in_group(items: list[tuple[int, str, torch.Tensor]]) -> Optional[tuple[int, str]]:
+def _first_bad_in_group(items: list[tuple[int, str, torch.Tensor]], platform: Platform) -> Optional[tuple[int, str]]:
     """(order, name) of the first non-finite tensor of one (device, dtype) group, or None.
 
-    CPU: ``torch.aminmax`` per tensor (one vectorised pass at memory speed; NaN propagates into both ends, ±inf shows
-    in one; ~10x faster than the inf-norm, whose CPU kernel takes |x| element by element). Elsewhere: one fused
-    ``torch._foreach_norm`` with ord=inf (the max |x|, non-finite exactly when an element is) and a single
-    ``isfinite().all()`` for the group; only a failing group is searched tensor by tensor."""
+    Where ``platform.prefers_fused_reductions(device)`` (accelerators): one fused ``torch._foreach_norm`` with
+    ord=inf (the max |x|, non-finite exactly when an element is) and a single ``isfinite().all()`` for the group;
+    only a failing group is searched tensor by tensor. Otherwise (host memory): ``torch.aminmax`` per tensor (one
+    vectorised pass; NaN propagates into both ends, ±inf shows in one), for the dtypes it takes."""
     t0 = items[0][2]
-    if t0.device.type == "cpu" and t0.dtype in _MINMAX_DTYPES:
+    if not platform.prefers_fused_reductions(t0.device) and t0.dtype in _MINMAX_DTYPES:
         for i, name, t in items:
             lo, hi = torch.aminmax(t)
             if not (bool(lo.isfinite()) and bool(hi.isfinite())):
@@ -386,9 +390,10 @@ def _first_bad_in_group(items: list[tuple[int, str, torch.Tensor]]) -> Optional[
     return None
 
 
-def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> Optional[str]:
-    """Name of the first floating tensor holding NaN/±inf, or None: one reduction per tensor on CPU, one fused
-    reduction per (device, dtype) group elsewhere (``_first_bad_in_group``); no temporary of a tensor's size."""
+def first_non_finite(named: Iterable[tuple[str, torch.Tensor]], platform: Optional[Platform] = None) -> Optional[str]:
+    """Name of the first floating tensor holding NaN/±inf, or None: one reduction per tensor in host memory, one
+    fused reduction per (device, dtype) group on an accelerator, as ``platform`` (default: the base rule) prefers
+    (``_first_bad_in_group``); no temporary of a tensor's size."""
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, str, torch.Tensor]]] = {}
     order = 0
     for name, t in named:
@@ -396,7 +401,8 @@ def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> Optional[str]
             continue
         groups.setdefault((t.device, t.dtype), []).append((order, name, t.detach()))
         order += 1
-    found = [bad for items in groups.values() if (bad := _first_bad_in_group(items)) is not None]
+    chooser = platform or _BASE_PLATFORM
+    found = [bad for items in groups.values() if (bad := _first_bad_in_group(items, chooser)) is not None]
     return min(found)[1] if found else None
 
 

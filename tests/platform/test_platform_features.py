@@ -237,3 +237,37 @@ def test_after_vllm_weight_reload_per_platform():
     model = torch.nn.Sequential(moe_layer(cpu_experts), moe_layer(gpu_experts), torch.nn.Linear(2, 2))
     assert cpu_platform._repack_fused_moe_experts(model) == 1
     assert cpu_experts.processed == [model[0]] and gpu_experts.processed == []
+
+
+def test_fused_reductions_on_accelerators_one_per_tensor_in_host_memory():
+    """``Platform.prefers_fused_reductions``: one fused kernel per group for device tensors, a reduction per tensor
+    for host tensors, which every platform has (staging buffers, offloaded state); ``first_non_finite`` asks the
+    platform it is given and finds the same tensor either way."""
+    import torch
+
+    from megatron_dapo.platform.cpu import CpuPlatform
+    from megatron_dapo.weights.integrity import first_non_finite
+
+    for platform in (make_platform(n) for n in ("cpu", "cuda", "npu")):
+        assert not platform.prefers_fused_reductions(torch.device("cpu"))
+        assert platform.prefers_fused_reductions(torch.device("cuda", 0))
+        assert platform.prefers_fused_reductions(torch.device("meta"))  # any device but the host
+
+    class FusedOnHost(CpuPlatform):
+        """Asked for every group; answers "fused" so that the fused path runs on CPU tensors too."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked: list[str] = []
+
+        def prefers_fused_reductions(self, device: torch.device) -> bool:
+            self.asked.append(str(device))
+            return True
+
+    nan, inf = torch.ones(3), torch.zeros(2, dtype=torch.float64)
+    nan[1], inf[0] = float("nan"), float("-inf")
+    named = [("ok", torch.ones(4)), ("ints", torch.arange(3)), ("inf", inf), ("nan", nan)]
+    fused = FusedOnHost()
+    assert first_non_finite(named, fused) == first_non_finite(named) == "inf"
+    assert sorted(fused.asked) == ["cpu", "cpu"]  # once per (device, dtype) group: float32, float64
+    assert first_non_finite(named[:2], fused) is None and first_non_finite(named[:2]) is None

@@ -9,7 +9,10 @@
   of import statements it belongs to. The reason is written where the import is, not kept in a list here, so there
   is no allowlist of modules. Standard-library imports are exempt (never heavy or optional: put them at the top);
 * no function is longer than 80 lines and no class longer than 300 (``end_lineno - lineno + 1``: from ``def`` or
-  ``class`` to the last line, docstring included, decorators not).
+  ``class`` to the last line, docstring included, decorators not);
+* outside ``platform/``, no code compares a device's type with a device name (``t.device.type == "cpu"``) to choose
+  behaviour: it asks the platform (``docs/architecture.md``, "Seams"). The few that ask where a tensor's bytes are
+  (host memory or not), a fact of the data, are listed with their reason.
 """
 
 from __future__ import annotations
@@ -360,3 +363,76 @@ def oversized() -> list[str]:
 def test_functions_and_classes_are_short():
     offenders = oversized()
     assert not offenders, "too long:\n  " + "\n  ".join(offenders)
+
+
+# ----- 5. device types outside platform/
+
+# file -> how many ``<x>.device.type``/``device.type`` comparisons with a device name it may hold, and why. Each asks
+# where a tensor's bytes are, not which platform runs; a choice of behaviour by device asks the platform instead
+# (e.g. ``Platform.prefers_fused_reductions``).
+DEVICE_TYPE_TESTS_ALLOWED = {
+    "megatron_dapo/weights/safetensors_io.py": 1,  # a tensor not in host memory is copied there to be written
+    "megatron_dapo/weights/dist_writer.py": 2,  # host tensors get exact-storage aliases; device ones are staged
+    "megatron_dapo/testing/standin_engine.py": 1,  # test tooling: the modelled device's capacity, none for the host
+}
+
+
+def _is_device_type(node: ast.expr) -> bool:
+    """``<x>.device.type`` or ``device.type``."""
+    if not (isinstance(node, ast.Attribute) and node.attr == "type"):
+        return False
+    value = node.value
+    return (isinstance(value, ast.Attribute) and value.attr == "device") or (
+        isinstance(value, ast.Name) and value.id == "device"
+    )
+
+
+def _is_device_name(node: ast.expr) -> bool:
+    """A string literal, or a tuple/list/set of them (``in ("cpu", "meta")``)."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return bool(node.elts) and all(_is_device_name(e) for e in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def device_type_tests(source: str) -> list[int]:
+    """Lines of the comparisons of a device's type with a device name in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(_is_device_type(o) for o in operands) and any(_is_device_name(o) for o in operands):
+                found.append(node.lineno)
+    return sorted(found)
+
+
+def test_device_types_are_asked_of_the_platform():
+    over, stale = [], []
+    for path in modules().values():
+        if path.is_relative_to(PKG / "platform"):
+            continue
+        lines = device_type_tests(path.read_text(encoding="utf-8"))
+        allowed = DEVICE_TYPE_TESTS_ALLOWED.get(rel(path), 0)
+        if len(lines) > allowed:
+            over.append(f"{rel(path)}: lines {lines} ({allowed} allowed)")
+        elif allowed and not lines:
+            stale.append(rel(path))
+    assert not over, (
+        "a device's type compared with a device name outside platform/: ask the platform (a Platform method, see"
+        " docs/architecture.md 'Seams'), or, if it asks where a tensor's bytes are, list it in"
+        " DEVICE_TYPE_TESTS_ALLOWED with why:\n  " + "\n  ".join(over)
+    )
+    assert not stale, f"DEVICE_TYPE_TESTS_ALLOWED lists files without such a comparison now: {stale}"
+
+
+def test_device_type_rule_finds_the_comparisons():
+    source = """
+def f(t, device, platform):
+    if t.device.type == "cpu":
+        pass
+    on_host = device.type != 'cpu'
+    kind = t.device.type in ("cpu", "meta")
+    same = t.device.type == platform.device_type
+    return torch.get_device_module(device.type), t.device.type
+"""
+    # lines 3, 5, 6: against names; line 7 compares with the platform's own type (asking it); line 8 compares nothing
+    assert device_type_tests(source) == [3, 5, 6]
