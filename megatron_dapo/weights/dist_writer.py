@@ -220,7 +220,7 @@ class _ZipCrcOff:
     """``torch.save``'s per-record zip CRC-32 off while any bucket writer runs (a process-wide switch, counted).
 
     The manifest's checksum, computed as the bytes are written, covers every file; the zip CRC would be a second
-    pass over every byte at ~1.6 GB/s, and ``torch.load`` does not check it."""
+    pass over every byte, and ``torch.load`` does not check it."""
 
     _lock = threading.Lock()
     _users = 0
