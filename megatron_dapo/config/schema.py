@@ -62,6 +62,9 @@ class CheckpointConfig:
     resume_mode: str = "auto"  # auto | disable | <path to a step directory>
     max_ckpt_to_keep: Optional[int] = None
     save_optimizer: bool = True
+    # verl's key: a save returns once the state is staged in host memory; its files are written while training goes
+    # on and published (``latest``) by the next save or the end of the run (docs/checkpoints.md).
+    async_save: bool = False
 
 
 @dataclass

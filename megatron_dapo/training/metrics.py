@@ -111,6 +111,21 @@ def compute_throughput_metrics(batch: TrainBatch, timings: Mapping[str, float], 
     }
 
 
+def step_metrics(
+    batch: TrainBatch,
+    timings: Mapping[str, float],
+    startup: Mapping[str, float],
+    max_lengths: tuple[int, int],
+    n_gpus: int,
+) -> dict[str, float]:
+    """verl's data, timing and throughput metrics of a finished step (``startup``: the start-up's timings, on the
+    first step only; ``max_lengths``: ``data.max_prompt_length`` and ``data.max_response_length``)."""
+    metrics = compute_data_metrics(batch, max_prompt_length=max_lengths[0], max_response_length=max_lengths[1])
+    metrics.update(compute_timing_metrics({**timings, **startup}, batch))
+    metrics.update(compute_throughput_metrics(batch, timings, n_gpus))
+    return metrics
+
+
 def compute_val_metrics(data_sources: list[str], accs: Iterable[float], n: int) -> dict[str, float]:
     """``val-core/<data_source>/acc/mean@<n>``: mean accuracy of the ``n`` responses per prompt, averaged over the
     prompts of each data source (every prompt has ``n`` responses, so this is the mean over that source's rows)."""

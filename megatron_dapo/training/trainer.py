@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,7 +23,7 @@ import torch
 from megatron_dapo.algo.kl import get_kl_controller
 from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.batch import TrainBatch
-from megatron_dapo.config import ExperimentConfig, to_dict, validate_config
+from megatron_dapo.config import ActorConfig, ExperimentConfig, to_dict, validate_config
 from megatron_dapo.config.plan import resolve
 from megatron_dapo.data.tokens import load_tokenizer, token_ids
 from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
@@ -42,12 +43,7 @@ from megatron_dapo.training.console import ProgressBar, setup_logging
 from megatron_dapo.training.failure import PeerFailure, StopRequest, record_failure
 from megatron_dapo.training.log_probs import batch_log_probs, build_reference
 from megatron_dapo.training.loggers import MetricsLogger, RolloutDumper
-from megatron_dapo.training.metrics import (
-    compute_data_metrics,
-    compute_throughput_metrics,
-    compute_timing_metrics,
-    reduce_metrics,
-)
+from megatron_dapo.training.metrics import reduce_metrics, step_metrics
 from megatron_dapo.training.offload import MemoryHandoff
 from megatron_dapo.training.optimizer import build_optimizer
 from megatron_dapo.training.rollout_phase import RolloutPhase
@@ -111,7 +107,13 @@ class DAPOTrainer:
         if cfg.actor.lora.rank:
             self.ckpt.register("lora", LoraBase(cfg))  # the adapters' base, checked on resume
         self.checkpoints = StepCheckpoints(
-            self.ckpt, cfg, self.platform, self.handoff, self.rollout.engine_released, self.info.is_main
+            self.ckpt,
+            cfg,
+            self.platform,
+            self.handoff,
+            self.rollout.engine_released,
+            self.info.is_main,
+            background=cfg.checkpoint.async_save,
         )
         # ``global_step`` is the last *completed* step: its update is applied (what a checkpoint of it holds).
         self.global_step = 0
@@ -185,7 +187,9 @@ class DAPOTrainer:
             return {}
         self.stop_request.install()
         try:
-            return self._train_loop()
+            val_metrics = self._train_loop()
+            self.checkpoints.finish_saves()  # a save still written in the background is published before the end
+            return val_metrics
         except BaseException as exc:
             self.checkpoints.save_after_failure(exc, self.global_step, self._update_in_progress, self.save_checkpoint)
             raise
@@ -263,12 +267,8 @@ class DAPOTrainer:
 
     def _step_metrics(self, step: int, batch: TrainBatch, timings: dict[str, float]) -> dict[str, float]:
         """Data, timing, throughput and memory metrics of a finished step (verl's names)."""
-        cfg = self.cfg
-        metrics = compute_data_metrics(
-            batch, max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length
-        )
-        metrics.update(compute_timing_metrics({**timings, **self.startup.pop()}, batch))
-        metrics.update(compute_throughput_metrics(batch, timings, self.info.world_size))
+        lengths = (self.cfg.data.max_prompt_length, self.cfg.data.max_response_length)
+        metrics = step_metrics(batch, timings, self.startup.pop(), lengths, self.info.world_size)
         metrics.update(self.handoff.metrics())
         metrics["perf/max_memory_allocated_gb"] = self.platform.max_memory_allocated_gb()
         metrics["perf/cpu_memory_used_gb"] = self.platform.host_memory_used_gb()
@@ -308,28 +308,23 @@ class DAPOTrainer:
         """``ppo_epochs`` × mini-batches of guarded optimizer steps. A skipped update (non-finite loss, gradient
         norm or loss inputs) changes nothing; too many in a row stop the run with ``NonFiniteUpdateError``."""
         cfg = self.cfg
-        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
         per_step = []
         applied = 0
         self._update_in_progress = True
-        for _ in range(cfg.actor.ppo_epochs):
-            for start in range(0, len(batch), mini):
-                part = batch.select(slice(start, start + mini))
-                if not bool(part.loss_mask.any()):
-                    continue  # only filler rows: nothing to train, so no optimizer step (Adam would still move)
-                result = self.actor.update(
-                    part, cfg.rollout.temperature, self.plan.is_threshold, cfg.data.max_response_length
-                )
-                if result.nonfinite:
-                    limit, main = cfg.trainer.max_consecutive_skipped_updates, self.info.is_main
-                    why = self.counters.skipped_update(step, list(result.nonfinite), limit, main)
-                    if why is not None:
-                        self._update_in_progress = False  # nothing was applied: the last good step's state stands
-                        raise stop_after_skips(why, self.saved_step, self.ckpt.save_dir)
-                else:
-                    applied += 1
-                    self.counters.applied_update()
-                per_step.append(result.metrics)
+        for part in mini_batches(batch, cfg.actor, cfg.rollout.n):
+            result = self.actor.update(
+                part, cfg.rollout.temperature, self.plan.is_threshold, cfg.data.max_response_length
+            )
+            if result.nonfinite:
+                limit, main = cfg.trainer.max_consecutive_skipped_updates, self.info.is_main
+                why = self.counters.skipped_update(step, list(result.nonfinite), limit, main)
+                if why is not None:
+                    self._update_in_progress = False  # nothing was applied: the last good step's state stands
+                    raise stop_after_skips(why, self.saved_step, self.ckpt.save_dir)
+            else:
+                applied += 1
+                self.counters.applied_update()
+            per_step.append(result.metrics)
         if applied:
             self.scheduler.step(increment=1)  # the lr schedule counts training steps, not optimizer updates (verl)
         self._update_in_progress = False
@@ -359,6 +354,17 @@ class DAPOTrainer:
         self.logger.close()
         self.handoff.close()
         teardown(self.engine)
+
+
+def mini_batches(batch: TrainBatch, actor_cfg: ActorConfig, n: int) -> Iterator[TrainBatch]:
+    """``ppo_epochs`` x the step's mini-batches of ``ppo_mini_batch_size`` prompts (x ``n`` responses), leaving out
+    those with only filler rows: nothing to train, so no optimizer step (Adam would still move)."""
+    size = actor_cfg.ppo_mini_batch_size * n
+    for _ in range(actor_cfg.ppo_epochs):
+        for start in range(0, len(batch), size):
+            part = batch.select(slice(start, start + size))
+            if bool(part.loss_mask.any()):
+                yield part
 
 
 def _nothing_to_do(step: int, total_steps: int, is_main: bool) -> None:

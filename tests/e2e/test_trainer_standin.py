@@ -202,7 +202,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args, extra = ap.parse_known_args()
     runs = []
-    for steps, more, factory in ((STEPS, {}, StandInEngine), (RESUMED_STEPS, RESUME, sleeping_standin)):
+    # Both runs save in the background (checkpoint.async_save): the first run's save is published by the end of its
+    # fit() and the second resumes from it; the second's final save is published before it returns too.
+    background = {"checkpoint.async_save": "true"}
+    runs_of = ((STEPS, background, StandInEngine), (RESUMED_STEPS, {**RESUME, **background}, sleeping_standin))
+    for steps, more, factory in runs_of:
         extra_now = extra + [f"trainer.total_training_steps={steps}"] + [f"{k}={v}" for k, v in more.items()]
         runs.append(run_trainer(load_config(str(CONFIG), extra_now), factory))
     Path(args.out).mkdir(parents=True, exist_ok=True)
