@@ -70,6 +70,17 @@ from megatron_dapo.platform import Platform
 
 COMPONENTS = ("params", "grads", "optimizer", "reference")
 ACTOR = ("params", "grads", "optimizer")
+# The hand-off's phases (``MemoryHandoff.phase``, ``perf/peak_memory_gb/*``) as check's memory model names them
+# (``config/memory.PHASES``): what measured peaks are held against.
+PLAN_PHASE_OF = {
+    "startup": "startup",
+    "weight_sync": "sync",
+    "rollout": "gen",
+    "old_log_probs": "old_log_prob",
+    "reference": "ref",
+    "update": "update",
+    "save": "save",
+}
 HOST_ALIGN = 512  # bytes: each storage's slice of a component's host buffer starts at a multiple of this
 
 

@@ -23,7 +23,7 @@ from megatron_dapo.config.memory import memory_model
 from megatron_dapo.config.plan import resolve, resolve_handoff_plan
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.testing.device_ledger import DeviceOutOfMemory, LedgerPlatform
-from megatron_dapo.training.offload import MemoryHandoff
+from megatron_dapo.training.offload import PLAN_PHASE_OF, MemoryHandoff
 from tests.e2e.test_train_e2e import CONFIG, overrides
 from tests.helpers import run_torchrun
 from tests.helpers.hf_configs import QWEN3_8B
@@ -69,16 +69,6 @@ def tiny_overrides(demo: dict, out: Path, steps: int) -> list[str]:
     )
 
 
-# The ledger's phases (``MemoryHandoff``'s names) as ``config/memory.py`` names them.
-PLAN_PHASES = {
-    "startup": "startup",
-    "weight_sync": "sync",
-    "rollout": "gen",
-    "old_log_probs": "old_log_prob",
-    "reference": "ref",
-    "update": "update",
-    "save": "save",
-}
 # How far a measured phase peak may exceed the plan's: the meter also charges host-side work that a GPU run keeps off
 # the device (the step's batch and micro-batches, metrics: a few KiB here).
 PLAN_MARGIN = 0.10
@@ -158,9 +148,9 @@ def test_every_phase_peak_is_within_checks_plan(ledger_runs):
     plan = ledger_runs["plan"]
     for run in ("first", "resume"):
         for rank in ledger_runs[run]:
-            measured = {PLAN_PHASES[p]: v for p, v in rank["peaks"].items() if p in PLAN_PHASES}
+            measured = {PLAN_PHASE_OF[p]: v for p, v in rank["peaks"].items() if p in PLAN_PHASE_OF}
             assert {"sync", "gen", "old_log_prob", "ref", "update", "save"} <= set(measured), measured
-            phase_of = {v: k for k, v in PLAN_PHASES.items()}
+            phase_of = {v: k for k, v in PLAN_PHASE_OF.items()}
             over = {
                 name: f"measured {peak / 2**20:.3f} MiB, planned {plan[name] / 2**20:.3f} MiB; largest at the peak: "
                 f"{rank['peak_largest'].get(phase_of[name])}"

@@ -528,16 +528,6 @@ def phase_dense_3b(res, check, ctx) -> None:
     )
 
 
-# The hand-off's phases (``MemoryHandoff``) as ``config/memory.py`` names them.
-HANDOFF_TO_PLAN = {
-    "startup": "startup",
-    "weight_sync": "sync",
-    "rollout": "gen",
-    "old_log_probs": "old_log_prob",
-    "reference": "ref",
-    "update": "update",
-    "save": "save",
-}
 PLAN_MARGIN = 1.15
 
 
@@ -626,6 +616,8 @@ def run_standin_trainer(ctx, cfg) -> dict:
 
 
 def phase_trainer_standin(res, check, ctx) -> None:
+    from megatron_dapo.training.offload import PLAN_PHASE_OF
+
     release(ctx, "actor")
     with tempfile.TemporaryDirectory(prefix="trainer_standin_") as tmp:
         task = standin_task(Path(tmp), ctx["tiny"])
@@ -639,9 +631,9 @@ def phase_trainer_standin(res, check, ctx) -> None:
                 measured[name] = max(measured.get(name, 0.0), value)
     plan = runs[0]["plan_gb"]
     table = {
-        name: {"measured_gb": round(gb, 3), "planned_gb": round(plan[HANDOFF_TO_PLAN[name]], 3)}
+        name: {"measured_gb": round(gb, 3), "planned_gb": round(plan[PLAN_PHASE_OF[name]], 3)}
         for name, gb in measured.items()
-        if HANDOFF_TO_PLAN.get(name) in plan
+        if PLAN_PHASE_OF.get(name) in plan
     }
     for name, row in table.items():
         row["ratio"] = round(row["measured_gb"] / max(row["planned_gb"], 1e-9), 3)
