@@ -61,7 +61,8 @@ class AllocationMeter(TorchDispatchMode):
             self.live += delta
             if self.live > self.peak:
                 self.peak = self.live
-                if self.live > self._peak_seen * 1.01:  # what the peak is made of, re-read every 1% it grows
+                # What the peak is made of, re-read as it grows by 1% (and a site's size: not at every small tensor).
+                if self.live > self._peak_seen * 1.01 + self.site_min_bytes:
                     self._peak_seen = self.live
                     self.peak_largest = self._largest_locked(6, frozenset())
 
@@ -161,5 +162,6 @@ def _key(t: torch.Tensor) -> int:
 
 def _site() -> str:
     """The innermost three frames of this package (or of anything, if none) on the stack: where a storage was made."""
-    frames = [f for f in traceback.extract_stack()[:-3] if "megatron_dapo" in f.filename] or traceback.extract_stack()
+    stack = [f for f in traceback.extract_stack() if f.filename != __file__]  # not the meter's own frames
+    frames = [f for f in stack if "megatron_dapo" in f.filename] or stack
     return " < ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
