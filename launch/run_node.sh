@@ -37,6 +37,9 @@ CONFIG="$1"; shift
 [ -f "$CONFIG" ] || { echo "error: config file $CONFIG not found" >&2; exit 2; }
 NPROC="${NPROC_PER_NODE:-$(default_nproc)}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# The run's rules against this job's world size before any process group or rendezvous: a config that no rank can
+# run stops here in seconds with its problem list, once, instead of in every rank (or, for a bad placement, never).
+"$PYTHON" -m megatron_dapo.cli preflight "$CONFIG" "$@" --world-size "$(( ${NNODES:-1} * NPROC ))" || exit $?
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes="${NNODES:-1}" --node-rank="${NODE_RANK:-0}" --nproc-per-node="$NPROC" \
   --master-addr="${MASTER_ADDR:-127.0.0.1}" --master-port="${MASTER_PORT:-29500}" \

@@ -1,4 +1,4 @@
-"""``megatron-dapo`` command line: train | check | convert | export | eval.
+"""``megatron-dapo`` command line: train | preflight | check | convert | export | eval.
 
 Each subcommand imports its modules when it runs, so ``megatron-dapo --help`` loads no torch.
 """
@@ -18,19 +18,48 @@ def _train(args: argparse.Namespace) -> int:
     # heavy: torch, megatron-core, vLLM (loaded by the subcommand that needs them, never for --help)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config import ConfigError, load_config
     from megatron_dapo.training.failure import reap_children
     from megatron_dapo.training.trainer import run_training
 
-    cfg = load_config(args.config, args.overrides + (["trainer.verbose=true"] if args.verbose else []))
     try:
+        cfg = load_config(args.config, args.overrides + (["trainer.verbose=true"] if args.verbose else []))
         # record(): torchrun's failure summary then shows this rank's own exception as the root cause.
         result = record(run_training)(cfg)
+    except ConfigError as exc:  # every rank finds the same problems: rank 0 says them once, with no traceback
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     finally:
-        reap_children()  # no vLLM, reward or checkpoint helper outlives the run, whatever happened
+        reap_children()  # no vLLM, reward or checkpoint writer outlives the run, whatever happened
     # the process group is gone by now; torchrun's RANK says which process reports
     if result and os.environ.get("RANK", "0") == "0":
         print(" ".join(f"{k}={v:.4g}" for k, v in sorted(result.items()) if isinstance(v, (int, float))))
+    return 0
+
+
+def _preflight(args: argparse.Namespace) -> int:
+    """The run's rules (``config/plan.resolve``: the config, the model's shape, the placement and the layouts against
+    ``--world-size``) before any process group exists: the launch scripts run it before torchrun, so a config no
+    rank can run stops in seconds with the problem list, once."""
+    # heavy: torch (the platform's answers)
+    from megatron_dapo.config import ConfigError, load_config
+    from megatron_dapo.config.plan import resolve
+    from megatron_dapo.config.run_rules import config_platform, placement_problems
+    from megatron_dapo.models.families import UnsupportedModelError, model_arch_from_hf
+    from megatron_dapo.weights.dist_format import hf_config_dir_of
+    from megatron_dapo.weights.errors import CheckpointError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        hf_dir = cfg.model.hf_config_dir or (cfg.checkpoint.load_dir and str(hf_config_dir_of(cfg.checkpoint.load_dir)))
+        if hf_dir:
+            resolve(cfg, model_arch_from_hf(hf_dir), args.world_size, config_platform(cfg), probe_imports=False)
+        elif placement_problems(cfg, args.world_size):  # no model to read (the trainer names it): the placement
+            raise ConfigError.of(placement_problems(cfg, args.world_size))
+    except (ConfigError, UnsupportedModelError, CheckpointError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
@@ -98,10 +127,8 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-dapo", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_run_commands(sub) -> None:
+    """``train`` (under torchrun) and ``preflight`` (the launch scripts' check before it)."""
     train = sub.add_parser("train", help="run DAPO training (launch under torchrun; see launch/run_node.sh)")
     train.add_argument("config", help="experiment YAML (configs/*.yaml)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_model_parallel_size=2")
@@ -110,6 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(func=_train)
 
+    preflight = sub.add_parser(
+        "preflight", help="the run's rules against a world size, before any process starts (the launch scripts)"
+    )
+    preflight.add_argument("config", help="experiment YAML")
+    preflight.add_argument("overrides", nargs="*", help="dotted overrides")
+    preflight.add_argument("--world-size", type=int, required=True, help="processes in the job (nodes x per node)")
+    preflight.set_defaults(func=_preflight)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-dapo", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_run_commands(sub)
     check = sub.add_parser(
         "check",
         help="validate config, model, data, rewards and checkpoint and print the launch plan (no torchrun)",

@@ -23,7 +23,7 @@ import torch
 from megatron_dapo.algo.kl import get_kl_controller
 from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.batch import TrainBatch
-from megatron_dapo.config import ActorConfig, ExperimentConfig, to_dict, validate_config
+from megatron_dapo.config import ActorConfig, ConfigError, ExperimentConfig, to_dict, validate_config
 from megatron_dapo.config.plan import resolve
 from megatron_dapo.data.tokens import load_tokenizer, token_ids
 from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
@@ -417,6 +417,8 @@ def run_training(cfg: ExperimentConfig) -> dict[str, float]:
             return {}  # the training ranks report the run
         result["wall_s"] = time.time() - started
         return result
+    except ConfigError:
+        raise  # the same on every rank: the command line prints it once (cli.py)
     except BaseException as exc:
         first = record_failure(rank, exc)
         own = f"{type(exc).__name__}: {exc}"
