@@ -278,7 +278,7 @@ def supervise(runners: list, ips: list[str]) -> int:
                         sys.stdout.write(line)
                 tail = "".join(ray.get(runner.last_lines.remote()))
                 print(
-                    f"ray_launch: node {rank} ({ips[rank]}) failed: torchrun exited with status {code};"
+                    f"ray_launch: node {rank} ({ips[rank]}) failed: run_node.sh exited with status {code};"
                     f" stopping the other nodes. Last lines of node {rank}:\n{tail}",
                     flush=True,
                 )

@@ -24,18 +24,26 @@ def _train(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides + (["trainer.verbose=true"] if args.verbose else []))
+    except ConfigError as exc:
+        return _config_error(exc)
+    try:
         # record(): torchrun's failure summary then shows this rank's own exception as the root cause.
         result = record(run_training)(cfg)
-    except ConfigError as exc:  # every rank finds the same problems: rank 0 says them once, with no traceback
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+    except ConfigError as exc:
+        return _config_error(exc)
     finally:
         reap_children()  # no vLLM, reward or checkpoint writer outlives the run, whatever happened
     # the process group is gone by now; torchrun's RANK says which process reports
     if result and os.environ.get("RANK", "0") == "0":
         print(" ".join(f"{k}={v:.4g}" for k, v in sorted(result.items()) if isinstance(v, (int, float))))
     return 0
+
+
+def _config_error(exc: Exception) -> int:
+    """Every rank finds the same config problems: rank 0 says them once, with no traceback; every rank exits 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    return 2
 
 
 def _preflight(args: argparse.Namespace) -> int:

@@ -9,13 +9,14 @@ traceback, and every rank exits 2.
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
 
 import pytest
 
-from megatron_dapo import cli
-from tests.e2e.test_train_e2e import CONFIG, launch, overrides
+from tests.e2e.test_train_e2e import CONFIG, REPO, launch, overrides
 
 
 def refused(demo: dict, tmp_path, **extra) -> tuple[int, list[str], float]:
@@ -51,13 +52,15 @@ def test_rule_error_prints_its_problem_list_once_without_traceback(demo, tmp_pat
     assert sum("actor.lora.target_modules" in line for line in lines) == 1, lines
 
 
-def test_train_prints_a_config_error_on_rank_0_only(monkeypatch, capsys):
+def test_train_prints_a_config_error_on_rank_0_only():
     bad = ["actor.lora.rank=8", "actor.lora.target_modules=[linear_qvk]"]
     said = {}
-    for rank in ("1", "0"):
-        monkeypatch.setenv("RANK", rank)
-        assert cli.main(["train", str(CONFIG), *bad]) == 2
-        said[rank] = capsys.readouterr()
-    assert said["1"].out == said["1"].err == ""  # the other ranks exit quietly with the same code
-    assert said["0"].err.startswith("error: actor.lora.target_modules=['linear_qvk']") and said["0"].out == ""
-    assert "Traceback" not in said["0"].err
+    for rank in ("0", "1"):  # as torchrun starts each rank: its own process, RANK set
+        env = dict(os.environ, RANK=rank, OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", str(CONFIG), *bad]
+        said[rank] = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert said[rank].returncode == 2, said[rank].stderr[-3000:]
+    assert said["1"].stdout == said["1"].stderr == ""  # the other ranks exit quietly with the same code
+    err = said["0"].stderr
+    assert err.startswith("error: actor.lora.target_modules=['linear_qvk']") and said["0"].stdout == ""
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

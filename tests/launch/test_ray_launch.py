@@ -162,7 +162,8 @@ def test_failed_node_stops_the_job_and_is_named(ray_cluster, demo, tmp_path):
     proc = launch(ray_cluster, ["--nnodes", "2", "--nproc-per-node", "1", "--allow-same-node", *bad])
     text = proc.stdout + proc.stderr
     assert proc.returncode == 1, text[-6000:]
-    assert "failed: torchrun exited with status 1; stopping the other nodes" in proc.stdout
+    # The config error is refused by the node's preflight, before its torchrun starts (exit code 2).
+    assert "failed: run_node.sh exited with status 2; stopping the other nodes" in proc.stdout
     assert "ray_launch: node 0 (" in proc.stdout or "ray_launch: node 1 (" in proc.stdout
     assert "actor.optim.lr_warmup_steps=5" in proc.stdout  # the failing node's own error, from its output tail
     assert not processes_mentioning(str(out)), "a torchrun of this job outlived it"
