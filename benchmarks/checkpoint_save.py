@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from convert import warm_pages  # benchmarks/ is the script's directory, first on sys.path
+from single_process import add_model_shape_args, single_process_env  # benchmarks/: first on sys.path
 
 
 def build(args: argparse.Namespace):
@@ -193,18 +194,10 @@ def report(t: dict[str, list[float]], gb: float, num_files: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work-dir", default=None, help="where to put the generated files (default: system temp)")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--ffn", type=int, default=1408)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
+    add_model_shape_args(ap, layers=8, vocab=32000)
     ap.add_argument("--repeats", type=int, default=5, help="rounds of every timing (ratios: best of N)")
     args = ap.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+    single_process_env()
 
     root = Path(tempfile.mkdtemp(prefix="save_bench_", dir=args.work_dir))
     saves = None

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from single_process import add_model_shape_args, single_process_env  # benchmarks/: first on sys.path
+
 BACKENDS = ("sdpa", "local")
 
 
@@ -90,18 +92,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--ffn", type=int, default=1408)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
+    add_model_shape_args(ap, layers=4, vocab=8192)
     ap.add_argument("--repeats", type=int, default=3, help="best of N for each backend")
     args = ap.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+    single_process_env()
     import torch
 
     from megatron_dapo.parallel import teardown
