@@ -45,12 +45,12 @@ def build(args: argparse.Namespace):
     """(model chunks, optimizer, scheduler) after one optimizer step with random gradients."""
     import torch
 
+    from megatron_dapo.actor.optimizer import build_optimizer
     from megatron_dapo.config import OptimConfig, load_config
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.parallel import init_distributed, init_model_parallel
     from megatron_dapo.testing.tiny_models import tiny_hf_config
-    from megatron_dapo.training.optimizer import build_optimizer
 
     cfg = load_config(None, ["model.params_dtype=fp32", "parallel.platform=cpu"])
     init_distributed(cfg.parallel)
@@ -134,7 +134,7 @@ class Saves:
     """The saves of one manager, every one started fresh (``fresh_start``); steps numbered as they come."""
 
     def __init__(self, root: Path, chunks: list, optimizer, scheduler) -> None:
-        from megatron_dapo.training.checkpoint import CheckpointManager
+        from megatron_dapo.checkpointing.checkpoint import CheckpointManager
 
         self.root, self.model = root, (chunks, optimizer, scheduler)
         self.manager = CheckpointManager(root / "ckpt", max_ckpt_to_keep=1)

@@ -60,7 +60,7 @@ class TrainBatch:
     # The rollout engine's MoE routing (actor.router_replay=rollout): for every token, in each of the model's L MoE
     # layers (in layer order, dense layers left out), the K experts it was routed to. Integer [B, P, L, K] (prompt
     # tokens, left-padded) and [B, T, L, K] (response tokens); padding and tokens the engine never ran (the last
-    # response token) may hold anything (rollout/routing.py, training/router_replay.py).
+    # response token) may hold anything (rollout/routing.py, actor/router_replay.py).
     prompt_routed_experts: Optional[torch.Tensor] = field(default=None, metadata=_PROMPT)
     response_routed_experts: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
     truncated: Optional[torch.Tensor] = field(default=None, metadata=_ROW)  # [B] bool: stopped by the length limit

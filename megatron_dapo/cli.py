@@ -55,8 +55,8 @@ def _preflight(args: argparse.Namespace) -> int:
     from megatron_dapo.config.plan import resolve
     from megatron_dapo.config.run_rules import config_platform, placement_problems
     from megatron_dapo.models.families import UnsupportedModelError, model_arch_from_hf
+    from megatron_dapo.weights.checkpoint_errors import CheckpointError
     from megatron_dapo.weights.dist_format import hf_config_dir_of
-    from megatron_dapo.weights.errors import CheckpointError
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -85,9 +85,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     # heavy: torch
+    from megatron_dapo.checkpointing.export import export_step
     from megatron_dapo.config import ConfigError
-    from megatron_dapo.training.export import export_step
-    from megatron_dapo.weights.errors import CheckpointError
+    from megatron_dapo.weights.checkpoint_errors import CheckpointError
 
     try:
         path = export_step(args.checkpoint, args.save_dir, step=args.step, config_path=args.config, lora=args.lora)

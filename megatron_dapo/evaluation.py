@@ -12,7 +12,7 @@ Flow (every process runs it; one process, or ``torchrun`` with rollout TP/DP as 
 2. **Config.** ``--config``, else the config saved with a training checkpoint, else the settings ``megatron-dapo
    export`` recorded next to an exported HF model (``megatron_dapo_eval.json``: the run's prompt/response lengths,
    prompt preparation, validation sampling, rollout seed and dtype, reward functions and tokenizer; see
-   ``training/export.py``), else the built-in defaults with ``data.max_prompt_length`` /
+   ``checkpointing/export.py``), else the built-in defaults with ``data.max_prompt_length`` /
    ``data.max_response_length`` fitted to the model's ``max_position_embeddings`` (the last two say so in one
    console line); then the dotted overrides. ``--n/--temperature/--top-p`` override ``rollout.val_kwargs``,
    ``--max-response-length`` ``data.max_response_length``, ``--tokenizer`` ``model.tokenizer_dir``. ``--data``
@@ -60,6 +60,8 @@ import torch.distributed as dist
 import yaml
 
 from megatron_dapo import dtypes
+from megatron_dapo.checkpointing.checkpoint import CONFIG_FILE, LATEST, CheckpointError, resolve_resume
+from megatron_dapo.checkpointing.export import EVAL_SETTINGS_FILE, holds_lora_adapters, read_eval_settings
 from megatron_dapo.config import (
     ExperimentConfig,
     apply_override,
@@ -77,9 +79,7 @@ from megatron_dapo.rollout.engine import RolloutEngine, freeze_heap_before_engin
 from megatron_dapo.rollout.multi_turn import build_generator, tool_schemas
 from megatron_dapo.rollout.sync import load_hf_weights_into_engine
 from megatron_dapo.rollout.types import SamplingSpec
-from megatron_dapo.training.checkpoint import CONFIG_FILE, LATEST, CheckpointError, resolve_resume
-from megatron_dapo.training.export import EVAL_SETTINGS_FILE, holds_lora_adapters, read_eval_settings
-from megatron_dapo.training.scoring import RolloutScorer
+from megatron_dapo.training.reward_stage import RolloutScorer
 from megatron_dapo.weights.convert import convert_mcore_to_hf
 from megatron_dapo.weights.dist_format import TRACKER_FILE, find_checkpoint, is_dist_checkpoint_dir
 

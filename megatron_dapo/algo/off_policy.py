@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from megatron_dapo.algo.policy_loss import LOG_RATIO_CLAMP
+from megatron_dapo.algo.loss_aggregation import LOG_RATIO_CLAMP
 
 __all__ = ["is_weight_metrics", "staleness", "staleness_metrics"]
 

@@ -17,7 +17,7 @@ Each entry takes one :class:`PolicyLossInputs` and returns the *unaggregated* pe
 
 Sequence-level quantities (GSPO's length-normalised log-ratio, GMPO's geometric mean) go through
 ``inputs.row_sum``, which sums a per-token tensor over each sequence's loss tokens: locally by default, and over
-the context-parallel ranks holding parts of the sequence in the actor's loss hook (``training/actor.py``). Packed
+the context-parallel ranks holding parts of the sequence in the actor's loss hook (``actor/actor.py``). Packed
 (THD) micro-batches still hand the loss one row per sequence (``[b, T]``, ``batch.pack_micro_batch``), so the local
 row sum is the whole sequence's there. Nothing here talks to a process group.
 """

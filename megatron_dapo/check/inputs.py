@@ -18,9 +18,9 @@ from megatron_dapo.data.rows import DataError, read_records, validate_row
 from megatron_dapo.models.families import ModelArch
 from megatron_dapo.reward import custom, math_dapo
 from megatron_dapo.reward.scoring import MATH_DAPO_SOURCES, route_data_source
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 from megatron_dapo.weights.dist_format import find_checkpoint
 from megatron_dapo.weights.dist_reader import DistCheckpointReader
-from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.integrity import read_manifest, verify_files
 from megatron_dapo.weights.loading import arch_mismatches, checkpoint_arch
 

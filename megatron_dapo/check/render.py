@@ -144,7 +144,7 @@ def handoff_lines(m: MemoryModel, cfg: ExperimentConfig) -> list[str]:
     reference = YES_NO[handoff.reference] if plan.uses_reference else "- (none)"
     return [
         f"  memory per rank, estimate ({plan.params_dtype} actor, {plan.rollout.dtype} rollout; GiB = 2^30 bytes):",
-        f"    hand-off ({plan.platform_name} defaults + config; training/offload.py): offload actor params "
+        f"    hand-off ({plan.platform_name} defaults + config; handoff/offload.py): offload actor params "
         f"{YES_NO[handoff.params]}, grads {grads}, optimizer {YES_NO[handoff.optimizer]}, reference "
         f"{reference}; {sleep}",
     ]

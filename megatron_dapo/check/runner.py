@@ -22,8 +22,8 @@ from megatron_dapo.config.plan import RunPlan, build_plan, plan_problems
 from megatron_dapo.config.run_rules import batch_layout_problems, parallel_layout_problems, rollout_layout_problems
 from megatron_dapo.models.families import ModelArch, UnsupportedModelError, model_arch_from_hf
 from megatron_dapo.platform import Platform, make_platform
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 from megatron_dapo.weights.dist_format import hf_config_dir_of
-from megatron_dapo.weights.errors import CheckpointError
 
 DEFAULT_SAMPLE_ROWS = 1000
 NOT_COMPUTED = "plan: not computed (needs a readable HF config and a valid parallel layout; see problems)"

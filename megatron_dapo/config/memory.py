@@ -3,7 +3,7 @@
 A pure function of the resolved run (``plan.RunPlan``), the model architecture and the config's memory settings
 (recompute, sequence parallelism, the distributed optimizer, vLLM's share of the device, the sync bucket). It follows
 the trainer's start-up, one training step and a checkpoint save under the memory hand-off the plan resolved
-(``training/offload.MemoryHandoff``): phases (``startup``, ``sync``, ``gen``, ``old_log_prob``, ``ref``, ``update``,
+(``handoff/offload.MemoryHandoff``): phases (``startup``, ``sync``, ``gen``, ``old_log_prob``, ``ref``, ``update``,
 ``save``) → named terms → bytes, vLLM's start-up rule, the peak phase, the pinned host memory, the KV cache's tokens
 and the problems and warnings it finds. ``megatron-dapo check`` prints it and writes its ``numbers()`` as JSON.
 Formulas: docs/check.md.

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import megatron_dapo.algo.advantages  # noqa: F401  (the built-in estimators register themselves on import)
-import megatron_dapo.algo.policy_loss  # noqa: F401  (so do the built-in policy losses)
+import megatron_dapo.algo.loss_aggregation  # noqa: F401  (so do the built-in policy losses)
 from megatron_dapo.algo.registry import ADV_ESTIMATORS, POLICY_LOSSES, load_user_algorithms
 from megatron_dapo.algo.rollout_correction import (
     IS_LEVELS,

@@ -192,13 +192,13 @@ class ActorConfig:
     # use_remove_padding). None = on where the attention supports it (not the local spec) and CP is 1.
     use_remove_padding: Optional[bool] = None
     # MoE router losses (dense models ignore both), token-weighted over the mini-batch like the policy loss
-    # (megatron_dapo/training/moe.py). Load-balancing coefficient per MoE layer in megatron-core's definition; 0 = off
+    # (megatron_dapo/actor/moe.py). Load-balancing coefficient per MoE layer in megatron-core's definition; 0 = off
     # (the default, as verl's and slime's RL recipes run MoE models); None = the HF config's router_aux_loss_coef x
     # topk / num_moe_layers (docs/moe.md), off without one.
     moe_aux_loss_coeff: Optional[float] = 0.0
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE: mean logsumexp(logits)^2) per MoE layer; 0 = off
     # MoE routing replay ("R3"): "rollout" makes the actor's forwards (old log-probs, update) route every token to the
-    # experts the rollout engine chose (TrainBatch.*routed_experts; megatron_dapo/training/router_replay.py).
+    # experts the rollout engine chose (TrainBatch.*routed_experts; megatron_dapo/actor/router_replay.py).
     router_replay: Literal["none", "rollout"] = "none"
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapter-only training (docs/lora.md)
     optim: OptimConfig = field(default_factory=OptimConfig)

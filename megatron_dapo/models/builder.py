@@ -124,7 +124,7 @@ def moe_config_kwargs(
     Experts: with ``grouped_gemm`` (the TransformerEngine spec; MindSpeed on NPU) TE's grouped GEMM
     (``TEGroupedMLP``, parameters ``linear_fc{1,2}.weight{j}``, named back by ``families.from_te_name``), otherwise
     SequentialMLP; no fused permute / router kernels (extra packages). Router losses:
-    ``moe_router_coefficients(arch, actor)``; the actor re-weights them per micro-batch (``training/moe.py``).
+    ``moe_router_coefficients(arch, actor)``; the actor re-weights them per micro-batch (``actor/moe.py``).
     """
     if not arch.is_moe:
         return {}

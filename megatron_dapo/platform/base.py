@@ -202,7 +202,7 @@ class Platform:
 
     # ----- runtime
     def model_compute(self) -> contextlib.AbstractContextManager[None]:
-        """Entered around a micro-batch's model forward and its loss hook (``training/actor.py``): the platform's
+        """Entered around a micro-batch's model forward and its loss hook (``actor/actor.py``): the platform's
         setting for code that runs on every micro-batch. Nothing by default."""
         return contextlib.nullcontext()
 
@@ -241,7 +241,7 @@ class Platform:
         """Kept for ``perf/max_memory_allocated_gb``: the peak of the current window."""
         return self.peak_memory_gb()
 
-    # ----- memory hand-off between rollout and training (see megatron_dapo/training/offload.py)
+    # ----- memory hand-off between rollout and training (see megatron_dapo/handoff/offload.py)
     def memory_handoff_defaults(self) -> HandoffDefaults:
         """What is offloaded between phases when the config leaves it null. Base/CPU: nothing (host = device)."""
         return HandoffDefaults()

@@ -251,7 +251,7 @@ def _forward_cuda_spots() -> None:
 def _in_process_write_results() -> None:
     """Stands in for ``filesystem_async._get_write_results_queue``, which makes the checkpoint writer's results queue
     with a ``spawn``-context ``multiprocessing.Manager``: a fresh interpreter, ~4 s of the first save of every
-    process on a 2-core box. Our writer hands the results back in this process (``training/checkpoint.py``,
+    process on a 2-core box. Our writer hands the results back in this process (``checkpointing/checkpoint.py``,
     ``_hand_back_results``), and megatron-core's own synchronous writer puts them from the calling process, so a
     thread-safe in-process queue carries them (megatron-core reads it with ``get_nowait``)."""
     # heavy: megatron-core, patched only when the shims apply

@@ -36,11 +36,11 @@ layouts) and the prefix cache is reset.
 
 Memory budget per rank, by phase (P = rollout model parameters / rollout TP, in the rollout dtype; K = KV cache):
   * generation: Megatron actor (grads freed and optimizer state and reference offloaded on GPU/NPU by
-    ``training/offload.py``; all resident on CPU) + P + K (+ activations of ``max_num_batched_tokens`` tokens);
+    ``handoff/offload.py``; all resident on CPU) + P + K (+ activations of ``max_num_batched_tokens`` tokens);
     ``megatron-dapo check`` prints this budget per phase (``docs/check.md``);
   * training, GPU/NPU with ``rollout.free_cache_engine``: ``sleep(level=1)`` moves P to host memory and frees K,
     ``sleep(level=2)`` frees both (the next sync rewrites P anyway); ``sleep()`` uses ``rollout.sleep_level`` or the
-    platform's default (CUDA/NPU 2; ``training/offload.py`` sequences it with the actor's hand-off); on CPU there
+    platform's default (CUDA/NPU 2; ``handoff/offload.py`` sequences it with the actor's hand-off); on CPU there
     is no sleep mode: P and K
     (``rollout.kv_cache_memory_mb``, fixed at start-up) stay resident for the whole run;
   * weight sync: + one bucket of full tensors (``rollout.weight_sync_bucket_mb``) and vLLM's per-layer staging copy

@@ -5,7 +5,7 @@
 itself, whose constructor has this signature); every component of a synchronous step then reaches the engine
 through ``ColocatedEngine``:
 
-* the memory hand-off (``training/offload.MemoryHandoff``): ``sleep``/``wake_up`` around each phase, ``asleep``, and
+* the memory hand-off (``handoff/offload.MemoryHandoff``): ``sleep``/``wake_up`` around each phase, ``asleep``, and
   ``sleep_supported`` (no sleep mode: nothing is released);
 * the weight sync (``rollout/sync.WeightSync``, a ``WeightTarget``): ``rollout_plan`` (its dtype), ``platform``
   (device, synchronisation), ``load_weights`` of HF-named full tensors (the reload transport) and

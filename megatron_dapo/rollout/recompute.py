@@ -1,6 +1,6 @@
 """Reference recompute of a rollout's sampled-token log-probs with the Megatron model (checks and benchmarks).
 
-The trainer computes its log-probs in ``training/actor`` (micro-batched, vocab-parallel); this is the plain
+The trainer computes its log-probs in ``actor/actor`` (micro-batched, vocab-parallel); this is the plain
 whole-batch version used to check that the vLLM engine runs the weights the actor holds: one forward through
 megatron-core's ``forward_backward_func``, TP logits gathered, float64 log-softmax over the true vocabulary.
 """

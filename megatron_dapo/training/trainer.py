@@ -20,38 +20,38 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_dapo.actor.actor import MegatronActor
+from megatron_dapo.actor.optimizer import build_optimizer
 from megatron_dapo.algo.kl import get_kl_controller
 from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.batch import TrainBatch
+from megatron_dapo.checkpointing.checkpoint import CheckpointManager
 from megatron_dapo.config import ActorConfig, ConfigError, ExperimentConfig, to_dict, validate_config
 from megatron_dapo.config.plan import resolve
 from megatron_dapo.data.tokens import load_tokenizer, token_ids
+from megatron_dapo.handoff.offload import MemoryHandoff
 from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.models.lora import apply_lora
 from megatron_dapo.parallel import any_rank, init_distributed, init_model_parallel, placement, role_of, teardown
+from megatron_dapo.reporting.console import ProgressBar, setup_logging
+from megatron_dapo.reporting.loggers import MetricsLogger, RolloutDumper
+from megatron_dapo.reporting.metrics import reduce_metrics, step_metrics
+from megatron_dapo.reporting.timing import StartupClock, timed
 from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.rollout.engine import RolloutEngine, freeze_heap_before_engine
 from megatron_dapo.rollout.lora_sync import make_weight_sync
 from megatron_dapo.rollout.protocol import ColocatedEngine, EngineFactory
 from megatron_dapo.rollout.remote import BridgeSender
-from megatron_dapo.training.actor import MegatronActor
-from megatron_dapo.training.advantage import batch_advantages
+from megatron_dapo.training.advantage_stage import batch_advantages
 from megatron_dapo.training.async_phase import RemoteRolloutPhase
-from megatron_dapo.training.checkpoint import CheckpointManager
-from megatron_dapo.training.console import ProgressBar, setup_logging
 from megatron_dapo.training.failure import PeerFailure, StopRequest, record_failure
-from megatron_dapo.training.log_probs import batch_log_probs, build_reference
-from megatron_dapo.training.loggers import MetricsLogger, RolloutDumper
-from megatron_dapo.training.metrics import reduce_metrics, step_metrics
-from megatron_dapo.training.offload import MemoryHandoff
-from megatron_dapo.training.optimizer import build_optimizer
+from megatron_dapo.training.logprob_stage import batch_log_probs, build_reference
+from megatron_dapo.training.reward_stage import RolloutScorer
 from megatron_dapo.training.rollout_phase import RolloutPhase
 from megatron_dapo.training.rollout_sources import prompt_data, total_steps
 from megatron_dapo.training.rollout_worker import RolloutWorker
 from megatron_dapo.training.run_state import LoraBase, RunCounters, StepCheckpoints, stop_after_skips
-from megatron_dapo.training.scoring import RolloutScorer
-from megatron_dapo.training.timing import StartupClock, timed
 from megatron_dapo.weights.dist_format import hf_config_dir_of
 from megatron_dapo.weights.loading import load_mcore_checkpoint
 

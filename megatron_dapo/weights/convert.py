@@ -39,6 +39,7 @@ from megatron_dapo.models.families import (
     to_te_name,
 )
 from megatron_dapo.weights.atomic import fresh_dir, publish_dir
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 from megatron_dapo.weights.dist_format import (
     HF_CONFIG_SUBDIR,
     RELEASE_DIR,
@@ -50,7 +51,6 @@ from megatron_dapo.weights.dist_format import (
 )
 from megatron_dapo.weights.dist_reader import DistCheckpointReader
 from megatron_dapo.weights.dist_writer import TensorPlan, write_model_checkpoint
-from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.integrity import FileRecord, file_digest, read_manifest, verify_files, write_manifest
 from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore, mcore_to_hf, padded_vocab_size
 from megatron_dapo.weights.safetensors_io import (

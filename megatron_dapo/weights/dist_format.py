@@ -38,7 +38,7 @@ from typing import Any, Optional, Union
 import torch
 
 from megatron_dapo.models.builder import unwrap
-from megatron_dapo.weights.errors import CheckpointError
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 
 PathLike = Union[str, Path]
 
@@ -57,7 +57,7 @@ MCORE_BACKEND = {
     "common_backend": "torch",
     "common_backend_version": 1,
 }
-# Our training step directories (``megatron_dapo/training/checkpoint.py``): the dist checkpoint sits in this subdir.
+# Our training step directories (``checkpointing/checkpoint.py``): the dist checkpoint sits in this subdir.
 TRAINING_DIST_SUBDIR = "dist_ckpt"
 
 

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 from megatron_dapo.weights.dist_format import (
     DCP_METADATA_FILE,
     MCORE_METADATA_FILE,
@@ -19,7 +20,6 @@ from megatron_dapo.weights.dist_format import (
     describe_dir,
     is_dist_checkpoint_dir,
 )
-from megatron_dapo.weights.errors import CheckpointError
 
 
 class DistCheckpointReader:

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.serialization import config as serialization_config
 
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 from megatron_dapo.weights.dist_format import (
     COMMON_FILE,
     DCP_METADATA_FILE,
@@ -36,7 +37,6 @@ from megatron_dapo.weights.dist_format import (
     PathLike,
     common_state,
 )
-from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.integrity import (
     FileRecord,
     HashingWriter,

@@ -26,6 +26,7 @@ import torch
 from megatron_dapo.models.builder import unwrap
 from megatron_dapo.models.families import ModelArch, model_arch_from_hf, param_mappings
 from megatron_dapo.parallel import all_gather_object, rank, world_size
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 from megatron_dapo.weights.convert import check_hf_tensors
 from megatron_dapo.weights.dist_format import (
     CheckpointSource,
@@ -36,7 +37,6 @@ from megatron_dapo.weights.dist_format import (
     model_state_key,
 )
 from megatron_dapo.weights.dist_reader import DistCheckpointReader
-from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.integrity import manifest_problem
 from megatron_dapo.weights.layout import hf_to_mcore
 from megatron_dapo.weights.model_io import load_full_tensors, local_param_table

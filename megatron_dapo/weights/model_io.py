@@ -24,7 +24,7 @@ from megatron_dapo.models.families import (
     tied_output_source,
 )
 from megatron_dapo.models.lora import base_param_name, is_adapter_param
-from megatron_dapo.weights.errors import CheckpointError
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 from megatron_dapo.weights.layout import local_to_global_name, pp_layer_range, tp_merge, tp_shard
 
 

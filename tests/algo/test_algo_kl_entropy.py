@@ -16,8 +16,8 @@ from megatron_dapo.algo.kl import (
     kl_penalty,
 )
 from megatron_dapo.algo.logprobs import response_log_probs
+from megatron_dapo.algo.loss_aggregation import agg_loss
 from megatron_dapo.algo.masked import masked_mean
-from megatron_dapo.algo.policy_loss import agg_loss
 
 
 def t64(x) -> torch.Tensor:

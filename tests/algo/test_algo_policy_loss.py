@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_dapo.algo.loss import LossNormalisers, dapo_loss, local_loss_counts, loss_metrics
-from megatron_dapo.algo.policy_loss import (
+from megatron_dapo.algo.loss_aggregation import (
     LOSS_AGG_MODES,
     agg_loss,
     compute_policy_loss_terms,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_dapo.algo.loss import LossNormalisers, dapo_loss, loss_metrics, partial_row_sum
-from megatron_dapo.algo.policy_loss import LOSS_AGG_MODES, PolicyLossInputs
+from megatron_dapo.algo.loss_aggregation import LOSS_AGG_MODES, PolicyLossInputs
 from megatron_dapo.algo.registry import POLICY_LOSSES
 from megatron_dapo.batch import TrainBatch, context_parallel_slice, make_micro_batch
 from megatron_dapo.config import ActorConfig, ConfigError, config_problems, load_config

@@ -17,8 +17,8 @@ from megatron_dapo.algo.loss import LossNormalisers, dapo_loss
 from megatron_dapo.algo.off_policy import staleness_metrics
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ActorConfig, ConfigError, load_config
-from megatron_dapo.training.advantage import batch_advantages
-from megatron_dapo.training.log_probs import batch_log_probs
+from megatron_dapo.training.advantage_stage import batch_advantages
+from megatron_dapo.training.logprob_stage import batch_log_probs
 from tests.config.test_run_plan import tiny_plan
 from tests.config.test_run_validation import TINY
 

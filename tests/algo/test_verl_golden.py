@@ -28,7 +28,7 @@ from megatron_dapo.algo.advantages import compute_advantages
 from megatron_dapo.algo.kl import apply_kl_penalty_to_rewards, get_kl_controller, kl_penalty
 from megatron_dapo.algo.logprobs import response_log_probs
 from megatron_dapo.algo.loss import LossNormalisers, dapo_loss, loss_metrics
-from megatron_dapo.algo.policy_loss import METRIC_TERMS, agg_loss, compute_rollout_is_weights
+from megatron_dapo.algo.loss_aggregation import METRIC_TERMS, agg_loss, compute_rollout_is_weights
 from megatron_dapo.algo.registry import POLICY_LOSSES
 from megatron_dapo.algo.rollout_correction import RS_OPTIONS
 from megatron_dapo.config import ActorConfig

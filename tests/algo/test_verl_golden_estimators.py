@@ -25,7 +25,7 @@ from megatron_dapo.algo.outcome_estimators import (
 )
 from megatron_dapo.config import load_config
 from megatron_dapo.errors import ConfigError
-from megatron_dapo.training.scoring import reward_components
+from megatron_dapo.training.reward_stage import reward_components
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "verl_golden.json.gz"
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"

@@ -473,8 +473,8 @@ def test_rollout_engine_takes_the_validated_layout(tmp_path, monkeypatch):
 
 
 def test_lr_schedule_problems_are_reported_together():
+    from megatron_dapo.actor.optimizer import resolve_warmup_steps
     from megatron_dapo.config import OptimConfig
-    from megatron_dapo.training.optimizer import resolve_warmup_steps
 
     with pytest.raises(ConfigError) as err:
         resolve_warmup_steps(OptimConfig(lr_decay_style="step", lr=1e-3, min_lr=1e-2, lr_warmup_steps=9), 5)  # type: ignore[arg-type]

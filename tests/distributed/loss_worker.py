@@ -14,12 +14,12 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.actor.actor import MegatronActor, reduce_update_metrics
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import load_config
 from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.parallel import destroy_model_parallel, init_distributed, init_model_parallel
-from megatron_dapo.training.actor import MegatronActor, reduce_update_metrics
 from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size, tp_merge
 from megatron_dapo.weights.model_io import load_full_tensors, local_param_table
 from tests.distributed.loss_batch import HF_KWARGS, TEMPERATURE, make_batch
@@ -103,7 +103,7 @@ def run_layout(args: argparse.Namespace, modes: list[str], out_dir: str) -> None
         actor.cfg.loss_agg_mode = mode if not mode.startswith("path:") else "token-mean"
         threshold = 1.02 if mode.startswith("path:") else None
         if mode == "path:recomputed":  # the trainer computes the IS weights before the update on this path
-            from megatron_dapo.algo.policy_loss import compute_rollout_is_weights
+            from megatron_dapo.algo.loss_aggregation import compute_rollout_is_weights
 
             mini_batch = replace(
                 mini_batch,

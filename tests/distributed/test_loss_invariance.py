@@ -9,7 +9,7 @@ import torch
 
 from megatron_dapo.algo.kl import kl_penalty
 from megatron_dapo.algo.loss import LossNormalisers, dapo_loss
-from megatron_dapo.algo.policy_loss import agg_loss, compute_policy_loss_terms
+from megatron_dapo.algo.loss_aggregation import agg_loss, compute_policy_loss_terms
 from megatron_dapo.config import ActorConfig
 from megatron_dapo.models.families import model_arch_from_hf, param_mappings
 from megatron_dapo.testing.tiny_models import make_tiny_hf_model

@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 
 from megatron_dapo.config import load_config
+from megatron_dapo.handoff.offload import optimizer_tensors, param_tensors, reference_tensors
 from megatron_dapo.platform import use_platform
+from megatron_dapo.reporting.console import setup_logging
 from megatron_dapo.testing.device_ledger import LedgerPlatform
-from megatron_dapo.training.console import setup_logging
-from megatron_dapo.training.offload import optimizer_tensors, param_tensors, reference_tensors
 from megatron_dapo.training.trainer import DAPOTrainer
 
 

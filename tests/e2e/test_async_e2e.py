@@ -23,7 +23,7 @@ ASYNC = {"trainer.mode": "async", "placement.rollout_ranks": 1, "trainer.progres
 
 SLOW_LOSS = """
 import time
-from megatron_dapo.algo.policy_loss import vanilla_policy_loss
+from megatron_dapo.algo.loss_aggregation import vanilla_policy_loss
 from megatron_dapo.algo.registry import register_policy_loss
 
 @register_policy_loss("slow_vanilla")

@@ -21,9 +21,9 @@ from megatron_dapo.check import run_check
 from megatron_dapo.config import load_config
 from megatron_dapo.config.memory import memory_model
 from megatron_dapo.config.plan import resolve, resolve_handoff_plan
+from megatron_dapo.handoff.offload import PLAN_PHASE_OF, MemoryHandoff
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.testing.device_ledger import DeviceOutOfMemory, LedgerPlatform
-from megatron_dapo.training.offload import PLAN_PHASE_OF, MemoryHandoff
 from tests.e2e.test_train_e2e import CONFIG, overrides
 from tests.helpers import run_torchrun
 from tests.helpers.hf_configs import QWEN3_8B

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_dapo.checkpointing.export import export_step
 from megatron_dapo.config import ConfigError, load_config, validate_config
-from megatron_dapo.training.export import export_step
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_cpu.yaml"

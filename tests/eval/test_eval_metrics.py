@@ -21,8 +21,8 @@ from megatron_dapo.evaluation import (
     pass_at_k,
     summarize,
 )
+from megatron_dapo.reporting.metrics import compute_val_metrics
 from megatron_dapo.rollout.sync import hf_weight_buckets
-from megatron_dapo.training.metrics import compute_val_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_dapo.config import ConfigError, ExperimentConfig, load_config, to_dict
-from megatron_dapo.evaluation import ModelSource, build_eval_config, fit_sequence_lengths, identify_model
-from megatron_dapo.training.export import (
+from megatron_dapo.checkpointing.export import (
     EVAL_DATA_KEYS,
     EVAL_ROLLOUT_KEYS,
     EVAL_SETTINGS_FILE,
     TOKENIZER_SUBDIR,
     export_step,
 )
+from megatron_dapo.config import ConfigError, ExperimentConfig, load_config, to_dict
+from megatron_dapo.evaluation import ModelSource, build_eval_config, fit_sequence_lengths, identify_model
 from megatron_dapo.weights.convert import convert_hf_to_mcore
 
 REPO = Path(__file__).resolve().parents[2]

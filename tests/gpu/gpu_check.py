@@ -13,7 +13,7 @@ traceback in the JSON), every number is written to ``--out`` as soon as its phas
 2. ``recompute``: the same DAPO-loss gradients with ``actor.recompute=none`` and ``full``, and each one's peak.
 3. ``update``: ``MegatronActor.update`` (forward/backward with the DAPO loss hook + optimizer step) on a batch of
    prompt 512 + response 1536 tokens; tokens/s.
-4. ``handoff``: ``training.offload.MemoryHandoff`` with every component offloaded (params too) around a stand-in
+4. ``handoff``: ``handoff.offload.MemoryHandoff`` with every component offloaded (params too) around a stand-in
    engine that holds real device memory (no vLLM here), through start-up, a step and a save, the reference built
    after the engine as the trainer builds it. After every hand-off call: the CUDA runtime's last error
    (``cudaPeekAtLastError``, not cleared) and, at each boundary, the allocator's bytes against the ledger's
@@ -124,9 +124,9 @@ def make_batch(arch, batch: int, prompt: int, response: int, seed: int):
 
 def build(cfg, arch, platform):
     """The actor (chunks, optimizer) the trainer's way."""
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.optimizer import build_optimizer
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
-    from megatron_dapo.training.actor import MegatronActor
-    from megatron_dapo.training.optimizer import build_optimizer
 
     platform.seed(1)
     chunks = wrap_for_training(build_gpt_chunks(arch, cfg), cfg)
@@ -201,9 +201,9 @@ def handoff_sequence(res, check, ctx) -> None:
     from dataclasses import replace
 
     from megatron_dapo.config.plan import resolve_handoff_plan
+    from megatron_dapo.handoff.offload import MemoryHandoff, grad_tensors, optimizer_tensors, param_tensors
     from megatron_dapo.models.builder import build_gpt_chunks, freeze
     from megatron_dapo.testing.device_ledger import state_holders
-    from megatron_dapo.training.offload import MemoryHandoff, grad_tensors, optimizer_tensors, param_tensors
 
     cfg, platform, actor = ctx["cfg"], ctx["platform"], ctx["actor"]
 
@@ -384,7 +384,7 @@ def phase_fusions(res, check, ctx) -> None:
 
 def phase_logprob_graph(res, check, ctx) -> None:
     """Item 1 of the first GPU run: the old-log-prob pass with autograd on (as it was) and under no_grad (as now)."""
-    import megatron_dapo.training.actor as actor_module
+    import megatron_dapo.actor.actor as actor_module
     from megatron_dapo.config import load_config
 
     platform = ctx["platform"]
@@ -616,7 +616,7 @@ def run_standin_trainer(ctx, cfg) -> dict:
 
 
 def phase_trainer_standin(res, check, ctx) -> None:
-    from megatron_dapo.training.offload import PLAN_PHASE_OF
+    from megatron_dapo.handoff.offload import PLAN_PHASE_OF
 
     release(ctx, "actor")
     with tempfile.TemporaryDirectory(prefix="trainer_standin_") as tmp:

@@ -28,8 +28,8 @@ DROPOUT = ("model.hidden_dropout=0.1", "model.attention_dropout=0.1")
 
 
 def run(setting: tuple[str, ...], dropout_seed: int = 11) -> dict:
+    from megatron_dapo.actor.actor import causal_mask
     from megatron_dapo.models.builder import unwrap
-    from megatron_dapo.training.actor import causal_mask
     from tests.training.common import build_actor, named_params
 
     cfg, chunks = build_actor("fp32", False, extra=setting + DROPOUT)

@@ -98,7 +98,7 @@ def scored_while_generating(engine, info, prompts, spec, b1, out_dir: str, res: 
     from megatron_dapo.config import CustomFunctionConfig, RewardConfig
     from megatron_dapo.reward.manager import RewardManager
     from megatron_dapo.testing.tokenizer import build_tiny_tokenizer
-    from megatron_dapo.training.scoring import RolloutScorer
+    from megatron_dapo.training.reward_stage import RolloutScorer
 
     # The tiny tokenizer, widened to the model's 128 ids (characters past its own 104).
     tok = build_tiny_tokenizer(f"{out_dir}/tok{info.rank}", extra_texts=["".join(chr(0x100 + i) for i in range(40))])

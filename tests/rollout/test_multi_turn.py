@@ -264,8 +264,8 @@ def test_tool_tokens_get_no_advantage_and_the_reward_sees_the_conversation(tok):
 
     from megatron_dapo.batch import TrainBatch
     from megatron_dapo.config.schema import AlgorithmConfig
-    from megatron_dapo.training.advantage import batch_advantages
-    from megatron_dapo.training.scoring import reward_inputs
+    from megatron_dapo.training.advantage_stage import batch_advantages
+    from megatron_dapo.training.reward_stage import reward_inputs
 
     script = {(0, 0): [CALL_A + EOS_TOKEN, "7" + EOS_TOKEN], (0, 1): [CALL_A + EOS_TOKEN, "3" + EOS_TOKEN]}
     _, mt = rollout(tok, script, ThreadTools({"a": "7"}))
@@ -311,7 +311,7 @@ def test_conversations_are_scored_as_they_end(tok, tmp_path):
     the finished batch. Without a scorer for the data source, the error is raised by the collection, not the sink."""
     from megatron_dapo.config import ConfigError, CustomFunctionConfig, RewardConfig
     from megatron_dapo.reward.manager import RewardManager
-    from megatron_dapo.training.scoring import RolloutScorer
+    from megatron_dapo.training.reward_stage import RolloutScorer
 
     fn = tmp_path / "by_turns.py"
     fn.write_text(SCORE_BY_TURNS)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def main() -> None:
-    from megatron_dapo.training.checkpoint import CheckpointManager
+    from megatron_dapo.checkpointing.checkpoint import CheckpointManager
     from megatron_dapo.weights import dist_writer
     from tests.training.checkpoint_worker import build, train_step
 

@@ -1,4 +1,4 @@
-"""torchrun worker for ``training.checkpoint`` (phase ``main``: world 2; phase ``dp1``: world 1).
+"""torchrun worker for ``checkpointing.checkpoint`` (phase ``main``: world 2; phase ``dp1``: world 1).
 
 Phase ``main`` (TP=1, DP=2), for two actors — ``fp32-plain`` (non-distributed optimizer) and ``bf16-distopt``
 (Float16Module + distributed optimizer):
@@ -59,7 +59,7 @@ def optim_config():
 
 
 def build(params_dtype: str, dist_opt: bool, tp: int = 1):
-    from megatron_dapo.training.optimizer import build_optimizer
+    from megatron_dapo.actor.optimizer import build_optimizer
     from tests.training.common import build_actor
 
     cfg, chunks = build_actor(params_dtype, dist_opt, tp)
@@ -166,7 +166,7 @@ def weights_only(chunks, optimizer, scheduler, save_dir: Path) -> dict[str, Any]
     from them (bf16: otherwise the next step would start from the stale main copy)."""
     import torch
 
-    from megatron_dapo.training.checkpoint import CheckpointManager
+    from megatron_dapo.checkpointing.checkpoint import CheckpointManager
     from tests.training.common import main_param_views, named_params
 
     manager = CheckpointManager(save_dir)
@@ -201,8 +201,8 @@ def round_trip(case: str, out: Path) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from megatron_dapo.checkpointing.checkpoint import CheckpointManager
     from megatron_dapo.config import to_dict
-    from megatron_dapo.training.checkpoint import CheckpointManager
     from tests.training.common import main_param_views
 
     cfg, chunks, optimizer, scheduler = build(*CASES[case])
@@ -276,7 +276,7 @@ def rotation_and_crash(out: Path) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_dapo.training.checkpoint import CheckpointManager, resolve_resume
+    from megatron_dapo.checkpointing.checkpoint import CheckpointManager, resolve_resume
 
     def listing(d: Path) -> list[str]:
         manager.wait_for_cleanup()  # rank 0 deletes rotated-out checkpoints in the background
@@ -319,7 +319,7 @@ def reshard_tp2(out: Path) -> dict[str, Any]:
     """fp32-plain checkpoint (TP=1, DP=2) into a TP=2 actor; bf16-distopt checkpoint into TP=2 must be refused."""
     import torch
 
-    from megatron_dapo.training.checkpoint import CheckpointError, CheckpointManager
+    from megatron_dapo.checkpointing.checkpoint import CheckpointError, CheckpointManager
 
     ref = torch.load(out / "fp32-plain-reference.pt")
     _, chunks, optimizer, scheduler = build("fp32", False, tp=2)
@@ -347,7 +347,7 @@ def reshard_dp1(out: Path) -> dict[str, Any]:
     """bf16-distopt checkpoint saved at DP=2 loaded at DP=1 (world 1)."""
     import torch
 
-    from megatron_dapo.training.checkpoint import CheckpointManager
+    from megatron_dapo.checkpointing.checkpoint import CheckpointManager
 
     ref = torch.load(out / "bf16-distopt-reference.pt")
     _, chunks, optimizer, scheduler = build("bf16", True)
@@ -416,7 +416,7 @@ def registered_states(out: Path) -> dict[str, Any]:
     """World 1: components saved with a checkpoint and restored in place; an older checkpoint keeps the defaults."""
     import logging
 
-    from megatron_dapo.training.checkpoint import CheckpointManager
+    from megatron_dapo.checkpointing.checkpoint import CheckpointManager
 
     warnings: list[str] = []
 

@@ -21,12 +21,12 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from megatron_dapo import parallel
+from megatron_dapo.actor.actor import MegatronActor
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import load_config
 from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.parallel import init_distributed, init_model_parallel
-from megatron_dapo.training.actor import MegatronActor
 from tests.distributed.loss_batch import HF_KWARGS, TEMPERATURE, make_batch
 
 HOST = "_built_on_host"

@@ -14,10 +14,10 @@ import os
 
 import torch
 
+from megatron_dapo.actor.actor import MegatronActor
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.parallel import teardown
 from megatron_dapo.testing.allocation_meter import AllocationMeter
-from megatron_dapo.training.actor import MegatronActor
 from tests.distributed.loss_batch import TEMPERATURE, make_batch
 from tests.training.common import build_actor, tiny_arch
 

@@ -84,7 +84,7 @@ def background_saves(save_dir: Path, chunks, optimizer, scheduler) -> dict[str, 
     """``save(blocking=False)``: what is visible while the files are written, publication by the next save and by
     ``finalize``, the state saved being the one at ``save()`` although training went on, and a failing background
     writer raising in the ``finalize`` that completes it."""
-    from megatron_dapo.training.checkpoint import CheckpointManager, checkpoint_problem
+    from megatron_dapo.checkpointing.checkpoint import CheckpointManager, checkpoint_problem
     from tests.training.checkpoint_worker import train_step
     from tests.training.common import named_params
 
@@ -122,8 +122,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
+    from megatron_dapo.checkpointing.checkpoint import CheckpointManager, resolve_resume
     from megatron_dapo.parallel import destroy_model_parallel
-    from megatron_dapo.training.checkpoint import CheckpointManager, resolve_resume
     from tests.training.checkpoint_worker import build, train_step
     from tests.training.common import named_params
 
@@ -185,7 +185,7 @@ def main() -> None:
     res["after_recovery"] = listing(save_dir)
 
     # Cost of verifying a checkpoint (sizes + checksums, files split across the ranks; then sizes only).
-    from megatron_dapo.training import checkpoint
+    from megatron_dapo.checkpointing import checkpoint
 
     checkpoint._verified.clear()
     t0 = time.perf_counter()

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 
-import megatron_dapo.training.actor as actor_module
+import megatron_dapo.actor.actor as actor_module
+from megatron_dapo.actor.actor import MegatronActor
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.parallel import teardown
-from megatron_dapo.training.actor import MegatronActor
 from tests.distributed.loss_batch import TEMPERATURE, make_batch
 from tests.training.common import build_actor, tiny_arch
 

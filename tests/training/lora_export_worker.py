@@ -110,13 +110,13 @@ def run_phase(root: Path, phase: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from megatron_dapo.actor.optimizer import build_optimizer
+    from megatron_dapo.checkpointing.checkpoint import CheckpointManager
     from megatron_dapo.config import to_dict
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.models.lora import apply_lora
     from megatron_dapo.parallel import init_distributed, init_model_parallel
-    from megatron_dapo.training.checkpoint import CheckpointManager
-    from megatron_dapo.training.optimizer import build_optimizer
     from megatron_dapo.training.run_state import LoraBase
     from megatron_dapo.weights.loading import load_mcore_checkpoint
 

@@ -8,14 +8,14 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.actor.actor import MegatronActor
+from megatron_dapo.actor.optimizer import build_optimizer
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import load_config
 from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.parallel import init_distributed, init_model_parallel
 from megatron_dapo.testing.tiny_models import save_tiny_hf_checkpoint
-from megatron_dapo.training.actor import MegatronActor
-from megatron_dapo.training.optimizer import build_optimizer
 from megatron_dapo.weights.loading import load_mcore_checkpoint
 from tests.distributed.loss_batch import TEMPERATURE, make_batch
 

@@ -111,7 +111,7 @@ def opt_step(chunks, optimizer, params, step: int, dp_rank: int) -> None:
 def snapshot(chunks, optimizer, ref_chunks) -> dict[str, dict[str, torch.Tensor]]:
     """Every tensor the hand-off must preserve, cloned, by component and name (only call it on components that are
     on the device: reading an offloaded storage reads freed memory)."""
-    from megatron_dapo.training.offload import _sub_optimizers
+    from megatron_dapo.handoff.offload import _sub_optimizers
     from tests.training.common import named_params
 
     params, grads, opt, ref = {}, {}, {}, {}
@@ -160,17 +160,17 @@ def sizes(tensors) -> int:
 def run_case(name: str, spec: dict, platform: CountingPlatform) -> dict:
     from megatron.core import parallel_state as ps
 
+    from megatron_dapo.actor.optimizer import build_optimizer
     from megatron_dapo.config import OptimConfig
     from megatron_dapo.config.plan import resolve_handoff_plan
-    from megatron_dapo.models.builder import build_gpt_chunks, freeze
-    from megatron_dapo.training.offload import (
+    from megatron_dapo.handoff.offload import (
         MemoryHandoff,
         grad_tensors,
         optimizer_tensors,
         param_tensors,
         reference_tensors,
     )
-    from megatron_dapo.training.optimizer import build_optimizer
+    from megatron_dapo.models.builder import build_gpt_chunks, freeze
     from tests.training.common import build_actor, named_params, tiny_arch
 
     actors = []

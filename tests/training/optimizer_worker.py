@@ -49,8 +49,8 @@ def known_grad(name: str, shape, step: int, dp_rank: int) -> torch.Tensor:
 def run_case(name: str, spec: dict) -> dict:
     from megatron.core import parallel_state as ps
 
+    from megatron_dapo.actor.optimizer import build_optimizer
     from megatron_dapo.config import OptimConfig
-    from megatron_dapo.training.optimizer import build_optimizer
     from tests.training.common import build_actor, main_param_views, named_params
 
     cfg, chunks = build_actor(spec["params_dtype"], spec["dist_opt"], spec["tp"])
@@ -141,8 +141,8 @@ def run_case(name: str, spec: dict) -> dict:
 
 
 def run_schedules() -> dict:
+    from megatron_dapo.actor.optimizer import build_optimizer
     from megatron_dapo.config import OptimConfig
-    from megatron_dapo.training.optimizer import build_optimizer
     from tests.training.common import build_actor
 
     _, chunks = build_actor("fp32", False, 1)

@@ -15,12 +15,12 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.actor.actor import MegatronActor, reduce_update_metrics
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import load_config
 from megatron_dapo.models.builder import build_gpt_chunks, unwrap, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.parallel import init_distributed, init_model_parallel
-from megatron_dapo.training.actor import MegatronActor, reduce_update_metrics
 from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size
 from megatron_dapo.weights.model_io import load_full_tensors
 from tests.distributed.loss_batch import HF_KWARGS, TEMPERATURE, make_batch

@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.optimizer import build_optimizer
     from megatron_dapo.config import load_config
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
     from megatron_dapo.models.families import model_arch_from_hf
@@ -54,8 +56,6 @@ def main() -> None:
     from megatron_dapo.rollout.engine import RolloutEngine
     from megatron_dapo.rollout.sync import WeightSync
     from megatron_dapo.testing.tiny_models import save_tiny_hf_checkpoint
-    from megatron_dapo.training.actor import MegatronActor
-    from megatron_dapo.training.optimizer import build_optimizer
     from megatron_dapo.weights.loading import load_mcore_checkpoint
 
     cfg = load_config(

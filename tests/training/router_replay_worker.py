@@ -128,8 +128,8 @@ def recorded_fields(actor, b: TrainBatch) -> TrainBatch:
     fields, summed over all ranks (DP ranks hold other rows, PP ranks other layers)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_dapo.training.actor import local_micro_batches, seq_multiple
-    from megatron_dapo.training.router_replay import moe_layer_numbers
+    from megatron_dapo.actor.actor import local_micro_batches, seq_multiple
+    from megatron_dapo.actor.router_replay import moe_layer_numbers
 
     replayer = actor.router_replay
     size, multiple = actor.cfg.log_prob_micro_batch_size_per_gpu, seq_multiple(actor.model_config)
@@ -219,13 +219,13 @@ def main() -> None:
 
     from megatron.core import parallel_state as ps
 
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.optimizer import build_optimizer
     from megatron_dapo.config import load_config
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.parallel import init_distributed, init_model_parallel
     from megatron_dapo.testing.tiny_models import make_tiny_hf_model
-    from megatron_dapo.training.actor import MegatronActor
-    from megatron_dapo.training.optimizer import build_optimizer
     from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size, unfuse_hf_experts
     from megatron_dapo.weights.model_io import load_full_tensors
 

@@ -1,4 +1,4 @@
-"""``training.checkpoint``: save → perturb → load restores parameters, Adam state, scheduler, every rank's RNG and
+"""``checkpointing.checkpoint``: save → perturb → load restores parameters, Adam state, scheduler, every rank's RNG and
 the data position exactly; the ``latest`` marker and rotation; a crash mid-save leaves the previous checkpoint in
 charge; loading at DP=1 (distributed optimizer) and TP=2 (non-distributed optimizer) from a TP=1/DP=2 save;
 ``resolve_resume``'s choices and errors on real checkpoint directories; registered components (counters, an adaptive
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_dapo.training.checkpoint import CheckpointError, resolve_resume
+from megatron_dapo.checkpointing.checkpoint import CheckpointError, resolve_resume
 from tests.helpers import run_torchrun
 from tests.training.checkpoint_worker import CASES, DATA_STATE, KL_SETUP, KL_UPDATES
 

@@ -1,4 +1,4 @@
-"""Checkpoint integrity (``training.checkpoint`` + ``weights.integrity``): the manifest matches an independent read
+"""Checkpoint integrity (``checkpointing.checkpoint`` + ``weights.integrity``): the manifest matches an independent read
 of every file; damaged checkpoints (truncated ``.distcp``, truncated rng file, a flipped byte) give the same named
 error on both ranks, ``auto`` falls back to the previous intact step with a warning, and raises when none is
 intact; a NaN weight is refused before anything is written; a failing or stuck writer thread ends the save with a
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from megatron_dapo.training.checkpoint import CheckpointIntegrityError, resolve_resume
+from megatron_dapo.checkpointing.checkpoint import CheckpointIntegrityError, resolve_resume
 from megatron_dapo.weights.integrity import crc32_combine, first_non_finite
 from tests.helpers import run_torchrun
 

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from megatron_dapo.algo.kl import AdaptiveKLController
+from megatron_dapo.checkpointing.checkpoint import CheckpointManager
 from megatron_dapo.data import PromptSampler
-from megatron_dapo.training.checkpoint import CheckpointManager
 from megatron_dapo.training.run_state import RunCounters
 
 

@@ -1,4 +1,4 @@
-"""The table of known-benign library messages (``log_filters.py``) as the console applies it (``training/console.py``):
+"""The table of known-benign library messages (``log_filters.py``) as the console applies it (``reporting/console.py``):
 a listed message stays off the console but is in the rank log; anything else — an unknown message from the same
 logger, the same message with another exception, our own warnings — still shows. Native stderr lines held back while
 vLLM starts get the same treatment."""
@@ -15,7 +15,7 @@ import pytest
 
 from megatron_dapo import log_filters
 from megatron_dapo.log_filters import BENIGN_MESSAGES, NATIVE_STDERR, known_benign
-from megatron_dapo.training.console import setup_logging
+from megatron_dapo.reporting.console import setup_logging
 
 LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 RENDERER = "vllm.renderers.base"

@@ -1,4 +1,4 @@
-"""``training.loggers`` (console, jsonl, tensorboard, wandb error path, rank gating, rollout dumps) and
+"""``reporting.loggers`` (console, jsonl, tensorboard, wandb error path, rank gating, rollout dumps) and
 ``tools/plot_metrics.py`` on a jsonl written by the logger."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_dapo.training.loggers import MetricsLogger, RolloutDumper
+from megatron_dapo.reporting.loggers import MetricsLogger, RolloutDumper
 from tests.helpers import REPO_ROOT
 
 STEPS = [

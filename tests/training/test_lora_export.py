@@ -1,4 +1,4 @@
-"""``megatron-dapo export --lora adapter|merged`` (``training/export.py``) on a real LoRA training checkpoint.
+"""``megatron-dapo export --lora adapter|merged`` (``checkpointing/export.py``) on a real LoRA training checkpoint.
 
 ``lora_export_worker.py`` (one torchrun, 2 processes, TP 2, fp32) loads a tiny qwen2 base converted to Megatron,
 applies LoRA (rank 4, alpha 8) with random non-zero A and B, takes one optimizer step, saves the step with
@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from megatron_dapo import cli
-from megatron_dapo.training.checkpoint import DIST_DIR, STATE_FILE
-from megatron_dapo.training.export import (
+from megatron_dapo.checkpointing.checkpoint import DIST_DIR, STATE_FILE
+from megatron_dapo.checkpointing.export import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
     EVAL_SETTINGS_FILE,
     adapter_tensors,
     export_step,
 )
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 from megatron_dapo.weights.dist_reader import DistCheckpointReader
-from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.integrity import MANIFEST_NAME, FileRecord, file_digest, read_manifest, write_manifest
 from megatron_dapo.weights.safetensors_io import SafetensorsDir
 from tests.helpers import run_torchrun

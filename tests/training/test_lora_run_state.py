@@ -1,6 +1,6 @@
 """A LoRA run's checkpoint entries: the ``lora`` component (``training/run_state.LoraBase``: the pointer to the base
 and the adapters' shape) refuses another base or another adapter shape, and a LoRA checkpoint and a full one each
-refuse the other kind of model (``training/checkpoint._check_lora_kind``), each with a message naming the fix."""
+refuse the other kind of model (``checkpointing/checkpoint._check_lora_kind``), each with a message naming the fix."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dapo.checkpointing.checkpoint import _check_lora_kind
 from megatron_dapo.config import load_config
-from megatron_dapo.training.checkpoint import _check_lora_kind
 from megatron_dapo.training.run_state import LoraBase
-from megatron_dapo.weights.errors import CheckpointError
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 

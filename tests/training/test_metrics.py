@@ -1,4 +1,4 @@
-"""``training.metrics`` (verl's metric names and semantics) on a hand-computed batch, and ``training.timing``."""
+"""``reporting.metrics`` (verl's metric names and semantics) on a hand-computed batch, and ``reporting.timing``."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import torch
 
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.platform.cpu import CpuPlatform
-from megatron_dapo.training.metrics import (
+from megatron_dapo.reporting.metrics import (
     compute_data_metrics,
     compute_throughput_metrics,
     compute_timing_metrics,
     compute_val_metrics,
     reduce_metrics,
 )
-from megatron_dapo.training.timing import Timer, timed
+from megatron_dapo.reporting.timing import Timer, timed
 
 GARBAGE = 100.0  # values at masked positions: must never show up in a statistic
 
@@ -208,7 +208,7 @@ def test_timed_accumulates_and_synchronizes() -> None:
 
 
 def test_startup_clock_reports_its_parts_once() -> None:
-    from megatron_dapo.training.timing import StartupClock
+    from megatron_dapo.reporting.timing import StartupClock
 
     clock = StartupClock()
     clock.mark("init")

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_dapo.actor.actor import balance_rows, split_micro_batches
 from megatron_dapo.algo.loss import LossNormalisers, dapo_loss
 from megatron_dapo.config import ActorConfig, ConfigError, ParallelConfig, load_config
 from megatron_dapo.models.builder import moe_config_kwargs, moe_router_coefficients
 from megatron_dapo.models.families import model_arch_from_hf, param_mappings
-from megatron_dapo.training.actor import balance_rows, split_micro_batches
 from tests.distributed.loss_batch import TEMPERATURE, make_batch
 from tests.helpers.torchrun import run_torchrun
 

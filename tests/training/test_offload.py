@@ -1,4 +1,4 @@
-"""The memory hand-off (megatron_dapo/training/offload.py) on a real megatron-core actor, optimizer and reference.
+"""The memory hand-off (megatron_dapo/handoff/offload.py) on a real megatron-core actor, optimizer and reference.
 
 One torchrun run (world 2, see ``offload_worker.py``) covers fp32/bf16 × plain/distributed optimizer. The device
 moves go through ``CountingPlatform`` (the CPU platform planning every offload and counting its calls), since this
@@ -131,8 +131,8 @@ def test_plan_follows_platform_defaults_and_config():
 def test_garbage_collection_only_where_memory_is_given_back(monkeypatch):
     """``_empty_cache``'s full collection runs only where something is released between phases: on a device, with
     a planned offload, or once the engine sleeps; on CPU with nothing offloaded it is skipped (a per-step cost)."""
-    from megatron_dapo.training import offload
-    from megatron_dapo.training.offload import MemoryHandoff
+    from megatron_dapo.handoff import offload
+    from megatron_dapo.handoff.offload import MemoryHandoff
 
     collected = []
     monkeypatch.setattr(offload.gc, "collect", lambda: collected.append(1))

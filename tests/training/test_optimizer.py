@@ -1,4 +1,4 @@
-"""``training.optimizer``: megatron-core Adam (plain / distributed, fp32 / bf16, DP=2 and TP=2) against a float64
+"""``actor.optimizer``: megatron-core Adam (plain / distributed, fp32 / bf16, DP=2 and TP=2) against a float64
 hand-written AdamW, the returned grad norm against a float64 global norm, and the lr schedule against hand values.
 
 One torchrun (world 2) runs every case (see ``optimizer_worker.py``); this module asserts on its numbers.

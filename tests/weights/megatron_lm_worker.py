@@ -80,13 +80,13 @@ def train(hf_dir: str, run_dir: Path, out: Path) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.batch import TrainBatch
+    from megatron_dapo.checkpointing.checkpoint import CheckpointManager
     from megatron_dapo.config import to_dict
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.parallel import init_model_parallel
-    from megatron_dapo.training.actor import MegatronActor
-    from megatron_dapo.training.checkpoint import CheckpointManager
     from megatron_dapo.weights.loading import load_mcore_checkpoint
     from megatron_dapo.weights.model_io import local_param_table
     from tests.distributed.loss_batch import TEMPERATURE, make_batch

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from megatron_dapo.models.families import UnsupportedModelError
 from megatron_dapo.weights import convert as convert_module
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 from megatron_dapo.weights.convert import convert_hf_to_mcore, convert_mcore_to_hf
 from megatron_dapo.weights.dist_format import find_checkpoint
-from megatron_dapo.weights.errors import CheckpointError
 
 
 def _edited_copy(src: Path, dst: Path, edit) -> Path:

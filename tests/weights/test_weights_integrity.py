@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 from megatron_dapo.weights.convert import convert_hf_to_mcore, convert_mcore_to_hf
-from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.integrity import NonFiniteTensorError
 from megatron_dapo.weights.safetensors_io import (
     SafetensorsDir,

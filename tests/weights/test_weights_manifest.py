@@ -14,8 +14,8 @@ import pytest
 import torch
 import xxhash
 
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 from megatron_dapo.weights.convert import convert_hf_to_mcore, convert_mcore_to_hf
-from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.integrity import (
     MANIFEST_NAME,
     FileRecord,

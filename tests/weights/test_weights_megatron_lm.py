@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from megatron_dapo.checkpointing.export import export_step
 from megatron_dapo.models.families import model_arch_from_hf, param_mappings
-from megatron_dapo.training.export import export_step
 from megatron_dapo.weights.convert import convert_mcore_to_hf
 from megatron_dapo.weights.layout import mcore_to_hf
 from tests.helpers import run_torchrun

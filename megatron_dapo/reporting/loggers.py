@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from megatron_dapo.batch import TrainBatch
-from megatron_dapo.training.console import format_header, format_row
+from megatron_dapo.reporting.console import format_header, format_row
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 

@@ -21,6 +21,8 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.actor.moe import MoEMeter
+from megatron_dapo.actor.router_replay import RouterReplayer
 from megatron_dapo.algo.logprobs import response_log_probs, response_sum_pi_squared
 from megatron_dapo.algo.loss import (
     LOSS_METRIC_SUMS,
@@ -44,8 +46,6 @@ from megatron_dapo.models.builder import unwrap
 from megatron_dapo.models.lora import adapters_enabled
 from megatron_dapo.parallel import control_group
 from megatron_dapo.platform import get_platform
-from megatron_dapo.training.moe import MoEMeter
-from megatron_dapo.training.router_replay import RouterReplayer
 
 # The autograd mode of a forward-only pass. megatron-core's schedules never turn autograd off for forward_only: with
 # it on, every micro-batch's graph (its activations) lives until the pass ends, held by the results (Megatron-LM's
@@ -361,7 +361,7 @@ def forward_step(step: ForwardStep, data_iterator, model) -> tuple[torch.Tensor,
     arguments): the chunk's forward on the next micro-batch, and the loss hook for its output."""
     with step.platform.model_compute():
         mb: MicroBatch = next(data_iterator)
-        if step.moe_meter is not None:  # the router losses' weights for this micro-batch (training/moe.py)
+        if step.moe_meter is not None:  # the router losses' weights for this micro-batch (actor/moe.py)
             step.moe_meter.before_forward(mb)
         mb = mb.to(step.device)
         if step.router_replay is not None:  # the rollout's expert choices for this chunk's routers

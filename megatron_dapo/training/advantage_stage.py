@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from megatron_dapo.algo.advantages import compute_advantages
 from megatron_dapo.algo.kl import apply_kl_penalty_to_rewards
-from megatron_dapo.algo.policy_loss import compute_rollout_is_weights
+from megatron_dapo.algo.loss_aggregation import compute_rollout_is_weights
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import AlgorithmConfig
 

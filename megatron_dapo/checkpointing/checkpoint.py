@@ -99,6 +99,7 @@ from megatron_dapo.models.lora import is_adapter_param, lora_modules_present
 from megatron_dapo.parallel import agree_error, all_gather_object, barrier, parallel_layout, rank, world_size
 from megatron_dapo.platform import get_platform
 from megatron_dapo.weights.atomic import publish_dir, write_text_atomic
+from megatron_dapo.weights.checkpoint_errors import CheckpointError, CheckpointIntegrityError
 from megatron_dapo.weights.dist_format import (
     COMMON_FILE,
     DCP_METADATA_FILE,
@@ -109,7 +110,6 @@ from megatron_dapo.weights.dist_format import (
     model_state_key,
 )
 from megatron_dapo.weights.dist_writer import BucketWriter, HostStaging, exact_storage
-from megatron_dapo.weights.errors import CheckpointError, CheckpointIntegrityError
 from megatron_dapo.weights.integrity import (
     MANIFEST_NAME,
     FileRecord,

@@ -44,15 +44,22 @@ from typing import Any, Optional, Union
 import torch
 import yaml
 
+from megatron_dapo.checkpointing.checkpoint import (
+    CONFIG_FILE,
+    DIST_DIR,
+    LATEST,
+    STATE_FILE,
+    STEP_PREFIX,
+    resolve_resume,
+)
 from megatron_dapo.config import ConfigError, ExperimentConfig, from_dict, load_config, to_dict
 from megatron_dapo.config.schema import LoRAConfig
 from megatron_dapo.models.families import ModelArch, model_arch_from_hf, param_mappings
-from megatron_dapo.training.checkpoint import CONFIG_FILE, DIST_DIR, LATEST, STATE_FILE, STEP_PREFIX, resolve_resume
 from megatron_dapo.weights.atomic import fresh_dir, publish_dir
+from megatron_dapo.weights.checkpoint_errors import CheckpointError
 from megatron_dapo.weights.convert import convert_mcore_to_hf, copy_hf_side_files
 from megatron_dapo.weights.dist_format import CheckpointSource, find_checkpoint
 from megatron_dapo.weights.dist_reader import DistCheckpointReader
-from megatron_dapo.weights.errors import CheckpointError
 from megatron_dapo.weights.lora_hf import PEFT_PREFIX, mcore_adapters_to_peft, peft_adapter_config
 from megatron_dapo.weights.safetensors_io import (
     INDEX_NAME,

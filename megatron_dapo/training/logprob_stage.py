@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megatron_dapo.actor.actor import AdapterFreeReference, LogProbModel, MegatronActor
 from megatron_dapo.algo.off_policy import is_weight_metrics, staleness_metrics
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import RunPlan
+from megatron_dapo.handoff.offload import MemoryHandoff
 from megatron_dapo.models.builder import build_gpt_chunks, freeze
 from megatron_dapo.models.families import ModelArch
+from megatron_dapo.reporting.timing import timed
 from megatron_dapo.rollout.sync import logprob_diff_metrics
-from megatron_dapo.training.actor import AdapterFreeReference, LogProbModel, MegatronActor
-from megatron_dapo.training.offload import MemoryHandoff
 from megatron_dapo.training.rollout_phase import nonfinite_count
-from megatron_dapo.training.timing import timed
 from megatron_dapo.weights.loading import load_mcore_checkpoint
 
 

@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.training.router_replay import moe_layer_numbers
+from megatron_dapo.actor.router_replay import moe_layer_numbers
 
 __all__ = ["MoEMeter", "router_loss_weights"]
 
