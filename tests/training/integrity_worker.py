@@ -184,16 +184,31 @@ def main() -> None:
     manager.save(6, chunks, optimizer, scheduler, data_state={"position": 6})
     res["after_recovery"] = listing(save_dir)
 
-    # Cost of verifying a checkpoint (sizes + checksums, files split across the ranks; then sizes only).
+    # Cost of verifying a checkpoint, counted in bytes read for checksums (sizes + checksums, files split across the
+    # ranks; then sizes only): every file hashed by exactly one rank the first time, none the second.
     from megatron_dapo.checkpointing import checkpoint
+    from megatron_dapo.weights import integrity
+
+    hashed: list[list] = []
+    real_digest = integrity.file_digest
+
+    def counting_digest(path, *args, **kwargs):
+        size, digest = real_digest(path, *args, **kwargs)
+        hashed.append([str(Path(path).relative_to(save_dir / "global_step_6")), size])
+        return size, digest
 
     checkpoint._verified.clear()
-    t0 = time.perf_counter()
-    assert checkpoint.checkpoint_problem(save_dir / "global_step_6") is None
-    res["verify_seconds"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    assert checkpoint.checkpoint_problem(save_dir / "global_step_6") is None
-    res["verify_sizes_only_seconds"] = time.perf_counter() - t0
+    integrity.file_digest = counting_digest
+    try:
+        assert checkpoint.checkpoint_problem(save_dir / "global_step_6") is None
+        res["verify_hashed"] = list(hashed)
+        hashed.clear()
+        assert checkpoint.checkpoint_problem(save_dir / "global_step_6") is None
+        res["verify_sizes_only_hashed"] = list(hashed)
+    finally:
+        integrity.file_digest = real_digest
+    manifest = integrity.read_manifest(save_dir / "global_step_6")
+    res["manifest_files"] = {name: record.size for name, record in manifest.items()}
     res["checkpoint_bytes"] = sum(f.stat().st_size for f in (save_dir / "global_step_6").rglob("*") if f.is_file())
 
     # 4. damaged copies of step 2
