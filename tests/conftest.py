@@ -24,3 +24,20 @@ def pytest_report_header(config) -> list[str]:
         except PackageNotFoundError:
             continue
     return ["stack: " + ", ".join(parts), f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The slowest test files (setup + call + teardown summed), beside ``--durations``' slowest tests: the suite's
+    budget is spent file by file, and a shared fixture's cost shows under the file whose first test builds it."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call", "teardown"):
+                path = report.nodeid.split("::", 1)[0]
+                per_file[path] = per_file.get(path, 0.0) + getattr(report, "duration", 0.0)
+    if not per_file:
+        return
+    terminalreporter.write_sep("=", "slowest 25 files")
+    for path, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
+    terminalreporter.write_line(f"{sum(per_file.values()):8.1f}s in all ({len(per_file)} files)")
