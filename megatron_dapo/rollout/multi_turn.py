@@ -363,7 +363,9 @@ def build_generator(cfg: ExperimentConfig, engine: Any, tokenizer: Any) -> Any:
     host = None
     if engine.tp_rank == 0:
         specs = read_tool_config(mt.tool_config_path)
-        host = ToolHost(specs, mt.tool_timeout_s, mt.max_concurrent_tool_calls, memory_mb=mt.tool_memory_mb)
+        host = ToolHost(
+            specs, mt.tool_timeout_s, mt.max_concurrent_tool_calls, memory_mb=mt.tool_memory_mb, workers=mt.tool_workers
+        )
         host.start()
     turns = ToolTurns(tokenizer, mt.max_tool_response_length, mt.tool_response_truncate_side)
     return MultiTurnRollout(engine, host, turns, tokenizer, mt, cfg.data.max_response_length)
