@@ -50,7 +50,7 @@ class Request:
     budget_s: float = 0.0  # the worker's own time limit for it (timeout_s per tool method it runs)
     started: bool = False  # the worker began it (else it waits behind a call that blocks the worker's loop)
     deadline: float = math.inf  # started + budget_s + grace_s: past it, the worker is killed
-    resent: bool = False  # sent again once already, to the replacement of a worker that never started it
+    resends: int = 0  # times sent again, to the replacement of a worker that had not begun it
 
 
 @dataclass(eq=False)

@@ -20,8 +20,8 @@ the tools run in ``workers`` child processes (``agent/worker.py``; ``agent/chann
   tool blocking the event loop): that call ends then, as ``timeout``. A synchronous tool answered as timed out whose
   thread still runs at ``timeout_s + grace_s`` retires its worker: it gets no new requests and is killed once the
   calls it holds are answered (its thread cannot be stopped otherwise);
-* requests a killed or dead worker had not begun (queued behind a call that blocked its loop) are sent again, once,
-  to its replacement; the instances that lived in it are created again there, from their ``tools_kwargs``, before
+* requests a killed or dead worker had not begun (queued behind a call that blocked its loop) are sent again to its
+  replacement (``pool.MAX_RESENDS`` times at most); the instances that lived in it are created again there, from their ``tools_kwargs``, before
   their next call (their state is what ``create`` makes of them, as after a resume). A release of a lost instance
   does nothing. Parallel calls of one instance that straddle a retirement may reach two workers;
 * ``memory_mb`` caps each worker's address space (``RLIMIT_AS``), so that a tool that allocates too much gets a

@@ -17,6 +17,10 @@ __all__ = ["WorkerPool"]
 
 logger = logging.getLogger(__name__)
 
+# A request no worker began is sent again at most this often (a worker that dies outside any call, again and again,
+# must not hold it forever).
+MAX_RESENDS = 3
+
 
 class WorkerPool:
     """``workers`` slots, each with a request queue (filled and drained by the host) and at most one current worker;
@@ -139,12 +143,13 @@ class WorkerPool:
         return pending
 
     def _settle(self, pending: list[Request], overdue: set[int], note: str) -> None:
-        """The requests of a worker that died or was killed: those it never began go to its replacement (once);
+        """The requests of a worker that died or was killed: those it never began go to its replacement (at most
+        ``MAX_RESENDS`` times);
         the overdue ones time out; the others crash (``note`` names the ``{op}``)."""
-        again = [r for r in pending if not r.started and not r.resent and not self.closed]
+        again = [r for r in pending if not r.started and r.resends < MAX_RESENDS and not self.closed]
         with self.lock:
             for request in reversed(again):
-                request.resent = True
+                request.resends += 1
                 self.queues[request.instance.slot].appendleft(request)
             self.stats.add("resent", len(again))
             self.lock.notify_all()

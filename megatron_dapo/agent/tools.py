@@ -172,8 +172,11 @@ class ToolRunner:
         started = time.perf_counter()
         async with self._slots:
             try:
-                out = await asyncio.wait_for(_run(tool.execute, instance_id, call.arguments), self.timeout_s)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: no task of its own, so an async tool that does not await runs
+                # and answers in one step of the loop (a tool blocking the loop later cannot hold its answer)
+                async with asyncio.timeout(self.timeout_s):
+                    out = await _run(tool.execute, instance_id, call.arguments)
+            except TimeoutError:
                 self.counts["timeouts"] += 1
                 return ToolResult(f"error: {call.name} timed out after {self.timeout_s:g} s", status="timeout")
             except Exception as exc:  # noqa: BLE001 - a tool's failure is the model's message, never the run's

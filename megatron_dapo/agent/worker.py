@@ -170,8 +170,9 @@ class _Server:
         for name, tool in self.runner.tools.items():
             kwargs = ((tools_kwargs.get(name) or {}).get("create_kwargs") or {}) if op == "create" else {}
             try:
-                await asyncio.wait_for(self.tools_module._run(getattr(tool, op), instance_id, **kwargs), self.timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.timeout_s):  # in this task (agent/tools.ToolRunner.call says why)
+                    await self.tools_module._run(getattr(tool, op), instance_id, **kwargs)
+            except TimeoutError:
                 errors.append(f"{name}.{op} timed out after {self.timeout_s:g} s")
             except Exception as exc:  # noqa: BLE001 - reported to the parent
                 errors.append(f"{name}.{op} failed: {type(exc).__name__}: {exc}")

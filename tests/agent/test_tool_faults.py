@@ -1,0 +1,92 @@
+"""Issue #42 at the pool's level: conversations call a misbehaving user tool (``tests/agent/faulty_tool.py``, loaded
+from a verl-style tool YAML) with mixed faults at stated rates — 10% each of raise, hang (blocking the event loop),
+huge answer, ``os._exit`` and a 6 GiB allocation under ``tool_memory_mb`` — through the real ``ToolHost`` pool. The
+failed calls are exactly the injected ones (no cascade): every well-behaved call answers its own sample's digit,
+including those whose instance was created again after its worker was lost. The whole run with the quickstart's
+training is ``benchmarks/tool_faults.py``."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from pathlib import Path
+
+from megatron_dapo.agent.hermes import ToolCall
+from megatron_dapo.agent.host import ToolHost
+from megatron_dapo.agent.tools import read_tool_config
+from tests.agent.faulty_tool import FAULTS, HUGE_CHARS
+
+FAULTY_TOOL = Path(__file__).with_name("faulty_tool.py")
+RATE = 0.1  # of each fault
+SAMPLES, CALLS = 24, 5  # conversations, and the calls each makes one after the other
+EXPECTED = {None: "ok", "raise": "error", "hang": "timeout", "huge": "ok", "exit": "crashed", "memory": "error"}
+
+
+def tool_yaml(tmp_path: Path) -> str:
+    text = (
+        "tools:\n"
+        f"  - class_name: {FAULTY_TOOL}:FaultyLookup\n"
+        "    config: {hang_s: 60}\n"
+        "    tool_schema: {type: function, function: {name: lookup, description: d, parameters: {}}}\n"
+    )
+    (tmp_path / "tools.yaml").write_text(text)
+    return str(tmp_path / "tools.yaml")
+
+
+def draw(rng: random.Random) -> str | None:
+    u = rng.random()
+    return FAULTS[int(u / RATE)] if u < RATE * len(FAULTS) else None
+
+
+def converse(host: ToolHost, plan: list[list[str | None]]) -> list[list]:
+    """Every sample's calls, each sent when the sample's previous one is answered (as the rollout does)."""
+    results: list[list] = [[] for _ in plan]
+    in_flight: dict[Future, int] = {}
+
+    def send(i: int) -> None:
+        k = len(results[i])
+        in_flight[host.call(f"s{i}", ToolCall("lookup", {"box": "ab"[k % 2], "fault": plan[i][k]}))] = i
+
+    for i in range(len(plan)):
+        send(i)
+    while in_flight:
+        done, _ = wait(list(in_flight), timeout=120, return_when=FIRST_COMPLETED)
+        assert done, "no call answered within 120 s"
+        for future in done:
+            i = in_flight.pop(future)
+            results[i].append(future.result())
+            if len(results[i]) < len(plan[i]):
+                send(i)
+    return results
+
+
+def test_mixed_faults_fail_only_their_own_calls(tmp_path):
+    rng = random.Random(0)
+    plan = [[draw(rng) for _ in range(CALLS)] for _ in range(SAMPLES)]
+    injected = {f: sum(row.count(f) for row in plan) for f in FAULTS}
+    assert all(injected.values())  # every fault occurs
+    boxes = [{"a": i % 5, "b": (i * 3 + 1) % 5} for i in range(SAMPLES)]
+    specs = read_tool_config(tool_yaml(tmp_path))
+    with ToolHost(specs, timeout_s=0.5, grace_s=0.5, memory_mb=1024, workers=4, max_concurrency=16) as host:
+        created = [host.create(f"s{i}", {"lookup": {"create_kwargs": {"boxes": boxes[i]}}}) for i in range(SAMPLES)]
+        assert [f.result(timeout=60) for f in created] == [None] * SAMPLES
+        results = converse(host, plan)
+        metrics = host.metrics()
+    statuses = [[r.status for r in row] for row in results]
+    assert statuses == [[EXPECTED[f] for f in row] for row in plan]
+    for i, row in enumerate(results):
+        for k, (fault, result) in enumerate(zip(plan[i], row)):
+            digit = str(boxes[i]["ab"[k % 2]])
+            if fault is None:  # its own sample's digit, also after its worker was lost and its instance made again
+                assert result.text == digit, (i, k, result.text)
+            elif fault == "huge":
+                assert result.text == digit * HUGE_CHARS
+    failed = sum(s != "ok" for row in statuses for s in row)
+    failing = sum(injected[f] for f in ("raise", "hang", "exit", "memory"))  # "huge" answers (cut by the chat)
+    assert failed == failing  # no cascade
+    lost = injected["hang"] + injected["exit"]  # one worker per hang (killed) and per exit
+    assert metrics["tool/crashes"] == lost and metrics["tool/timeouts"] == injected["hang"]
+    print(
+        f"calls={SAMPLES * CALLS} injected_failures={failing} failed={failed} "
+        f"workers_lost={lost} resent={metrics['tool/resent']:g}"
+    )
