@@ -421,6 +421,67 @@ class TrainerConfig:
 
 
 @dataclass
+class DistillationLossConfig:
+    """On-policy distillation's loss (verl 0.9.1 ``distillation.distillation_loss``, its YAML defaults;
+    ``megatron_dapo/distill/``, ``docs/distillation.md``)."""
+
+    # k1/kl, abs, mse/k2, low_var_kl/k3 (single-sample reverse-KL estimators on the sampled token; teacher log-probs of
+    # the sampled tokens) or forward_kl_topk (the teacher's top-k log-probs and ids against the student's logits).
+    loss_mode: str = "k3"
+    topk: Optional[int] = 32  # the teacher's top-k (forward_kl_topk only)
+    use_task_rewards: bool = True  # keep the task's policy loss; false = distillation alone
+    distillation_loss_coef: float = 1.0  # weight of the distillation loss next to the task loss (use_task_rewards)
+    loss_max_clamp: Optional[float] = None  # per-token loss clamped to [-c, c] before aggregation; None = no clamp
+    log_prob_min_clamp: Optional[float] = None  # forward_kl_topk: both sides' top-k log-probs clamped below
+    # true: the negated per-token loss is the advantage of a PPO loss (verl's policy-gradient path; use k1);
+    # false: the per-token loss is aggregated and back-propagated directly (use k3 or forward_kl_topk).
+    use_policy_gradient: bool = False
+    policy_loss_mode: str = "vanilla"  # verl 0.9.1 offers vanilla only here
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = 0.2  # None = clip_ratio
+    clip_ratio_high: Optional[float] = 0.2  # None = clip_ratio
+
+
+@dataclass
+class DistillationInferenceConfig:
+    """How one teacher is served (verl's teacher ``inference`` section, the keys that size it)."""
+
+    tensor_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    max_model_len: Optional[int] = None  # None = prompt + response + 1 (the teacher scores the whole sample)
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 8192
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+
+
+@dataclass
+class DistillationTeacherConfig:
+    """One teacher (verl's ``DistillationTeacherModelConfig``): the rows whose ``distillation.teacher_key`` field
+    equals ``key`` are scored by it (a single teacher scores every row)."""
+
+    key: Optional[str] = None
+    model_path: Optional[str] = None  # HF directory: config.json and the tokenizer
+    load_dir: Optional[str] = None  # Megatron checkpoint of the teacher; None = the weights under model_path
+    num_replicas: int = 0  # 0 with a single teacher = as many as the teacher pool holds
+    inference: DistillationInferenceConfig = field(default_factory=DistillationInferenceConfig)
+
+
+@dataclass
+class DistillationConfig:
+    """On-policy distillation (verl 0.9.1 ``distillation``): the student samples, teachers score the samples."""
+
+    enabled: bool = False
+    n_gpus_per_node: int = 0  # the teacher pool (verl's); 0 x 0 = no separate pool
+    nnodes: int = 0
+    teacher_key: str = "data_source"  # the row field that routes a row to its teacher
+    teacher_models: dict[str, DistillationTeacherConfig] = field(default_factory=dict)
+    distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
+
+
+@dataclass
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -434,3 +495,4 @@ class ExperimentConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)  # YAML/override key "async"
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
