@@ -179,6 +179,7 @@ def apply_cpu_shims() -> None:
 
     tp_random._set_all_rng_states = _set_all_rng_states
     _apply_moe_shims()
+    _gated_delta_net_without_fla()
     _forward_cuda_spots()
     _in_process_write_results()
     _mode = CudaToCpuMode()
@@ -234,6 +235,30 @@ def _apply_moe_shims() -> None:
     _uneven_sequence_parallel_collectives()
     torch.cuda.current_stream = lambda *a, **k: _NULL_STREAM
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``fla.modules.l2norm.l2norm``: ``x / sqrt(sum(x²) + eps)`` over the last dimension, in fp32, cast back."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _gated_delta_net_without_fla() -> None:
+    """megatron-core 0.16's ``GatedDeltaNet`` (Qwen3-Next / Qwen3.5 hybrids, docs/qwen35.md) refuses to build without
+    the ``fla`` package (Triton kernels, CUDA only) although the module carries a torch implementation of the chunked
+    gated delta rule (``torch_chunk_gated_delta_rule``, used there only in ``deterministic_mode``). On the CPU: that
+    torch rule, fla's q/k L2 norm in torch, and the gated output norm without its ``torch.compile`` (``jit_fuser``:
+    inductor would build a C++ kernel at the first forward). Same arithmetic, no effect on other models."""
+    # heavy: megatron-core, patched only when the shims apply
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    if gdn.HAVE_FLA:
+        return
+    gdn.HAVE_FLA = True
+    gdn.l2norm = _l2norm
+    gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
+    compiled = gdn.GatedDeltaNet._apply_gated_norm
+    gdn.GatedDeltaNet._apply_gated_norm = getattr(compiled, "_torchdynamo_orig_callable", compiled)
 
 
 def _forward_cuda_spots() -> None:

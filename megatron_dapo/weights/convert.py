@@ -33,7 +33,7 @@ from megatron_dapo.models.families import (
     ModelArch,
     ParamMapping,
     UnsupportedModelError,
-    ignorable_hf_names,
+    is_ignorable_hf_name,
     model_arch_from_hf,
     param_mappings,
     to_te_name,
@@ -152,7 +152,7 @@ def check_hf_tensors(
         for name, shape in zip(m.hf, hf_shapes(m, arch)):
             expected[name] = tuple(shape)
     found = set(reader.keys())
-    ignorable = {n for n in found if _IGNORABLE_HF.match(n)} | (ignorable_hf_names(arch) & found)
+    ignorable = {n for n in found if _IGNORABLE_HF.match(n) or is_ignorable_hf_name(arch, n)}
     missing = sorted(set(expected) - found)
     unexpected = [] if unexpected_ok else sorted(found - set(expected) - ignorable)
     problems = []

@@ -103,7 +103,7 @@ def load_full_tensors(
     for lp in local_param_table(chunks, arch):
         tp_size, tp_rank = shard_group(lp.mapping)
         full = get_full(lp.mapping)
-        shard = tp_shard(full, lp.mapping.kind, lp.mapping.tp_dim, tp_size, tp_rank)
+        shard = tp_shard(full, lp.mapping.kind, lp.mapping.tp_dim, tp_size, tp_rank, lp.mapping.sections)
         if tuple(shard.shape) != tuple(lp.param.shape):
             raise CheckpointError(
                 f"{where}: {lp.mapping.hf} give shard shape {tuple(shard.shape)} (full {tuple(full.shape)}) for "
@@ -125,7 +125,7 @@ def gather_full_tensor(lp: LocalParam) -> torch.Tensor:
     shards = [torch.empty_like(local) for _ in range(tp_size)]
     group = ps.get_expert_tensor_parallel_group() if lp.mapping.is_expert else ps.get_tensor_model_parallel_group()
     dist.all_gather(shards, local.contiguous(), group=group)
-    return tp_merge(shards, lp.mapping.kind, lp.mapping.tp_dim)
+    return tp_merge(shards, lp.mapping.kind, lp.mapping.tp_dim, lp.mapping.sections)
 
 
 def unique_local_params(chunks: list, arch: ModelArch) -> list[LocalParam]:

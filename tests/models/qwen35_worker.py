@@ -1,0 +1,235 @@
+"""torchrun worker: Qwen3.5 / Qwen3-Next hybrids (Gated DeltaNet + gated attention) in megatron-core vs HF transformers.
+
+For every layout (``tp<T>-pp<P>-ep<E>[-sp]``; DP = world / (TP x PP)) each rank, for each tiny family model
+(``tiny_hybrid_model``):
+  1. builds the seeded HF model in fp32 (every norm, A_log and dt_bias perturbed so that a wrong offset or TP slice
+     shows), and its logits on this DP rank's micro-batches;
+  2. builds the Megatron chunks with ``build_gpt_chunks``, loads the HF weights through the name map (the Qwen3.5
+     model is the VLM, so its names carry ``model.language_model.`` and its vision tower is left out);
+  3. runs ``forward_backward_func`` (forward only) over two micro-batches: a full one, and one whose rows end in
+     padding (the training layout is left-aligned: prompt, response, then padding);
+  4. records max|logits - HF| over the valid positions (last stage), and which global layers this rank built as
+     Gated DeltaNet.
+Writes ``<out>/rank<r>.json``; ``test_models_qwen35.py`` asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from functools import partial
+from typing import Any
+
+import torch
+
+from tests.helpers.worker import write_rank_report
+
+VOCAB = 100
+SEQ = 12
+BATCH = 2
+HF_SEED = 0
+# Valid lengths of the padded micro-batch's rows (the rest is padding at the end).
+VALID_LEN = (7, 10)
+FAMILIES = ("qwen3_5", "qwen3_next")
+
+# Shared sizes: 4 attention heads in 2 query groups, head_dim 16 (a quarter rotated), 2 key / 4 value GDN heads.
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.1,  # larger weights than the default 0.02: every block moves the logits
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+}
+
+
+def tiny_hybrid_config(family: str):
+    """qwen3_5: the dense VLM (Qwen3_5ForConditionalGeneration), 6 layers at full_attention_interval 4 (layers
+    0-2, 4, 5 linear, 3 full: not a multiple of the interval). qwen3_next: MoE (4 experts, top-2, a gated shared
+    expert; layer 0 dense), 6 layers at interval 2 (layers 1, 3, 5 full), in_proj grouped per key head."""
+    # heavy: transformers
+    from transformers import Qwen3_5Config, Qwen3NextConfig
+
+    if family == "qwen3_5":
+        text = dict(_COMMON, num_hidden_layers=6, full_attention_interval=4, tie_word_embeddings=False)
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+        return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    if family == "qwen3_next":
+        return Qwen3NextConfig(
+            **_COMMON,
+            num_hidden_layers=6,
+            full_attention_interval=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            router_aux_loss_coef=0.0,
+        )
+    raise ValueError(family)
+
+
+def tiny_hybrid_model(family: str, seed: int = HF_SEED):
+    """The HF model of ``tiny_hybrid_config(family)``, seeded, fp32, eager; norms (zero-centred: around 0; the GDN
+    output norm: around 1), A_log and dt_bias perturbed."""
+    # heavy: transformers
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_hybrid_config(family)
+    cls = Qwen3_5ForConditionalGeneration if family == "qwen3_5" else Qwen3NextForCausalLM
+    model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    model.config._experts_implementation = "eager"
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def make_micro_batches(dp_rank: int) -> list[dict[str, torch.Tensor]]:
+    """Micro-batch 0: full rows; micro-batch 1: rows of ``VALID_LEN`` tokens then padding (id 0). Per DP rank."""
+    g = torch.Generator().manual_seed(1234 + dp_rank)
+    out = []
+    for index in range(2):
+        ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+        valid = torch.ones(BATCH, SEQ, dtype=torch.bool)
+        if index == 1:
+            for row, n in enumerate(VALID_LEN):
+                valid[row, n:] = False
+            ids = torch.where(valid, ids, torch.zeros_like(ids))
+        causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)
+        pos = torch.arange(SEQ).expand(BATCH, SEQ)
+        out.append({"index": index, "ids": ids, "valid": valid, "pos": pos, "mask": causal[None, None]})
+    return out
+
+
+def parse_layout(name: str) -> dict[str, Any]:
+    """``tp2-pp1-ep2-etp1-sp`` -> sizes (ETP: expert tensor parallel size, default TP)."""
+    match = re.fullmatch(r"tp(\d+)-pp(\d+)-ep(\d+)(?:-etp(\d+))?(-sp)?", name)
+    if match is None:
+        raise ValueError(f"layout {name!r}: expected tp<N>-pp<N>-ep<N>[-etp<N>][-sp]")
+    tp, pp, ep, etp, sp = match.groups()
+    return {"tp": int(tp), "pp": int(pp), "ep": int(ep), "etp": int(etp) if etp else None, "sp": sp is not None}
+
+
+def run_family(cfg, family: str) -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_dapo.models.builder import build_gpt_chunks, unwrap
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size, unfuse_hf_experts
+    from megatron_dapo.weights.model_io import chunk_layer_offset, load_full_tensors
+
+    t0 = time.time()
+    hf = tiny_hybrid_model(family)
+    arch = model_arch_from_hf(hf.config.to_dict())
+    tp = ps.get_tensor_model_parallel_world_size()
+    padded = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    weights = unfuse_hf_experts({n: p.detach() for n, p in hf.named_parameters()})
+    mbs = make_micro_batches(ps.get_data_parallel_rank())
+    with torch.no_grad():
+        hf_logits = {mb["index"]: hf(input_ids=mb["ids"]).logits for mb in mbs}
+
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
+    load_full_tensors(chunks, arch, lambda m: hf_to_mcore(m, [weights[n] for n in m.hf], arch, padded))
+    for chunk in chunks:
+        chunk.eval()
+    offset = chunk_layer_offset(
+        arch, ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(), None, 0
+    )
+    gdn_layers = [
+        offset + i
+        for i, layer in enumerate(unwrap(chunks[0]).decoder.layers)
+        if isinstance(layer.self_attention, GatedDeltaNet)
+    ]
+    captured: dict[int, torch.Tensor] = {}
+
+    def loss_func(mb: dict, output: torch.Tensor):
+        full = gather_from_tensor_model_parallel_region(output)[..., :VOCAB]
+        captured[mb["index"]] = full.detach().clone()
+        return full.sum() * 0.0, {}
+
+    def forward_step(data_iterator, model_chunk):
+        mb = next(data_iterator)
+        return model_chunk(mb["ids"], mb["pos"], mb["mask"]), partial(loss_func, mb)
+
+    with torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=chunks,
+            num_microbatches=len(mbs),
+            seq_length=SEQ,
+            micro_batch_size=BATCH,
+            forward_only=True,
+        )
+    result: dict[str, Any] = {"logits": {}, "gdn_layers": gdn_layers}
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        for mb in mbs:
+            i = mb["index"]
+            diff = (captured[i] - hf_logits[i])[mb["valid"]].abs().max().item()
+            result["logits"][str(i)] = {"max_abs": diff, "ref_absmax": hf_logits[i].abs().max().item()}
+    result["seconds"] = round(time.time() - t0, 2)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layouts", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    args = parser.parse_args()
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.parallel import destroy_model_parallel, init_distributed, init_model_parallel
+
+    report: dict[str, Any] = {"layouts": {}}
+    info = None
+    for name in args.layouts.split(","):
+        lay = parse_layout(name)
+        cfg = load_config(
+            None,
+            [
+                f"parallel.tensor_model_parallel_size={lay['tp']}",
+                f"parallel.pipeline_model_parallel_size={lay['pp']}",
+                f"parallel.expert_model_parallel_size={lay['ep']}",
+                f"parallel.sequence_parallel={str(lay['sp']).lower()}",
+                "parallel.platform=cpu",
+                "model.params_dtype=fp32",
+                "actor.moe_aux_loss_coeff=0",
+            ]
+            + ([f"parallel.expert_tensor_parallel_size={lay['etp']}"] if lay["etp"] else []),
+        )
+        info, _ = init_distributed(cfg.parallel)
+        init_model_parallel(cfg.parallel, seed=1)
+        report["layouts"][name] = {
+            "rank": info.rank,
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "ep_rank": ps.get_expert_model_parallel_rank(),
+            "families": {family: run_family(cfg, family) for family in args.families.split(",")},
+        }
+        destroy_model_parallel()
+    write_rank_report(args.out, info.rank, report)
+
+
+if __name__ == "__main__":
+    main()
