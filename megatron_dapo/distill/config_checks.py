@@ -9,7 +9,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from megatron_dapo.algo.registry import POLICY_LOSSES
-from megatron_dapo.distill.losses import DISTILLATION_LOSSES, loss_settings
+from megatron_dapo.distill.losses import DISTILLATION_LOSSES, loss_settings, unknown_loss_mode
 
 if TYPE_CHECKING:  # the config package imports this module through its rules
     from megatron_dapo.config.schema import DistillationConfig, DistillationTeacherConfig
@@ -25,7 +25,7 @@ __all__ = ["distillation_problems", "teacher_for", "teachers_by_key"]
 def _loss_problems(loss: Any) -> list[str]:
     key = f"{SECTION}.distillation_loss"
     if loss.loss_mode not in DISTILLATION_LOSSES:
-        return [DISTILLATION_LOSSES.unknown(loss.loss_mode)]
+        return [unknown_loss_mode(loss.loss_mode)]
     out = []
     if loss_settings(loss.loss_mode).use_topk and not (isinstance(loss.topk, int) and loss.topk >= 1):
         out.append(f"{key}.topk={loss.topk!r}: expected an integer >= 1 with loss_mode={loss.loss_mode!r}")

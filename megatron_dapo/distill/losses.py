@@ -36,8 +36,10 @@ __all__ = [
     "DistillationInputs",
     "LossSettings",
     "forward_kl_topk_terms",
+    "get_distillation_loss",
     "loss_settings",
     "register_distillation_loss",
+    "unknown_loss_mode",
 ]
 
 
@@ -89,9 +91,25 @@ def register_distillation_loss(names: Sequence[str], settings: LossSettings) -> 
     return add
 
 
+def unknown_loss_mode(name: str) -> str:
+    """The problem text for an unregistered loss mode (config rules and :func:`get_distillation_loss`)."""
+    return (
+        f"{DISTILLATION_LOSSES.config_key}={name!r}: no such {DISTILLATION_LOSSES.kind}; registered:"
+        f" {', '.join(DISTILLATION_LOSSES.names())}. Register your own with"
+        " megatron_dapo.distill.losses.register_distillation_loss in a file named by algorithm.user_algorithms_file"
+    )
+
+
+def get_distillation_loss(name: str) -> Callable[[DistillationInputs], Terms]:
+    """The loss registered as ``name``; an unknown name raises ``ValueError`` listing the registered ones."""
+    if name not in DISTILLATION_LOSSES:
+        raise ValueError(unknown_loss_mode(name))
+    return DISTILLATION_LOSSES.get(name)
+
+
 def loss_settings(name: str) -> LossSettings:
-    """What the loss registered as ``name`` reads (unknown names: the registry's error)."""
-    DISTILLATION_LOSSES.get(name)
+    """What the loss registered as ``name`` reads."""
+    get_distillation_loss(name)
     return _SETTINGS[name]
 
 

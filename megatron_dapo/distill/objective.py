@@ -23,7 +23,7 @@ import torch
 from megatron_dapo.algo.loss_aggregation import PolicyLossInputs, agg_loss  # (registers the built-in policy losses)
 from megatron_dapo.algo.masked import masked_mean
 from megatron_dapo.algo.registry import POLICY_LOSSES
-from megatron_dapo.distill.losses import DISTILLATION_LOSSES, DistillationInputs, Terms, loss_settings
+from megatron_dapo.distill.losses import DistillationInputs, Terms, get_distillation_loss, loss_settings
 
 CLIP_RATIO_C = 3.0  # verl's distillation loss config has no clip_ratio_c: its vanilla loss falls back to 3.0
 
@@ -134,7 +134,7 @@ def distillation_loss(
     ``old_log_probs``/``is_weights`` (``[B, T]``): the policy-gradient path's old policy and rollout IS weights.
     """
     cfg = inputs.cfg
-    terms = DISTILLATION_LOSSES.get(cfg.loss_mode)(inputs)
+    terms = get_distillation_loss(cfg.loss_mode)(inputs)
     metrics = _term_metrics(terms, inputs.response_mask, cfg.topk if loss_settings(cfg.loss_mode).use_topk else None)
     losses = terms["losses"]
     if cfg.loss_max_clamp is not None:  # both sides: k1 can be negative
