@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megatron_dapo import dtypes
 from megatron_dapo.config import ActorConfig, ExperimentConfig, ModelConfig, ParallelConfig
 from megatron_dapo.models.families import ModelArch
+from megatron_dapo.models.linear_attention import hybrid_block_spec, linear_attention_config_kwargs
 from megatron_dapo.platform import get_platform
 from megatron_dapo.weights.layout import padded_vocab_size
 
@@ -108,6 +109,7 @@ def transformer_config(
         batch_p2p_comm=parallel.virtual_pipeline_model_parallel_size is None,
         init_method_std=0.02,
         **moe_config_kwargs(arch, parallel, actor, grouped_gemm=impl == "transformer_engine"),
+        **linear_attention_config_kwargs(arch),  # Qwen3-Next / Qwen3.5: Gated DeltaNet + gated attention
         **recompute_kwargs(actor),
         **get_platform().transformer_config_overrides(impl),  # fused kernels where the platform has them
     )
@@ -213,6 +215,9 @@ def layer_spec(
 
     if impl is None:
         impl = get_platform().resolve_transformer_impl("auto")
+    if arch.gated_delta_net is not None:
+        block = None if impl == "transformer_engine" else moe_layer_specs(config, vp_stage, impl, attention_backend)
+        return hybrid_block_spec(arch, config, vp_stage, impl, block)
     if arch.is_moe:
         return moe_layer_specs(config, vp_stage, impl, attention_backend)
     if impl == "transformer_engine":
@@ -307,6 +312,7 @@ def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig, transformer_impl: O
             parallel_output=True,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope",
+            rotary_percent=arch.rotary_percent,  # Qwen3-Next / Qwen3.5 rotate a quarter of each head
             rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
             vp_stage=stage,
         )
