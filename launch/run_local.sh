@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Single machine: launch/run_local.sh CONFIG [overrides...]  (NPROC_PER_NODE defaults to 2 on CPU)
+# Single machine: launch/run_local.sh CONFIG [overrides...]  (NPROC_PER_NODE defaults to 2 on CPU; MAX_RESTARTS=N
+# restarts the job up to N times after a rank dies, from its newest intact checkpoint: launch/run_node.sh)
 # The demo configs (configs/tiny_cpu.yaml, configs/tiny_moe_cpu.yaml) get their model, tokenizer and data made first
 # when they are missing (launch/prepare_demo.py), so that they run on a fresh clone without launch/quickstart.sh.
 set -euo pipefail

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One invocation per node: launch/run_node.sh CONFIG [dotted.overrides ...]
 # Environment: NNODES (1), NODE_RANK (0), NPROC_PER_NODE (default: detected, see below), MASTER_ADDR (127.0.0.1),
-# MASTER_PORT (29500). Source launch/env_cuda.sh or launch/env_ascend.sh first on clusters.
+# MASTER_PORT (29500), MAX_RESTARTS (0: a job whose rank dies ends; N: torchrun stops and restarts every local rank up
+# to N times, and they resume from the newest intact checkpoint, trainer.resume_mode=auto). Source launch/env_cuda.sh
+# or launch/env_ascend.sh first on clusters.
 # `launch/run_node.sh --print-nproc` prints the processes per node this node would start, and exits.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,4 +45,5 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes="${NNODES:-1}" --node-rank="${NODE_RANK:-0}" --nproc-per-node="$NPROC" \
   --master-addr="${MASTER_ADDR:-127.0.0.1}" --master-port="${MASTER_PORT:-29500}" \
+  --max-restarts="${MAX_RESTARTS:-0}" \
   -m megatron_dapo.cli train "$CONFIG" "$@"

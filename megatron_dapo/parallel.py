@@ -93,13 +93,13 @@ def init_distributed(
     if rollout_ranks and not dist.is_initialized():
         info = _init_disaggregated(platform, info, rollout_ranks, timeout_s)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=platform.dist_backend,
+            store=attempt_store(info, timeout),
             rank=info.rank,
             world_size=info.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
     # A mixed default group ("cpu:gloo,cuda:nccl") takes CPU tensors already.
     if _CONTROL_GROUP is None and "gloo" not in str(dist.get_backend()):
@@ -107,14 +107,23 @@ def init_distributed(
     return info, platform
 
 
+def attempt_store(info: DistInfo, timeout: datetime.timedelta) -> dist.Store:
+    """The job's rendezvous store (``env://``: torchrun's, or MASTER_ADDR/MASTER_PORT), under a prefix of this
+    attempt: torchrun restarts a job (``--max-restarts``, launch/run_node.sh's MAX_RESTARTS) on the store of its first
+    attempt, so without it a restarted rank reads its predecessors' keys (a dead rank's address, its failure report:
+    training/failure.py) and fails again. Every rank of an attempt has the same ``TORCHELASTIC_RESTART_COUNT``."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    store, _, _ = next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))
+    return dist.PrefixStore(f"megatron_dapo/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def _init_disaggregated(platform: Platform, info: DistInfo, rollout_ranks: int, timeout_s: float) -> DistInfo:
     """Rendezvous on the job's store, then this side's default group and (first training rank, rollout ranks) the
     bridge; returns this rank's place in its side."""
     global _PLACEMENT
     timeout = datetime.timedelta(seconds=timeout_s)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    store, _, _ = next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))
+    store = attempt_store(info, timeout)
     role = role_of(info.rank, info.world_size, rollout_ranks)
     train_ranks = info.world_size - rollout_ranks
     first = 0 if role == "train" else train_ranks

@@ -375,3 +375,32 @@ def test_bad_data_row_fails_before_training_with_file_row_field(demo, tmp_path):
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert str(bad) in log and "row 0" in log and "ground_truth" in log
+
+
+def test_a_killed_rank_restarts_the_job_which_finishes_from_its_newest_checkpoint(demo, straight, tmp_path):
+    """SIGKILL of rank 1 in the middle of step 3 (save_freq=2), once: with MAX_RESTARTS=1 torchrun restarts both
+    ranks, they resume from step 2 (the newest intact checkpoint) and finish step 4 with rc 0; no completed step is
+    lost, and the result is the uninterrupted run's."""
+    run = tmp_path / "run"
+    mark = tmp_path / "killed_once"  # the kill happens in the first attempt only
+    kill = f"(open({str(mark)!r}, 'x').close(), os.kill(os.getpid(), signal.SIGKILL))"
+    action = f"{kill} if not os.path.exists({str(mark)!r}) else None"
+    scorer = scorer_file(tmp_path, CALL_IN_STEP_3, ("1",), action)
+    extra = {"checkpoint.save_freq": 2, "reward.custom_function.path": scorer}
+    out = wait_ok(
+        launch(
+            "run_local.sh",
+            overrides(demo, run, steps=STRAIGHT_STEPS, **extra),
+            {"NPROC_PER_NODE": "2", "MASTER_PORT": "29991", "MAX_RESTARTS": "1"},
+        )
+    )
+    assert mark.exists(), out[-4000:]  # rank 1 was killed
+    rank0_log = (run / "logs" / "rank0.log").read_text()  # both attempts append to it
+    assert "rank 0 failed" in rank0_log and "resumed from" in rank0_log  # the first attempt failed, the second resumed
+    resumed = rank0_log.split("resumed from", 1)[1].split("\n", 1)[0]
+    assert resumed.endswith("global_step_2 at step 2"), rank0_log[-3000:]
+    steps = [r["step"] for r in read_metrics(run) if "actor/pg_loss" in r]
+    assert steps == [1, 2, 3, 4], steps  # step 3 died before it was logged; nothing completed is logged twice
+    assert (run / "checkpoints" / "latest").read_text().strip() == "global_step_4"
+    assert not leftover_processes(run), "the restarted run left processes behind"
+    assert_same_as_straight(straight, run, (3, 4), tmp_path)
