@@ -16,7 +16,7 @@ from megatron_dapo.config.rules import (
 )
 from megatron_dapo.config.schema import ConfigError, ExperimentConfig, ParallelConfig, RewardConfig
 from megatron_dapo.dtypes import dtype_bytes
-from megatron_dapo.models.families import ModelArch
+from megatron_dapo.models.families import ModelArch, layout_problems
 from megatron_dapo.platform import Platform, make_platform, select_platform_name
 from megatron_dapo.reward.custom import load_reward_function
 
@@ -391,6 +391,10 @@ def run_problems(
         )
     problems += rollout_layout_problems(cfg, rollout_world, arch.max_position_embeddings, arch, platform=platform)
     problems += router_replay_problems(cfg, arch, platform)
+    # What megatron-core cannot shard or feed for this model (Qwen3.5's Gated DeltaNet: docs/qwen35.md).
+    problems += layout_problems(
+        arch, p.tensor_model_parallel_size, p.context_parallel_size, cfg.actor.use_remove_padding
+    )
     if total_steps is not None and cfg.trainer.total_training_steps is None:  # else config_problems checked it
         problems += lr_schedule_problems(cfg.actor.optim, total_steps)
     return problems + reward_function_problems(cfg.reward)

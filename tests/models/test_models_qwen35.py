@@ -191,3 +191,25 @@ def test_unsupported_hybrid_configs_are_named():
         model_arch_from_hf({**cfg, "linear_num_value_heads": 3})
     with pytest.raises(UnsupportedModelError, match="layer_types must name each of the 6 layers"):
         model_arch_from_hf({**cfg, "layer_types": ["sliding_attention"] * 6})
+
+
+def test_the_run_gate_names_the_refused_pieces():
+    """``plan_problems`` (``megatron-dapo check``, ``preflight`` and a run's start) reports ``layout_problems``: CP 2
+    and packed sequences on 4 GPUs of a CUDA platform, TP 4 against 2 key heads on 4 more."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.config.plan import plan_problems
+    from megatron_dapo.platform import make_platform
+    from tests.config.test_run_validation import TINY
+
+    arch = _arch("qwen3_5")
+    cuda = make_platform("cuda")
+    cp_packed = load_config(TINY, ["parallel.context_parallel_size=2", "actor.use_remove_padding=true"])
+    found = plan_problems(cp_packed, arch, 4, cuda, probe_imports=False)
+    assert any("context_parallel_size=2: qwen3_5's Gated DeltaNet layers" in p for p in found), found
+    assert any(p.startswith("actor.use_remove_padding=true: qwen3_5's Gated DeltaNet") for p in found), found
+    tp4 = plan_problems(
+        load_config(TINY, ["parallel.tensor_model_parallel_size=4"]), arch, 8, cuda, probe_imports=False
+    )
+    assert any("does not divide linear_num_key_heads=2" in p for p in tp4), tp4
+    plain = plan_problems(load_config(TINY, []), arch, 2, cuda, probe_imports=False)
+    assert not any("Gated DeltaNet" in p for p in plain), plain
