@@ -128,6 +128,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise fail()
+        if len(args) == 2 and dataclasses.is_dataclass(args[1]):  # named sections (distillation.teacher_models)
+            return {k: from_dict(args[1], v, f"{key}.{k}") for k, v in value.items()}
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):

@@ -33,6 +33,7 @@ from megatron_dapo.config.schema import (
     RolloutConfig,
     TrainerConfig,
 )
+from megatron_dapo.distill.config_checks import distillation_problems
 
 # --------------------------------------------------------------------------------------------------- value checks
 
@@ -583,7 +584,7 @@ def config_problems(cfg: ExperimentConfig) -> list[str]:
     problems = range_problems(cfg)
     if not problems:  # cross-field messages assume each value is in range
         problems = _cross_field_problems(cfg)
-    return problems + algorithm_name_problems(cfg)
+    return problems + algorithm_name_problems(cfg) + distillation_problems(cfg.distillation)
 
 
 def check_values(cfg: ExperimentConfig) -> None:
