@@ -64,7 +64,7 @@ def build(args: argparse.Namespace):
         num_kv_heads=args.kv_heads,
         intermediate_size=args.ffn,
     )
-    chunks = wrap_for_training(build_gpt_chunks(model_arch_from_hf(hf.to_dict()), cfg), cfg)
+    chunks = wrap_for_training(build_gpt_chunks(model_arch_from_hf(hf.to_dict()), cfg), cfg.parallel)
     optimizer, scheduler = build_optimizer(chunks, OptimConfig(lr=1e-4, lr_warmup_steps=0), 10)
     gen = torch.Generator().manual_seed(0)
     for chunk in chunks:

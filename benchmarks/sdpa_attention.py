@@ -57,7 +57,7 @@ def build(args: argparse.Namespace) -> dict:
     models = {}
     for backend in BACKENDS:
         cfg = load_config(None, [*base, f"model.attention_backend={backend}"])
-        models[backend] = wrap_for_training(build_gpt_chunks(arch, cfg), cfg)[0]
+        models[backend] = wrap_for_training(build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor), cfg.parallel)[0]
     first = unwrap(models[BACKENDS[0]]).state_dict()
     for backend in BACKENDS[1:]:
         unwrap(models[backend]).load_state_dict(first)

@@ -248,7 +248,7 @@ def build_model(args: argparse.Namespace, ep: int):
     cfg = load_config(None, overrides(args, ep, work))
     init_model_parallel(cfg.parallel, seed=1)
     arch = model_arch_from_hf(os.path.join(work, "model"))
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     for c in chunks:
         c.eval()
     n_params = sum(p.numel() for c in chunks for p in c.parameters())

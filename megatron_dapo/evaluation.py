@@ -491,9 +491,10 @@ def run_eval(
 
         tokenizer = load_tokenizer(cfg.model.tokenizer_dir, hf_dir)  # --tokenizer is in the config by now
         ids = token_ids(tokenizer)
-        dataset = build_dataset(cfg.data.val_files, tokenizer, cfg.data, name="eval", tools=tool_schemas(cfg))
+        tools = tool_schemas(cfg.rollout.multi_turn)
+        dataset = build_dataset(cfg.data.val_files, tokenizer, cfg.data, name="eval", tools=tools)
         items = [dataset[i] for i in range(len(dataset))]
-        sampling = SamplingSpec.for_validation(cfg, ids.eos)
+        sampling = SamplingSpec.for_validation(cfg.rollout, cfg.data.max_response_length, ids.eos)
 
         # 2. Generation, exactly as DAPOTrainer.validate: one call, seed_offset 0.
         freeze_heap_before_engine()
@@ -504,7 +505,8 @@ def run_eval(
             dtypes.from_config_name(engine.rollout_plan.dtype, "rollout.dtype"),
             cfg.rollout.weight_sync_bucket_mb,
         )
-        generator = build_generator(cfg, engine, tokenizer)  # multi-turn with tools when the config says so
+        # multi-turn with tools when the config says so
+        generator = build_generator(cfg.rollout.multi_turn, cfg.data.max_response_length, engine, tokenizer)
         try:
             rollout = generator.generate(items, sampling, seed_offset=0)
         finally:

@@ -52,7 +52,18 @@ from megatron_dapo.checkpointing.checkpoint import (
     STEP_PREFIX,
     resolve_resume,
 )
-from megatron_dapo.config import ConfigError, ExperimentConfig, from_dict, load_config, to_dict
+from megatron_dapo.config import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    ExperimentConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    from_dict,
+    load_config,
+    to_dict,
+)
 from megatron_dapo.config.schema import LoRAConfig
 from megatron_dapo.models.families import ModelArch, model_arch_from_hf, param_mappings
 from megatron_dapo.weights.atomic import fresh_dir, publish_dir
@@ -121,15 +132,14 @@ def _run_config(step_dir: Optional[Path], config_path: Optional[PathLike]) -> Op
     return None
 
 
-def _hf_config_of_run(cfg: Optional[ExperimentConfig]) -> Optional[Path]:
-    """Where the run took its HF config from (see the module docstring)."""
-    if cfg is None:
-        return None
-    if cfg.model.hf_config_dir:
-        return Path(cfg.model.hf_config_dir)
-    if cfg.checkpoint.load_dir:
+def _hf_config_of_run(model: ModelConfig, checkpoint: CheckpointConfig) -> Optional[Path]:
+    """Where the run took its HF config from (see the module docstring): ``model.hf_config_dir``, else the one of
+    ``checkpoint.load_dir``."""
+    if model.hf_config_dir:
+        return Path(model.hf_config_dir)
+    if checkpoint.load_dir:
         try:
-            return find_checkpoint(cfg.checkpoint.load_dir).hf_config_dir
+            return find_checkpoint(checkpoint.load_dir).hf_config_dir
         except CheckpointError:
             return None
     return None
@@ -152,15 +162,19 @@ def export_step(
     adapters = lora_checkpoint_of(step_dir, lora, checkpoint)
     cfg = _run_config(step_dir, config_path)
     if adapters is not None:
-        out = export_lora(adapters, save_dir, lora, hf_config_dir=hf_config_dir, cfg=cfg)
+        if hf_config_dir is None and cfg is not None:
+            hf_config_dir = cfg.model.hf_config_dir or None  # the run's, before the base's own
+        out = export_lora(adapters, save_dir, lora, hf_config_dir=hf_config_dir)
     else:
         if step_dir is not None:
             source = step_dir
-            if hf_config_dir is None and find_checkpoint(step_dir).hf_config_dir is None:
-                hf_config_dir = _hf_config_of_run(cfg)
+            if hf_config_dir is None and find_checkpoint(step_dir).hf_config_dir is None and cfg is not None:
+                hf_config_dir = _hf_config_of_run(cfg.model, cfg.checkpoint)
         out = convert_mcore_to_hf(source, save_dir, hf_config_dir=hf_config_dir, overwrite=True).save_dir
     if cfg is not None:
-        write_eval_settings(cfg, out, origin=str((step_dir or Path(config_path)).absolute()))
+        settings = eval_settings(cfg.model, cfg.data, cfg.rollout, cfg.reward)
+        origin = str((step_dir or Path(config_path)).absolute())
+        write_eval_settings(settings, cfg.model.tokenizer_dir, out, origin=origin)
     return out
 
 
@@ -238,12 +252,12 @@ def export_lora(
     save_dir: PathLike,
     mode: str,
     hf_config_dir: Optional[PathLike] = None,
-    cfg: Optional[ExperimentConfig] = None,
 ) -> Path:
     """Write the LoRA step ``ckpt`` to ``save_dir`` as a peft adapter (``mode`` ``adapter``) or merged into its base
-    (``merged``: a plain HF model); returns ``save_dir`` (absolute)."""
-    base = _lora_base(ckpt, needs_weights=mode == "merged", hf_config_dir=hf_config_dir, cfg=cfg)
-    side = _lora_hf_config(ckpt, base, hf_config_dir, cfg)
+    (``merged``: a plain HF model); returns ``save_dir`` (absolute). ``hf_config_dir``: the base's HF config (the
+    run's ``model.hf_config_dir``); None = the base checkpoint's own."""
+    base = _lora_base(ckpt, needs_weights=mode == "merged", hf_config_dir=hf_config_dir)
+    side = _lora_hf_config(ckpt, base, hf_config_dir)
     arch = model_arch_from_hf(side)
     reader = DistCheckpointReader(ckpt.dist)
     tensors = adapter_tensors(reader)
@@ -267,14 +281,13 @@ def export_lora(
 
 
 def _lora_base(
-    ckpt: LoraCheckpoint, needs_weights: bool, hf_config_dir: Optional[PathLike], cfg: Optional[ExperimentConfig]
+    ckpt: LoraCheckpoint, needs_weights: bool, hf_config_dir: Optional[PathLike]
 ) -> Optional[CheckpointSource]:
     """The base checkpoint (``find_checkpoint``'s answer), or None when it is gone and only its config is needed
     (the adapter export, with the HF config known otherwise)."""
     base = ckpt.base
     if not base.exists():
-        known_config = hf_config_dir is not None or (cfg is not None and cfg.model.hf_config_dir)
-        if needs_weights or not known_config:
+        if needs_weights or hf_config_dir is None:
             need = "its weights" if needs_weights else "its HF config (or pass hf_config_dir)"
             raise CheckpointError(
                 f"{ckpt.step_dir}: the LoRA adapters' base checkpoint {base} (trainer_state.json lora.base_checkpoint)"
@@ -291,13 +304,11 @@ def _lora_hf_config(
     ckpt: LoraCheckpoint,
     base: Optional[CheckpointSource],
     hf_config_dir: Optional[PathLike],
-    cfg: Optional[ExperimentConfig],
 ) -> Path:
-    """The HF config directory of the base: ``hf_config_dir``, the run's ``model.hf_config_dir``, the base's own."""
+    """The HF config directory of the base: ``hf_config_dir`` (given, or the run's ``model.hf_config_dir``), else the
+    base's own."""
     if hf_config_dir is not None:
         return Path(hf_config_dir)
-    if cfg is not None and cfg.model.hf_config_dir:
-        return Path(cfg.model.hf_config_dir)
     side = base.hf_config_dir if base is not None else None
     if side is None:
         raise CheckpointError(
@@ -497,10 +508,12 @@ def _existing_path(path: Optional[str]) -> Optional[str]:
     return path
 
 
-def eval_settings(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The partial experiment config :data:`EVAL_SETTINGS_FILE` records (``model.tokenizer_dir`` is set by
-    :func:`write_eval_settings`, which knows where the tokenizer went)."""
-    full = to_dict(cfg)
+def eval_settings(
+    model: ModelConfig, data: DataConfig, rollout: RolloutConfig, reward_cfg: RewardConfig
+) -> dict[str, Any]:
+    """The partial experiment config :data:`EVAL_SETTINGS_FILE` records, from the run's sections
+    (``model.tokenizer_dir`` is set by :func:`write_eval_settings`, which knows where the tokenizer went)."""
+    full = {"model": to_dict(model), "data": to_dict(data), "rollout": to_dict(rollout), "reward": to_dict(reward_cfg)}
     reward = full["reward"]
     reward["custom_function"]["path"] = _existing_path(reward["custom_function"]["path"])
     for spec in reward["extra_functions"]:
@@ -514,12 +527,13 @@ def eval_settings(cfg: ExperimentConfig) -> dict[str, Any]:
     }
 
 
-def write_eval_settings(cfg: ExperimentConfig, save_dir: PathLike, origin: str = "") -> Path:
-    """Write :data:`EVAL_SETTINGS_FILE` into the HF directory ``save_dir`` (and the run's own tokenizer into its
-    ``tokenizer/``); returns the file's path."""
+def write_eval_settings(
+    settings: dict[str, Any], tokenizer_dir: Optional[str], save_dir: PathLike, origin: str = ""
+) -> Path:
+    """Write :data:`EVAL_SETTINGS_FILE` (``settings``: :func:`eval_settings`) into the HF directory ``save_dir``, and
+    the run's own tokenizer (``model.tokenizer_dir``) into its ``tokenizer/``; returns the file's path."""
     save_dir = Path(save_dir)
-    settings = eval_settings(cfg)
-    tok = cfg.model.tokenizer_dir
+    tok = tokenizer_dir
     if tok and Path(tok).is_dir():
         # Copied, not referenced: the export stays evaluable wherever it is moved. Everything but weights, as the
         # trainer's AutoTokenizer saw it (a config.json there decides the tokenizer class too).

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_dapo import dtypes
-from megatron_dapo.config import ActorConfig, ExperimentConfig, ModelConfig, ParallelConfig
+from megatron_dapo.config import ActorConfig, ModelConfig, ParallelConfig
 from megatron_dapo.models.families import ModelArch
 from megatron_dapo.models.linear_attention import hybrid_block_spec, linear_attention_config_kwargs
 from megatron_dapo.platform import get_platform
@@ -284,27 +284,33 @@ def llama3_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig, transformer_impl: Optional[str] = None) -> list:
-    """One ``GPTModel`` per virtual pipeline stage on this rank (a single chunk without VPP). ``transformer_impl`` is
-    the run's resolved one (``RunPlan.transformer_impl``); None = resolve ``model.transformer_impl`` here (tools and
-    tests that build a model outside a training run)."""
+def build_gpt_chunks(
+    arch: ModelArch,
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    actor: ActorConfig,
+    transformer_impl: Optional[str] = None,
+) -> list:
+    """One ``GPTModel`` per virtual pipeline stage on this rank (a single chunk without VPP), from the ``model``,
+    ``parallel`` and ``actor`` (recompute, MoE losses) sections. ``transformer_impl`` is the run's resolved one
+    (``RunPlan.transformer_impl``); None = resolve ``model.transformer_impl`` here (tools and tests that build a
+    model outside a training run)."""
     # heavy: megatron-core, once the platform has patched it
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    impl = transformer_impl or resolve_transformer_impl(cfg.model, cfg.parallel)
-    get_platform().configure_model_features(cfg)
-    config = transformer_config(arch, cfg.parallel, cfg.model, cfg.actor, impl=impl)
-    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
-    vocab = padded_vocab_size(
-        arch.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
-    )
+    impl = transformer_impl or resolve_transformer_impl(model_cfg, parallel)
+    get_platform().configure_model_features(parallel, actor)
+    config = transformer_config(arch, parallel, model_cfg, actor, impl=impl)
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    tp = parallel.tensor_model_parallel_size
+    vocab = padded_vocab_size(arch.vocab_size, model_cfg.make_vocab_size_divisible_by, tp)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(arch, config, stage, impl, cfg.model.attention_backend),
+            transformer_layer_spec=layer_spec(arch, config, stage, impl, model_cfg.attention_backend),
             vocab_size=vocab,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -325,8 +331,9 @@ def build_gpt_chunks(arch: ModelArch, cfg: ExperimentConfig, transformer_impl: O
     return chunks
 
 
-def wrap_for_training(chunks: list, cfg: ExperimentConfig) -> list:
-    """Float16Module (bf16/fp16) + megatron-core DDP, as Megatron-LM's ``get_model`` does."""
+def wrap_for_training(chunks: list, parallel: ParallelConfig) -> list:
+    """Float16Module (bf16/fp16) + megatron-core DDP (``parallel``: its buckets and the distributed optimizer), as
+    Megatron-LM's ``get_model`` does."""
     # heavy: megatron-core, once the platform has patched it
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
@@ -334,9 +341,9 @@ def wrap_for_training(chunks: list, cfg: ExperimentConfig) -> list:
     config = chunks[0].config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        bucket_size=cfg.parallel.ddp_bucket_size,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_grad_reduce=parallel.overlap_grad_reduce,
+        bucket_size=parallel.ddp_bucket_size,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
     wrapped = []
     for i, model in enumerate(chunks):

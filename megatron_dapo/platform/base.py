@@ -156,8 +156,9 @@ class Platform:
             "persist_layer_norm": False,
         }
 
-    def configure_model_features(self, cfg: Any) -> None:
-        """Enable the platform's fused kernels for this config before the model is built (NPU: MindSpeed)."""
+    def configure_model_features(self, parallel: Any, actor: Any) -> None:
+        """Enable the platform's fused kernels for the ``parallel`` and ``actor`` config sections before the model is
+        built (NPU: MindSpeed)."""
 
     def seed(self, seed: int) -> None:
         """Seed the default generator and megatron-core's tensor-parallel RNG tracker (call after parallel init)."""

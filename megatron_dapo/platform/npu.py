@@ -18,11 +18,10 @@ import torch
 from megatron_dapo.platform.base import HandoffDefaults, Platform
 
 
-def mindspeed_features(cfg: Any) -> dict[str, Any]:
+def mindspeed_features(p: Any, a: Any) -> dict[str, Any]:
     """MindSpeed arguments for our config, in the form ``mindspeed.megatron_adaptor.repatch`` takes (as verl passes
     its ``override_transformer_config``): fused NPU kernels for what our models use (flash attention, RMSNorm,
-    SwiGLU, RoPE) and the parallel/recompute settings MindSpeed's patches read."""
-    p, a = cfg.parallel, cfg.actor
+    SwiGLU, RoPE) and the parallel (``p``) and recompute (``a``: the actor's) settings MindSpeed's patches read."""
     features: dict[str, Any] = {
         "use_flash_attn": True,  # npu_fusion_attention; causal masking is generated inside (attention_mask=None)
         "use_fused_rmsnorm": True,
@@ -77,11 +76,11 @@ class NpuPlatform(Platform):
                 "model.transformer_impl=transformer_engine on platform 'npu' needs MindSpeed (see docs/platforms.md)"
             )
 
-    def configure_model_features(self, cfg: Any) -> None:
+    def configure_model_features(self, parallel: Any, actor: Any) -> None:
         """Turn on MindSpeed's fused kernels for this config (``repatch``, as verl does), before building models."""
         from mindspeed.megatron_adaptor import repatch  # optional: MindSpeed exists on Ascend only
 
-        repatch(mindspeed_features(cfg))
+        repatch(mindspeed_features(parallel, actor))
 
     def device(self) -> torch.device:
         return torch.device("npu", torch.npu.current_device())

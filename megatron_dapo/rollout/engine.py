@@ -83,7 +83,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import dtypes
-from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.config import ActorConfig, ExperimentConfig, RolloutConfig
 from megatron_dapo.config.plan import RolloutPlan, RunPlan, rollout_plan
 from megatron_dapo.log_filters import native_stderr_filtered
 from megatron_dapo.models.families import load_hf_config, model_arch_from_hf
@@ -221,9 +221,12 @@ def _resolve_plan(
     return plan.rollout
 
 
-def vllm_llm_kwargs(cfg: ExperimentConfig, hf_dir: str, rp: RolloutPlan, platform: Platform) -> dict[str, Any]:
-    """The ``vllm.LLM`` arguments of this process's engine member: the resolved rollout plan, the config's engine
-    settings, the platform's options (memory, chunked prefill) and routing replay's."""
+def vllm_llm_kwargs(
+    rollout: RolloutConfig, actor: ActorConfig, mode: str, hf_dir: str, rp: RolloutPlan, platform: Platform
+) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments of this process's engine member: the resolved rollout plan, the engine settings
+    of ``rollout``, the platform's options (memory, chunked prefill), routing replay's and LoRA's (``actor``; vLLM's
+    LoRA layers in ``trainer.mode`` ``mode=sync`` only)."""
     kwargs: dict[str, Any] = dict(
         model=str(hf_dir),
         skip_tokenizer_init=True,  # prompts arrive as token ids; the tokenizer lives in data/
@@ -233,28 +236,28 @@ def vllm_llm_kwargs(cfg: ExperimentConfig, hf_dir: str, rp: RolloutPlan, platfor
         dtype=dtypes.hf_name(dtypes.from_config_name(rp.dtype, "rollout.dtype")),
         enforce_eager=rp.enforce_eager,
         max_model_len=rp.max_model_len,
-        max_num_seqs=cfg.rollout.max_num_seqs,
+        max_num_seqs=rollout.max_num_seqs,
         enable_chunked_prefill=platform.vllm_chunked_prefill(rp.per_request_seed),
         max_num_batched_tokens=rp.max_num_batched_tokens,
-        seed=cfg.rollout.seed,
+        seed=rollout.seed,
         generation_config="vllm",  # sampling comes from our config only, not the checkpoint's defaults
-        logprobs_mode=cfg.rollout.logprobs_mode,
+        logprobs_mode=rollout.logprobs_mode,
         enable_sleep_mode=rp.sleeps,
     )
     kwargs.update(
         platform.vllm_engine_kwargs(
-            kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_mb * 2**20,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            kv_cache_memory_bytes=rollout.kv_cache_memory_mb * 2**20,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
         )
     )
     if rp.ep_size > 1:  # each rank holds E/EP whole experts (vLLM's default linear placement: contiguous blocks)
         kwargs["enable_expert_parallel"] = True
     # Routing replay: vLLM returns the experts it routed each token to (where it cannot, resolve refused the run).
-    kwargs.update(engine_routing_kwargs(cfg))
+    kwargs.update(engine_routing_kwargs(actor))
     # The colocated actor's adapters run in vLLM's LoRA layers (RolloutEngine.load_lora_adapter); trainer.mode=async
     # sends merged weights over the bridge (rollout.sync.merged_sync), so its rollout engines need no LoRA layers.
-    if cfg.actor.lora.rank > 0 and cfg.trainer.mode == "sync":
-        kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(cfg.actor.lora.rank), max_loras=1)
+    if actor.lora.rank > 0 and mode == "sync":
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(actor.lora.rank), max_loras=1)
     return kwargs
 
 
@@ -417,7 +420,7 @@ class RolloutEngine(VllmLoRAMixin):
 
         # Where vLLM writes compiled kernels and caches: under the run's output dir unless the launcher chose.
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(cfg.trainer.output_dir).absolute() / "vllm_cache"))
-        kwargs = vllm_llm_kwargs(cfg, self.hf_dir, rp, platform)
+        kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, cfg.trainer.mode, self.hf_dir, rp, platform)
         # vLLM seeds the process-wide generators (python, numpy, torch) while it starts; keep the trainer's
         # streams, megatron-core's RNG tracker included, as they were.
         rng = platform.rng_state()
@@ -432,10 +435,10 @@ class RolloutEngine(VllmLoRAMixin):
     # ------------------------------------------------------------------------------------------- sampling
 
     def train_sampling(self) -> SamplingSpec:
-        return SamplingSpec.for_training(self.cfg, self.eos_token_ids)
+        return SamplingSpec.for_training(self.cfg.rollout, self.cfg.data.max_response_length, self.eos_token_ids)
 
     def val_sampling(self) -> SamplingSpec:
-        return SamplingSpec.for_validation(self.cfg, self.eos_token_ids)
+        return SamplingSpec.for_validation(self.cfg.rollout, self.cfg.data.max_response_length, self.eos_token_ids)
 
     # ------------------------------------------------------------------------------------------- generate
 

@@ -31,7 +31,7 @@ from megatron_dapo.agent.chat import ToolTurns
 from megatron_dapo.agent.hermes import ToolCall, parse_tool_calls
 from megatron_dapo.agent.host import ToolHost
 from megatron_dapo.agent.tools import ToolResult, read_tool_config
-from megatron_dapo.config.schema import ExperimentConfig, MultiTurnConfig
+from megatron_dapo.config.schema import MultiTurnConfig
 from megatron_dapo.rollout.engine import assign_prompts
 from megatron_dapo.rollout.routing import routed_experts_fields, row_routing
 from megatron_dapo.rollout.types import (
@@ -354,10 +354,10 @@ class SingleTurn:
         return None
 
 
-def build_generator(cfg: ExperimentConfig, engine: Any, tokenizer: Any) -> Any:
+def build_generator(mt: MultiTurnConfig, max_response_length: int, engine: Any, tokenizer: Any) -> Any:
     """The run's rollout behind ``generate(items, sampling, seed_offset)``: ``SingleTurn``, or, with
-    ``rollout.multi_turn.enable``, ``MultiTurnRollout`` with this rank's tool process (replica leaders only)."""
-    mt = cfg.rollout.multi_turn
+    ``rollout.multi_turn.enable`` (``mt``), ``MultiTurnRollout`` with this rank's tool process (replica leaders
+    only); a response's budget is ``max_response_length`` tokens (``data.max_response_length``)."""
     if not mt.enable:
         return SingleTurn(engine)
     host = None
@@ -368,10 +368,10 @@ def build_generator(cfg: ExperimentConfig, engine: Any, tokenizer: Any) -> Any:
         )
         host.start()
     turns = ToolTurns(tokenizer, mt.max_tool_response_length, mt.tool_response_truncate_side)
-    return MultiTurnRollout(engine, host, turns, tokenizer, mt, cfg.data.max_response_length)
+    return MultiTurnRollout(engine, host, turns, tokenizer, mt, max_response_length)
 
 
-def tool_schemas(cfg: ExperimentConfig) -> Optional[list[dict]]:
-    """The tools' OpenAI schemas of a multi-turn run (what the chat template lists in the prompt), else None."""
-    mt = cfg.rollout.multi_turn
+def tool_schemas(mt: MultiTurnConfig) -> Optional[list[dict]]:
+    """The tools' OpenAI schemas of a multi-turn run (``rollout.multi_turn``: what the chat template lists in the
+    prompt), else None."""
     return [s.schema for s in read_tool_config(mt.tool_config_path)] if mt.enable else None

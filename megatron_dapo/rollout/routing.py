@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.config import ActorConfig
 from megatron_dapo.models.families import ModelArch
 
 __all__ = [
@@ -33,11 +33,11 @@ __all__ = [
 ]
 
 
-def engine_routing_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
+def engine_routing_kwargs(actor: ActorConfig) -> dict[str, Any]:
     """Extra ``vllm.LLM(...)`` arguments for ``actor.router_replay`` (none when it is off). Whether this platform's
     vLLM can return the routing was settled when the run was resolved (``Platform.routed_experts_problem``). Needs
     ``VLLM_USE_V2_MODEL_RUNNER=1`` in the environment before vLLM reads it (set here when unset)."""
-    if cfg.actor.router_replay != "rollout":
+    if actor.router_replay != "rollout":
         return {}
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     return {"enable_return_routed_experts": True, "enable_prefix_caching": True}

@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.config import RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -49,29 +49,32 @@ class SamplingSpec:
         return self.temperature == 0.0
 
     @classmethod
-    def for_training(cls, cfg: ExperimentConfig, stop_token_ids: Sequence[int] = ()) -> SamplingSpec:
+    def for_training(
+        cls, r: RolloutConfig, max_response_length: int, stop_token_ids: Sequence[int] = ()
+    ) -> SamplingSpec:
         """``rollout.{n, temperature, top_p, top_k}`` with ``max_tokens = data.max_response_length``."""
-        r = cfg.rollout
         return cls(
             n=r.n,
             temperature=float(r.temperature),
             top_p=float(r.top_p),
             top_k=int(r.top_k),
-            max_tokens=cfg.data.max_response_length,
+            max_tokens=max_response_length,
             stop_token_ids=tuple(int(t) for t in stop_token_ids),
         )
 
     @classmethod
-    def for_validation(cls, cfg: ExperimentConfig, stop_token_ids: Sequence[int] = ()) -> SamplingSpec:
+    def for_validation(
+        cls, r: RolloutConfig, max_response_length: int, stop_token_ids: Sequence[int] = ()
+    ) -> SamplingSpec:
         """``rollout.val_kwargs``; ``do_sample: false`` forces greedy decoding (temperature 0, no top-p/top-k)."""
-        v = cfg.rollout.val_kwargs
+        v = r.val_kwargs
         sample = v.do_sample and v.temperature > 0
         return cls(
             n=v.n,
             temperature=float(v.temperature) if sample else 0.0,
             top_p=float(v.top_p) if sample else 1.0,
             top_k=int(v.top_k) if sample else -1,
-            max_tokens=cfg.data.max_response_length,
+            max_tokens=max_response_length,
             stop_token_ids=tuple(int(t) for t in stop_token_ids),
         )
 

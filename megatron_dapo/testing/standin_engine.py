@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import dtypes
-from megatron_dapo.config import ConfigError, ExperimentConfig
+from megatron_dapo.config import ActorConfig, ConfigError, ExperimentConfig, RolloutConfig
 from megatron_dapo.config.memory import memory_model
 from megatron_dapo.config.plan import RunPlan
 from megatron_dapo.models.families import ModelArch, model_arch_from_hf, param_mappings
@@ -53,18 +53,19 @@ LOGIT_STD = 2.0  # the spread of the random logits: a peaked distribution, not a
 POSITIONS_PER_DRAW = 64  # positions whose logits are drawn at once (bounds the memory with a large vocabulary)
 
 
-def unsupported_options(cfg: ExperimentConfig) -> list[str]:
-    """The options a stand-in engine cannot serve, each with what it would need."""
+def unsupported_options(rollout: RolloutConfig, actor: ActorConfig, mode: str) -> list[str]:
+    """The options a stand-in engine cannot serve (of the ``rollout`` and ``actor`` sections and ``trainer.mode``),
+    each with what it would need."""
     found = []
-    if cfg.trainer.mode != "sync":
-        found.append(f"trainer.mode={cfg.trainer.mode} (the rollout ranks run their own engines)")
-    if cfg.rollout.multi_turn.enable:
+    if mode != "sync":
+        found.append(f"trainer.mode={mode} (the rollout ranks run their own engines)")
+    if rollout.multi_turn.enable:
         found.append("rollout.multi_turn.enable=true (the request-level API: add_request/step)")
-    if cfg.rollout.partial_rollout.enable:
+    if rollout.partial_rollout.enable:
         found.append("rollout.partial_rollout.enable=true (generate_segments)")
-    if cfg.actor.lora.rank > 0:
-        found.append(f"actor.lora.rank={cfg.actor.lora.rank} (vLLM's LoRA support)")
-    if cfg.actor.router_replay == "rollout":
+    if actor.lora.rank > 0:
+        found.append(f"actor.lora.rank={actor.lora.rank} (vLLM's LoRA support)")
+    if actor.router_replay == "rollout":
         found.append("actor.router_replay=rollout (the experts vLLM routed each token to)")
     return found
 
@@ -140,7 +141,7 @@ class StandInEngine:
         eos_token_ids: Optional[Sequence[int]] = None,
         plan: Optional[RunPlan] = None,
     ) -> None:
-        refused = unsupported_options(cfg)
+        refused = unsupported_options(cfg.rollout, cfg.actor, cfg.trainer.mode)
         if refused:
             raise ConfigError.of([f"the stand-in engine generates single-turn responses only: {r}" for r in refused])
         if plan is None:

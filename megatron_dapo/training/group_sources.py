@@ -1,5 +1,6 @@
-"""Where a step's groups come from: one *round* at a time, each handing ``RolloutPhase.collect`` finished groups to
-score and filter (dynamic sampling) until the training batch is full.
+"""Where a step's groups come from, inside the colocated rollout phase: one *round* at a time, each handing
+``RolloutPhase.collect`` finished groups to score and filter (dynamic sampling) until the training batch is full.
+(The trainer's own seam, one level up, is ``training/rollout_source.RolloutSource``.)
 
 * ``WholeGroups`` (synchronous rollout): a round draws a generation batch of prompts and generates every response to
   its end with the current weights;
@@ -17,11 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
-from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import PartialPlan
-from megatron_dapo.data import PromptSampler, build_dataset
+from megatron_dapo.data import PromptSampler
 from megatron_dapo.rollout.engine import RolloutEngine
-from megatron_dapo.rollout.multi_turn import MultiTurnRollout, tool_metrics, tool_schemas
+from megatron_dapo.rollout.multi_turn import MultiTurnRollout, tool_metrics
 from megatron_dapo.rollout.partial import PartialRollout, groups_to_rollout, segments_of
 from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec
 from megatron_dapo.training.reward_stage import RolloutScorer, ScoringInFlight
@@ -126,19 +126,3 @@ class PartialGroups:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer.load_state_dict(state)
-
-
-def prompt_data(cfg: ExperimentConfig, tokenizer) -> PromptData:
-    tools = tool_schemas(cfg)
-    train = build_dataset(cfg.data.train_files, tokenizer, cfg.data, name="train", tools=tools)
-    val = None
-    if cfg.data.val_files:
-        val = build_dataset(cfg.data.val_files, tokenizer, cfg.data, name="val", tools=tools)
-    gen_batch_size = cfg.data.gen_batch_size or cfg.data.train_batch_size
-    return PromptData(train, val, PromptSampler(len(train), gen_batch_size, cfg.data.shuffle, cfg.data.seed))
-
-
-def total_steps(cfg: ExperimentConfig, sampler: PromptSampler) -> int:
-    if cfg.trainer.total_training_steps is not None:
-        return cfg.trainer.total_training_steps
-    return cfg.trainer.total_epochs * len(sampler)

@@ -13,7 +13,7 @@ from typing import Optional
 from megatron_dapo.actor.actor import AdapterFreeReference, LogProbModel, MegatronActor
 from megatron_dapo.algo.off_policy import is_weight_metrics, staleness_metrics
 from megatron_dapo.batch import TrainBatch
-from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.config import ActorConfig, CheckpointConfig, ModelConfig, ParallelConfig
 from megatron_dapo.config.plan import RunPlan
 from megatron_dapo.handoff.offload import MemoryHandoff
 from megatron_dapo.models.builder import build_gpt_chunks, freeze
@@ -67,17 +67,24 @@ def batch_log_probs(
 
 
 def build_reference(
-    cfg: ExperimentConfig, plan: RunPlan, arch: ModelArch, actor: MegatronActor, handoff: MemoryHandoff
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    actor_cfg: ActorConfig,
+    checkpoint: CheckpointConfig,
+    plan: RunPlan,
+    arch: ModelArch,
+    actor: MegatronActor,
+    handoff: MemoryHandoff,
 ) -> Optional[LogProbModel]:
     """The KL reference (None without a KL term): the frozen model of ``checkpoint.ref_load_dir`` (default
-    ``checkpoint.load_dir``), handed to the memory hand-off; with LoRA the actor with its adapters off, no second
-    model. Call it once the engine sleeps (the trainer's start-up order)."""
+    ``checkpoint.load_dir``), built as the actor is, handed to the memory hand-off; with LoRA the actor with its
+    adapters off, no second model. Call it once the engine sleeps (the trainer's start-up order)."""
     if not plan.uses_reference:
         return None
-    if cfg.actor.lora.rank:
+    if actor_cfg.lora.rank:
         return AdapterFreeReference(actor)
-    chunks = freeze(build_gpt_chunks(arch, cfg, plan.transformer_impl))
-    load_mcore_checkpoint(chunks, arch, cfg.checkpoint.ref_load_dir or cfg.checkpoint.load_dir)
-    ref = MegatronActor.for_plan(chunks, arch.vocab_size, cfg.actor, plan)
+    chunks = freeze(build_gpt_chunks(arch, model, parallel, actor_cfg, plan.transformer_impl))
+    load_mcore_checkpoint(chunks, arch, checkpoint.ref_load_dir or checkpoint.load_dir)
+    ref = MegatronActor.for_plan(chunks, arch.vocab_size, actor_cfg, plan)
     handoff.attach_reference(ref.chunks)
     return ref

@@ -17,8 +17,7 @@ import torch
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingAccumulator
 from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.batch import TrainBatch
-from megatron_dapo.config import ExperimentConfig
-from megatron_dapo.config.plan import partial_plan
+from megatron_dapo.config import AlgorithmConfig, DataConfig, RolloutConfig
 from megatron_dapo.handoff.offload import MemoryHandoff
 from megatron_dapo.reporting.loggers import RolloutDumper, turn_extras
 from megatron_dapo.reporting.metrics import compute_val_metrics, reduce_metrics
@@ -26,48 +25,45 @@ from megatron_dapo.reporting.timing import timed
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.multi_turn import MultiTurnRollout, build_generator
 from megatron_dapo.rollout.types import SamplingSpec
+from megatron_dapo.training.group_sources import PartialGroups, Round, WholeGroups
 from megatron_dapo.training.reward_stage import RolloutScorer, greedy_baselines, score_to_batch
-from megatron_dapo.training.rollout_sources import PartialGroups, PromptData, Round, WholeGroups
+from megatron_dapo.training.startup import RunStart
 
 log = logging.getLogger("megatron_dapo.trainer")
 
 
 class RolloutPhase:
-    """Generation and scoring for the trainer; the engine's weights are kept in step with the actor's."""
+    """Generation and scoring for the trainer (a ``training/rollout_source.RolloutSource``); the engine's weights are
+    kept in step with the actor's. Reads ``rollout.*``, ``data.{max_response_length, train_batch_size}``,
+    ``algorithm.*``, and of the started ``run`` its prompt data, tokenizer, stop ids and the plan's partial rollout."""
 
     def __init__(
         self,
-        cfg: ExperimentConfig,
+        rollout: RolloutConfig,
+        data_cfg: DataConfig,
+        algorithm: AlgorithmConfig,
+        run: RunStart,
         engine: RolloutEngine,
         sync_weights: Callable[[], None],
         handoff: MemoryHandoff,
         scorer: RolloutScorer,
-        data: PromptData,
-        eos_ids: tuple[int, ...],
         dumper: Optional[RolloutDumper] = None,
-        tokenizer: Optional[Any] = None,
-        is_main: bool = False,
     ) -> None:
-        self.cfg, self.engine, self.handoff, self.scorer, self.data = cfg, engine, handoff, scorer, data
+        self.engine, self.handoff, self.scorer, self.data = engine, handoff, scorer, run.data
+        self.n, self.batch_size, self.algorithm = rollout.n, data_cfg.train_batch_size, algorithm
+        self.partial = run.plan.partial  # None: every response generated whole
         self.sync_weights = sync_weights
-        self.train_sampling = SamplingSpec.for_training(cfg, eos_ids)
-        self.val_sampling = SamplingSpec.for_validation(cfg, eos_ids)
-        partial = partial_plan(cfg)
-        self.generator = build_generator(cfg, engine, tokenizer)
+        budget, eos = data_cfg.max_response_length, run.ids.eos
+        self.train_sampling = SamplingSpec.for_training(rollout, budget, eos)
+        self.val_sampling = SamplingSpec.for_validation(rollout, budget, eos)
+        self.generator = build_generator(rollout.multi_turn, budget, engine, run.tokenizer)
+        conversations = self.generator if isinstance(self.generator, MultiTurnRollout) else None
         self.source = (
-            WholeGroups(self.generator, data, self.train_sampling, scorer)
-            if partial is None
-            else PartialGroups(
-                engine,
-                data,
-                self.train_sampling,
-                partial,
-                cfg.data.max_response_length,
-                cfg.rollout.n,
-                self.generator if isinstance(self.generator, MultiTurnRollout) else None,
-            )
+            WholeGroups(self.generator, run.data, self.train_sampling, scorer)
+            if self.partial is None
+            else PartialGroups(engine, run.data, self.train_sampling, self.partial, budget, rollout.n, conversations)
         )
-        self.dumper, self.tokenizer, self.is_main = dumper, tokenizer, is_main
+        self.dumper, self.tokenizer, self.is_main = dumper, run.tokenizer, run.info.is_main
         self.engine_weights: Optional[int] = None  # the step whose weights the awake engine holds
 
     def prepare_engine(self, weights_step: int, timings: Optional[dict] = None) -> None:
@@ -88,7 +84,7 @@ class RolloutPhase:
 
     def _score(self, got: Round) -> tuple[TrainBatch, dict]:
         tokenizer = self.tokenizer if self.dumper is not None else None
-        return score_to_batch(self.scorer, self.cfg, got.rollout, got.items, tokenizer, got.scoring)
+        return score_to_batch(self.scorer, self.algorithm, got.rollout, got.items, tokenizer, got.scoring)
 
     def checkpoint_states(self) -> dict[str, Any]:
         """The rollout's checkpoint components: the data position and partial rollout's buffer of unfinished
@@ -113,7 +109,7 @@ class RolloutPhase:
         self.generator.close()
 
     def collect(self, step: int, weights_step: int, timings: dict) -> Optional[tuple[TrainBatch, dict]]:
-        """Generate and score rounds of groups (``rollout_sources``), keeping informative groups, until the training
+        """Generate and score rounds of groups (``group_sources``), keeping informative groups, until the training
         batch is full. ``weights_step`` is the policy version the engine generates with.
 
         When dynamic sampling is exhausted (``max_num_gen_batches`` generation batches, or one pass over the
@@ -121,14 +117,13 @@ class RolloutPhase:
         dropped (all-equal, zero-advantage) groups whose loss mask is zero (``train/partial_batch`` is 1); ``stop``
         returns None; ``error`` raises.
         """
-        cfg, data = self.cfg, self.data
-        fg = cfg.algorithm.filter_groups
-        acc = DynamicSamplingAccumulator(cfg.data.train_batch_size, cfg.rollout.n, enable=fg.enable)
+        data, fg = self.data, self.algorithm.filter_groups
+        acc = DynamicSamplingAccumulator(self.batch_size, self.n, enable=fg.enable)
         budget = fg.max_num_gen_batches or -(-len(data.train) // data.sampler.batch_size)
         reward_metrics = []
         self.prepare_engine(weights_step, timings)
         while not acc.is_full() and not acc.is_exhausted(budget):
-            need = cfg.data.train_batch_size - acc.num_prompts_kept
+            need = self.batch_size - acc.num_prompts_kept
             with timed("gen", timings):
                 got = self.source.round(step, weights_step, need, acc.num_gen_batches)
             if got is None:  # a partial-rollout round in which no group ended
@@ -137,10 +132,11 @@ class RolloutPhase:
             rollout, items, ids = got.rollout, got.items, got.ids
             with timed("reward", timings):  # with reward.overlap_generation, what was left when generation ended
                 gen_batch, rmetrics = self._score(got)
-            if ADV_ESTIMATORS.needs(cfg.algorithm.adv_estimator).greedy_baseline:  # ReMax (verl: gen_max)
+            if ADV_ESTIMATORS.needs(self.algorithm.adv_estimator).greedy_baseline:  # ReMax (verl: gen_max)
                 with timed("gen_max", timings):
+                    seed = step * 1000 + 999
                     gen_batch.reward_baselines = greedy_baselines(
-                        self.generator, self.scorer, cfg, rollout, items, self.train_sampling, step * 1000 + 999
+                        self.generator, self.scorer, self.algorithm, rollout, items, self.train_sampling, seed
                     )
             reward_metrics.append(rmetrics)
             reward_metrics.append(
@@ -163,7 +159,7 @@ class RolloutPhase:
         elif acc.num_prompts_generated == 0:
             raise RuntimeError(
                 f"step {step}: no response ended within {acc.num_gen_batches} generation rounds; with "
-                f"rollout.partial_rollout a segment of {partial_plan(cfg).segment_length} tokens is too short for any "
+                f"rollout.partial_rollout a segment of {self.partial.segment_length} tokens is too short for any "
                 "response to end in one step: raise rollout.partial_rollout.segment_length, lower max_segments, or "
                 "raise algorithm.filter_groups.max_num_gen_batches"
             )
@@ -191,7 +187,7 @@ class RolloutPhase:
                 step,
                 int(metrics["train/num_gen_batches"]),
                 int(metrics["train/num_prompts_kept"]),
-                self.cfg.data.train_batch_size,
+                self.batch_size,
                 "" if bool(batch.loss_mask.any()) else ": none, so the update is skipped",
             )
         return batch, group_ids
@@ -200,11 +196,11 @@ class RolloutPhase:
         """Generate with the validation sampling parameters on the whole validation set; accuracy per data source.
         The engine is left awake with the current weights for the next rollout."""
         self.prepare_engine(weights_step, timings)
-        return validation_metrics(self.generator, self.scorer, self.cfg, self.data.val, self.val_sampling)
+        return validation_metrics(self.generator, self.scorer, self.algorithm, self.data.val, self.val_sampling)
 
 
 def validation_metrics(
-    generator: Any, scorer: RolloutScorer, cfg: ExperimentConfig, val: Any, sampling: SamplingSpec
+    generator: Any, scorer: RolloutScorer, algorithm: AlgorithmConfig, val: Any, sampling: SamplingSpec
 ) -> dict[str, float]:
     """The whole validation set generated (``generator``: ``rollout/multi_turn.py``'s ``SingleTurn`` or
     ``MultiTurnRollout``) with the validation sampling and scored: accuracy per data source, and the tools' use
@@ -212,7 +208,7 @@ def validation_metrics(
     items = [val[i] for i in range(len(val))]
     generator.metrics()  # the training rounds' counts are reported with their step, not here
     rollout = generator.generate(items, sampling, seed_offset=0)
-    batch, _ = score_to_batch(scorer, cfg, rollout, items)
+    batch, _ = score_to_batch(scorer, algorithm, rollout, items)
     metrics = compute_val_metrics(batch.data_source, batch.acc.tolist(), sampling.n)
     metrics.update({f"val-aux/{k}": v for k, v in generator.metrics().items()})
     return metrics

@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from megatron_dapo.checkpointing.checkpoint import CheckpointManager, resolve_resume
-from megatron_dapo.config import ExperimentConfig, to_dict
+from megatron_dapo.config import CheckpointConfig, TrainerConfig
+from megatron_dapo.config.schema import LoRAConfig
 from megatron_dapo.handoff.offload import MemoryHandoff
 from megatron_dapo.parallel import world_size as dist_world_size
 from megatron_dapo.platform import Platform
@@ -99,14 +100,19 @@ class StepCheckpoints:
     def __init__(
         self,
         ckpt: CheckpointManager,
-        cfg: ExperimentConfig,
+        checkpoint: CheckpointConfig,
+        trainer: TrainerConfig,
+        run_config: dict,
         platform: Platform,
         handoff: MemoryHandoff,
         engine_released: Callable[[], None],
         is_main: bool,
         background: bool = False,
     ) -> None:
-        self.ckpt, self.cfg, self.platform, self.handoff = ckpt, cfg, platform, handoff
+        self.ckpt, self.platform, self.handoff = ckpt, platform, handoff
+        self.resume_mode, self.save_optimizer = checkpoint.resume_mode, checkpoint.save_optimizer
+        self.mode, self.timeout_s = trainer.mode, trainer.collective_timeout_s
+        self.run_config = run_config  # the whole config as a dict, saved with each checkpoint (config.yaml)
         self.engine_released, self.is_main, self.background = engine_released, is_main, background
         self.saved_step: Optional[int] = None
         self.saving = False
@@ -132,8 +138,8 @@ class StepCheckpoints:
             model_chunks=actor.chunks,
             optimizer=actor.optimizer,
             scheduler=scheduler,
-            config=to_dict(self.cfg),
-            save_optimizer=self.cfg.checkpoint.save_optimizer,
+            config=self.run_config,
+            save_optimizer=self.save_optimizer,
             blocking=not self.background,
         )
         self.handoff.after_save()
@@ -150,7 +156,7 @@ class StepCheckpoints:
     def resume(self, actor: Any, scheduler: Any) -> Optional[int]:
         """Load the checkpoint ``checkpoint.resume_mode`` names (None: none); returns its step."""
         self.finish_saves()  # ``latest`` names a published step only
-        step_dir = resolve_resume(self.cfg.checkpoint.resume_mode, self.ckpt.save_dir)
+        step_dir = resolve_resume(self.resume_mode, self.ckpt.save_dir)
         if step_dir is None:
             return None
         self.handoff.restore_actor()  # the engine sleeps since start-up: the optimizer state can come back
@@ -165,13 +171,13 @@ class StepCheckpoints:
     def save_after_failure(self, exc: BaseException, step: int, update_in_progress: bool, save: Callable) -> None:
         """Keep the last completed ``step`` when the loop fails, if that is safe and not done already."""
         why_not = why_not_save_after(exc, step, self.saved_step, update_in_progress, self.saving)
-        if why_not is None and self.cfg.trainer.mode == "async":
+        if why_not is None and self.mode == "async":
             # The groups of the failed step have left the queue and are in no snapshot: resume from the last periodic
             # checkpoint instead (docs/async.md).
             why_not = "asynchronous mode resumes from its last periodic checkpoint (checkpoint.save_freq)"
         # A background save made before the failure is complete state: published if every rank can take part.
         pending = self.ckpt.pending_step is not None and not self.saving and not isinstance(exc, KeyboardInterrupt)
-        world, timeout_s = dist_world_size(), min(60.0, self.cfg.trainer.collective_timeout_s)
+        world, timeout_s = dist_world_size(), min(60.0, self.timeout_s)
         if (why_not is None or pending) and not all_ranks_in_handler(world, timeout_s):
             why_not, pending = "not every rank reached the failure handler (the others are blocked or gone)", False
         if why_not is not None:
@@ -210,9 +216,9 @@ class LoraBase:
 
     KEYS = ("rank", "alpha", "target_modules", "dropout", "dropout_position")
 
-    def __init__(self, cfg: ExperimentConfig) -> None:
-        self.base = os.path.abspath(cfg.checkpoint.load_dir)
-        self.lora = {k: getattr(cfg.actor.lora, k) for k in self.KEYS}
+    def __init__(self, load_dir: str, lora: LoRAConfig) -> None:
+        self.base = os.path.abspath(load_dir)  # checkpoint.load_dir
+        self.lora = {k: getattr(lora, k) for k in self.KEYS}
         self.lora["target_modules"] = list(self.lora["target_modules"])
 
     def state_dict(self) -> dict[str, Any]:

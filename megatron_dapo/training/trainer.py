@@ -26,95 +26,65 @@ from megatron_dapo.algo.kl import get_kl_controller
 from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.checkpointing.checkpoint import CheckpointManager
-from megatron_dapo.config import ActorConfig, ConfigError, ExperimentConfig, to_dict, validate_config
-from megatron_dapo.config.plan import resolve
-from megatron_dapo.data.tokens import load_tokenizer, token_ids
+from megatron_dapo.config import ActorConfig, ConfigError, ExperimentConfig, TrainerConfig, to_dict
 from megatron_dapo.handoff.offload import MemoryHandoff
 from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
-from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.models.lora import apply_lora
-from megatron_dapo.parallel import any_rank, init_distributed, init_model_parallel, placement, role_of, teardown
+from megatron_dapo.parallel import any_rank, init_model_parallel, placement, role_of, teardown
 from megatron_dapo.reporting.console import ProgressBar, setup_logging
 from megatron_dapo.reporting.loggers import MetricsLogger, RolloutDumper
 from megatron_dapo.reporting.metrics import reduce_metrics, step_metrics
 from megatron_dapo.reporting.timing import StartupClock, timed
 from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.rollout.engine import RolloutEngine, freeze_heap_before_engine
-from megatron_dapo.rollout.lora_sync import make_weight_sync
 from megatron_dapo.rollout.protocol import ColocatedEngine, EngineFactory
 from megatron_dapo.rollout.remote import BridgeSender
+from megatron_dapo.rollout.weight_transfer.factory import build_weight_sync
 from megatron_dapo.training.advantage_stage import batch_advantages
 from megatron_dapo.training.async_phase import RemoteRolloutPhase
 from megatron_dapo.training.failure import PeerFailure, StopRequest, record_failure
 from megatron_dapo.training.logprob_stage import batch_log_probs, build_reference
 from megatron_dapo.training.reward_stage import RolloutScorer
 from megatron_dapo.training.rollout_phase import RolloutPhase
-from megatron_dapo.training.rollout_sources import prompt_data, total_steps
+from megatron_dapo.training.rollout_source import RolloutSource
 from megatron_dapo.training.rollout_worker import RolloutWorker
 from megatron_dapo.training.run_state import LoraBase, RunCounters, StepCheckpoints, stop_after_skips
-from megatron_dapo.weights.dist_format import hf_config_dir_of
+from megatron_dapo.training.startup import RunStart, start_run
 from megatron_dapo.weights.loading import load_mcore_checkpoint
 
 log = logging.getLogger("megatron_dapo.trainer")
 
 
 class DAPOTrainer:
+    rollout: RolloutSource  # the colocated rollout phase, or the async rollout ranks' remote end
+
     def __init__(self, cfg: ExperimentConfig, engine_factory: EngineFactory = RolloutEngine) -> None:
         self.startup = StartupClock()  # timing_s/startup/*, logged with the first step
         self.cfg = cfg
-        validate_config(cfg)
-        timeout_s = cfg.trainer.collective_timeout_s
-        rollout_ranks = cfg.placement.rollout_ranks if cfg.trainer.mode == "async" else 0
-        self.info, self.platform = init_distributed(cfg.parallel, timeout_s=timeout_s, rollout_ranks=rollout_ranks)
-        hf_dir = cfg.model.hf_config_dir or str(hf_config_dir_of(cfg.checkpoint.load_dir))
-        self.arch = model_arch_from_hf(hf_dir)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_dir, hf_dir)
-        self.ids = token_ids(self.tokenizer)
-        self.data = prompt_data(cfg, self.tokenizer)
-        self.total_steps = total_steps(cfg, self.data.sampler)
-
-        # Every check that needs the model, the world size or the step count, before any model or engine exists;
-        # what the run derives is resolved here once, and every component reads it from the plan.
-        job_world = placement().world_size if placement() else self.info.world_size
-        self.plan = resolve(cfg, self.arch, job_world, self.platform, total_steps=self.total_steps)
-        if self.info.is_main:
-            for note in self.plan.notes:
-                log.info("%s", note)
-        init_model_parallel(cfg.parallel, seed=cfg.trainer.seed, timeout_s=timeout_s)
+        # The process groups, the platform, the tokenizer, the data and the resolved run (training/startup.py): every
+        # check that needs the model, the world size or the step count, before any model or engine exists.
+        run = start_run(cfg)
+        self.info, self.platform, self.arch, self.data, self.plan = run.info, run.platform, run.arch, run.data, run.plan
+        self.total_steps = run.total_steps
+        init_model_parallel(cfg.parallel, seed=cfg.trainer.seed, timeout_s=cfg.trainer.collective_timeout_s)
 
         # Start-up order (verl's): the actor, then the engine with the training state off the device (vLLM checks
         # at construction that gpu_memory_utilization x the device is free), then the reference.
-        self.progress, self.logger, self.dumper = _outputs(cfg, self.info.is_main, self.total_steps)
+        outputs = _outputs(cfg.trainer, to_dict(cfg), self.info.is_main, self.total_steps)
+        self.progress, self.logger, self.dumper = outputs
         self.startup.mark("init")  # process groups, tokenizer, data, plan
         self._build_actor()
         self.startup.mark("actor")
-        self.engine, self.rollout = self._build_rollout(hf_dir, engine_factory)
+        self.engine, self.rollout = self._build_rollout(run, engine_factory)
         self.startup.mark("engine")
         # The frozen reference, when a KL term needs it, built once the engine sleeps (LoRA: the adapter-free actor).
-        self.ref = build_reference(cfg, self.plan, self.arch, self.actor, self.handoff)
+        sections = (cfg.model, cfg.parallel, cfg.actor, cfg.checkpoint)
+        self.ref = build_reference(*sections, self.plan, self.arch, self.actor, self.handoff)
         self.startup.mark("reference")
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.counters = RunCounters()
-        # What a checkpoint holds besides the actor, its optimizer and lr schedule (and every rank's RNG): the state
-        # of each component that has one, saved and restored by the manager.
-        self.ckpt = CheckpointManager(
-            cfg.checkpoint.save_dir or str(Path(cfg.trainer.output_dir) / "checkpoints"),
-            cfg.checkpoint.max_ckpt_to_keep,
-            timeout_s=cfg.trainer.collective_timeout_s,
-            states={"trainer": self.counters, "kl_ctrl": self.kl_ctrl, **self.rollout.checkpoint_states()},
-        )
-        if cfg.actor.lora.rank:
-            self.ckpt.register("lora", LoraBase(cfg))  # the adapters' base, checked on resume
-        self.checkpoints = StepCheckpoints(
-            self.ckpt,
-            cfg,
-            self.platform,
-            self.handoff,
-            self.rollout.engine_released,
-            self.info.is_main,
-            background=cfg.checkpoint.async_save,
-        )
+        self.checkpoints = self._build_checkpoints()
         # ``global_step`` is the last *completed* step: its update is applied (what a checkpoint of it holds).
         self.global_step = 0
         self._last_val_step: Optional[int] = None
@@ -125,50 +95,57 @@ class DAPOTrainer:
         """The actor (trainable, with its optimizer) and the memory hand-off between it and the engine (what is
         offloaded while vLLM generates; nothing on CPU)."""
         cfg, plan = self.cfg, self.plan
-        actor_chunks = build_gpt_chunks(self.arch, cfg, plan.transformer_impl)
+        actor_chunks = build_gpt_chunks(self.arch, cfg.model, cfg.parallel, cfg.actor, plan.transformer_impl)
         load_mcore_checkpoint(actor_chunks, self.arch, cfg.checkpoint.load_dir)
         if cfg.actor.lora.rank:
             # The base frozen, adapters the only trainable parameters: DDP buckets and the optimizer hold them alone.
             apply_lora(actor_chunks, cfg.actor.lora)
-        actor_chunks = wrap_for_training(actor_chunks, cfg)
+        actor_chunks = wrap_for_training(actor_chunks, cfg.parallel)
         optimizer, self.scheduler = build_optimizer(actor_chunks, cfg.actor.optim, self.total_steps)
         self.actor = MegatronActor.for_plan(actor_chunks, self.arch.vocab_size, cfg.actor, plan, optimizer)
         self.handoff = MemoryHandoff(self.platform, plan.handoff, self.actor.chunks, self.actor.optimizer)
 
-    def _build_rollout(self, hf_dir: str, new_engine: EngineFactory) -> tuple[Optional[ColocatedEngine], Any]:
+    def _build_rollout(
+        self, run: RunStart, new_engine: EngineFactory
+    ) -> tuple[Optional[ColocatedEngine], RolloutSource]:
         """The colocated engine (weights from the first sync) and the rollout phase that keeps it in step with the
         actor; in async mode the engines are on the rollout ranks and the phase is their remote end."""
-        cfg = self.cfg
-        if self.plan.mode == "async":
+        cfg, plan, is_main = self.cfg, self.plan, run.info.is_main
+        if plan.mode == "async":
             place = placement()
-            # LoRA: the bridge has no adapter path; the weights go merged (rollout/lora_sync.py, "merge").
-            pushes = make_weight_sync(BridgeSender(place.bridge, self.plan.rollout, self.platform), self.arch, cfg)
-            return None, RemoteRolloutPhase(
-                cfg, self.plan, place, lambda: pushes.sync(self.actor.chunks), self.dumper, self.info.is_main
-            )
+            # LoRA: the bridge has no adapter path; the weights go merged (rollout/weight_transfer/factory.py, "merge").
+            bridge = BridgeSender(place.bridge, plan.rollout, self.platform)
+            pushes = build_weight_sync(bridge, self.arch, plan, cfg.rollout, cfg.actor.lora)
+            push = lambda: pushes.sync(self.actor.chunks)  # noqa: E731 - the one call back into the actor
+            return None, RemoteRolloutPhase(cfg.trainer, cfg.data, plan, place, push, self.dumper, is_main)
         self.handoff.before_engine_start()  # collects what it released (accelerators) before the heap is frozen
         freeze_heap_before_engine()
-        engine = new_engine(
-            cfg, hf_dir, self.platform, pad_token_id=self.ids.pad, eos_token_ids=self.ids.eos, plan=self.plan
-        )
+        ids = run.ids
+        engine = new_engine(cfg, run.hf_dir, self.platform, pad_token_id=ids.pad, eos_token_ids=ids.eos, plan=plan)
         self.handoff.after_engine_start(engine)
         # With LoRA the base goes to vLLM once and then the adapters alone, into vLLM's LoRA support.
-        weight_sync = make_weight_sync(engine, self.arch, cfg)
-        reward = RewardManager(self.tokenizer, cfg.reward, cfg.data.max_response_length, list(self.ids.eos))
-        overlap = (engine.tp_rank, engine.tp_size) if self.plan.reward_overlap else None  # scored while generated
-        phase = RolloutPhase(
-            cfg,
-            engine,
-            lambda: weight_sync.sync(self.actor.chunks),
-            self.handoff,
-            RolloutScorer(reward, self.info.world_size, self.info.rank, overlap),
-            self.data,
-            self.ids.eos,
-            dumper=self.dumper,
-            tokenizer=self.tokenizer,
-            is_main=self.info.is_main,
-        )
+        weight_sync = build_weight_sync(engine, self.arch, plan, cfg.rollout, cfg.actor.lora)
+        reward = RewardManager(run.tokenizer, cfg.reward, cfg.data.max_response_length, list(ids.eos))
+        overlap = (engine.tp_rank, engine.tp_size) if plan.reward_overlap else None  # scored while generated
+        scorer = RolloutScorer(reward, run.info.world_size, run.info.rank, overlap)
+        sync = lambda: weight_sync.sync(self.actor.chunks)  # noqa: E731 - the one call back into the actor
+        phase = RolloutPhase(cfg.rollout, cfg.data, cfg.algorithm, run, engine, sync, self.handoff, scorer, self.dumper)
         return engine, phase
+
+    def _build_checkpoints(self) -> StepCheckpoints:
+        """The checkpoints and what they hold besides the actor, its optimizer and lr schedule (and every rank's RNG):
+        the state of each component that has one, saved and restored by the manager."""
+        cfg = self.cfg
+        self.ckpt = CheckpointManager(
+            cfg.checkpoint.save_dir or str(Path(cfg.trainer.output_dir) / "checkpoints"),
+            cfg.checkpoint.max_ckpt_to_keep,
+            timeout_s=cfg.trainer.collective_timeout_s,
+            states={"trainer": self.counters, "kl_ctrl": self.kl_ctrl, **self.rollout.checkpoint_states()},
+        )
+        if cfg.actor.lora.rank:
+            self.ckpt.register("lora", LoraBase(cfg.checkpoint.load_dir, cfg.actor.lora))  # checked on resume
+        parts = (self.platform, self.handoff, self.rollout.engine_released, self.info.is_main)
+        return StepCheckpoints(self.ckpt, cfg.checkpoint, cfg.trainer, to_dict(cfg), *parts, cfg.checkpoint.async_save)
 
     # ================================================================================================ the loop
 
@@ -377,23 +354,23 @@ def _nothing_to_do(step: int, total_steps: int, is_main: bool) -> None:
         )
 
 
-def _outputs(cfg: ExperimentConfig, is_main: bool, total_steps: int) -> tuple:
-    """The progress bar, the metrics loggers and the rollout dump (rank 0 logs)."""
-    out = Path(cfg.trainer.output_dir)
-    progress = ProgressBar(total_steps, 0, enabled=is_main and cfg.trainer.progress_bar)
+def _outputs(t: TrainerConfig, run_config: dict, is_main: bool, total_steps: int) -> tuple:
+    """The progress bar, the metrics loggers (``run_config``: the whole config, for the loggers that record it) and
+    the rollout dump (rank 0 logs)."""
+    progress = ProgressBar(total_steps, 0, enabled=is_main and t.progress_bar)
     logger = MetricsLogger(
-        cfg.trainer.logger,
-        str(out),
-        cfg.trainer.project_name,
-        cfg.trainer.experiment_name,
-        to_dict(cfg),
+        t.logger,
+        str(Path(t.output_dir)),
+        t.project_name,
+        t.experiment_name,
+        run_config,
         enabled=is_main,
-        console_every=cfg.trainer.console_every,
+        console_every=t.console_every,
         total_steps=total_steps,
-        verbose=cfg.trainer.verbose,
+        verbose=t.verbose,
         progress=progress,
     )
-    dumper = RolloutDumper(cfg.trainer.rollout_data_dir) if cfg.trainer.rollout_data_dir and is_main else None
+    dumper = RolloutDumper(t.rollout_data_dir) if t.rollout_data_dir and is_main else None
     return progress, logger, dumper
 
 

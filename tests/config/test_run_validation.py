@@ -244,8 +244,9 @@ def test_rollout_expert_parallel_against_rollout_tp_and_model():
     from megatron_dapo.rollout.engine import vllm_llm_kwargs
 
     cpu = make_platform("cpu")
-    assert vllm_llm_kwargs(cfg, "m", plan.rollout, cpu)["enable_expert_parallel"] is True
-    assert "enable_expert_parallel" not in vllm_llm_kwargs(moe, "m", dataclasses.replace(plan.rollout, ep_size=1), cpu)
+    assert vllm_llm_kwargs(cfg.rollout, cfg.actor, "sync", "m", plan.rollout, cpu)["enable_expert_parallel"] is True
+    dense_plan = dataclasses.replace(plan.rollout, ep_size=1)
+    assert "enable_expert_parallel" not in vllm_llm_kwargs(moe.rollout, moe.actor, "sync", "m", dense_plan, cpu)
 
 
 def test_sequence_budget_against_max_position_embeddings():

@@ -129,7 +129,7 @@ def build(cfg, arch, platform):
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
 
     platform.seed(1)
-    chunks = wrap_for_training(build_gpt_chunks(arch, cfg), cfg)
+    chunks = wrap_for_training(build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor), cfg.parallel)
     optimizer, _ = build_optimizer(chunks, cfg.actor.optim, total_steps=100)
     return MegatronActor(chunks, arch.vocab_size, cfg.actor, optimizer)
 
@@ -242,7 +242,8 @@ def handoff_sequence(res, check, ctx) -> None:
     call("engine.wake_up", engine.wake_up)
     boundary("engine_start")
     call("after_engine_start", handoff.after_engine_start, engine)
-    ref = freeze(build_gpt_chunks(ctx["arch"], cfg))  # after the engine, as the trainer builds it
+    # after the engine, as the trainer builds it
+    ref = freeze(build_gpt_chunks(ctx["arch"], cfg.model, cfg.parallel, cfg.actor))
     call("attach_reference", handoff.attach_reference, ref)
     boundary("reference_built")
     call("before_rollout", handoff.before_rollout, engine, lambda: boundary("weight_sync"))

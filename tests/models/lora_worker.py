@@ -291,7 +291,7 @@ def run_layout(cfg, dp_size: int, dp_rank: int) -> dict[str, Any]:
     tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     padded = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
     hf_params = dict(hf.named_parameters())
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     load_full_tensors(chunks, arch, lambda m: hf_to_mcore(m, [hf_params[n].detach() for n in m.hf], arch, padded))
     mbs = make_micro_batches(dp_rank)
     base_logits, _ = run_model(chunks, mbs, True)
@@ -300,7 +300,7 @@ def run_layout(cfg, dp_size: int, dp_rank: int) -> dict[str, Any]:
     untrained_logits, _ = run_model(chunks, mbs, True)
     full = full_adapters(arch)
     names = set_adapters(chunks, lambda name, _adapter: full[name], tp, r)
-    model = wrap_for_training(chunks, cfg)
+    model = wrap_for_training(chunks, cfg.parallel)
     for chunk in model:
         chunk.zero_grad_buffer()
     lora_logits, losses = run_model(model, mbs, False)
@@ -350,7 +350,7 @@ def run_moe_layout(cfg) -> dict[str, Any]:
     tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     padded = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
     weights = unfuse_hf_experts({n: p.detach() for n, p in hf.named_parameters()})
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     load_full_tensors(chunks, arch, lambda m: hf_to_mcore(m, [weights[n] for n in m.hf], arch, padded))
     mbs = make_micro_batches(ps.get_data_parallel_rank())
     base_logits, _ = run_model(chunks, mbs, True)
@@ -360,7 +360,7 @@ def run_moe_layout(cfg) -> dict[str, Any]:
         return {"refused": str(exc)}
     untrained_logits, _ = run_model(chunks, mbs, True)
     names = set_adapters(chunks, random_full, tp, r)
-    model = wrap_for_training(chunks, cfg)
+    model = wrap_for_training(chunks, cfg.parallel)
     for chunk in model:
         chunk.zero_grad_buffer()
     lora_logits, _ = run_model(model, mbs, False)

@@ -176,9 +176,9 @@ def run_family(family: str, cfg, dp_size: int, dp_rank: int) -> dict[str, Any]:
     hf_grads = {name: p.grad.detach().clone() for name, p in hf_params.items()}
 
     # ---- Megatron: build, load through the layout module, DDP-wrap.
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     load_full_tensors(chunks, arch, lambda m: hf_to_mcore(m, [hf_params[n].detach() for n in m.hf], arch, padded))
-    model = wrap_for_training(chunks, cfg)
+    model = wrap_for_training(chunks, cfg.parallel)
     for chunk in model:
         chunk.zero_grad_buffer()
 

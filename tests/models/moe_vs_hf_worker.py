@@ -95,9 +95,9 @@ def run_layout(cfg, family: str) -> dict[str, Any]:
     hf_grads = unfuse_hf_experts({n: p.grad.detach() for n, p in hf64.named_parameters()})
 
     # ---- Megatron
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     load_full_tensors(chunks, arch, lambda m: hf_to_mcore(m, [weights[n] for n in m.hf], arch, padded))
-    model = wrap_for_training(chunks, cfg)
+    model = wrap_for_training(chunks, cfg.parallel)
     for chunk in model:
         chunk.zero_grad_buffer()
     mbs = make_micro_batches(dp_rank)

@@ -159,7 +159,7 @@ def run_family(family: str) -> dict[str, Any]:
     for backend in ("sdpa", "local"):
         cfg = load_config(None, [*BASE, f"model.attention_backend={backend}"])
         padded = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, 1)
-        chunks = build_gpt_chunks(arch, cfg)
+        chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
         load_full_tensors(chunks, arch, lambda m, v=padded: hf_to_mcore(m, [weights[n] for n in m.hf], arch, v))
         models[backend] = chunks[0]
         layers = chunks[0].decoder.layers

@@ -97,13 +97,14 @@ def test_mindspeed_features_follow_the_config():
         ],
     )
     cfg.parallel.context_parallel_size = 2  # past the config check (which refuses CP until the actor splits sequences)
-    f = mindspeed_features(cfg)
+    f = mindspeed_features(cfg.parallel, cfg.actor)
     for key in ("use_flash_attn", "use_fused_rmsnorm", "use_fused_swiglu", "use_fused_rotary_pos_emb"):
         assert f[key] is True
     assert (f["tensor_model_parallel_size"], f["sequence_parallel"], f["context_parallel_size"]) == (4, True, 2)
     assert f["context_parallel_algo"] == "megatron_cp_algo"
     assert (f["recompute_granularity"], f["recompute_method"], f["recompute_num_layers"]) == ("full", "uniform", 3)
-    plain = mindspeed_features(load_config(None, []))
+    plain_cfg = load_config(None, [])
+    plain = mindspeed_features(plain_cfg.parallel, plain_cfg.actor)
     assert "context_parallel_algo" not in plain and "recompute_granularity" not in plain
 
 

@@ -171,7 +171,7 @@ def main() -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     arch = model_arch_from_hf(args.hf_dir)
-    model = wrap_for_training(build_gpt_chunks(arch, cfg), cfg)
+    model = wrap_for_training(build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor), cfg.parallel)
     model[0].config.finalize_model_grads_func = finalize_model_grads
     hf = load_file(os.path.join(args.hf_dir, "model.safetensors"))
     pv = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, args.tp)

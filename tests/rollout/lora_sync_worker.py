@@ -135,7 +135,7 @@ def main() -> None:
     init_model_parallel(cfg.parallel, seed=1)
 
     arch = model_arch_from_hf(args.hf_dir)
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     hf = load_file(os.path.join(args.hf_dir, "model.safetensors"))
     pv = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, args.tp)
     load_full_tensors(chunks, arch, lambda m: hf_to_mcore(m, [hf[n] for n in m.hf], arch, pv))

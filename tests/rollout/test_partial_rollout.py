@@ -1,4 +1,4 @@
-"""Partial rollout's bookkeeping (``rollout/partial.py``, ``training/rollout_sources.PartialGroups``), pure.
+"""Partial rollout's bookkeeping (``rollout/partial.py``, ``training/group_sources.PartialGroups``), pure.
 
 The engine here is a scripted stand-in with the engine's request-level API (``generate_segments``), so segment
 sizes, stop and budget handling, versions, hand-over order and the checkpoint round trip are checked on exact,
@@ -18,7 +18,7 @@ from megatron_dapo.config.plan import PartialPlan
 from megatron_dapo.data import PromptSampler
 from megatron_dapo.rollout.partial import PartialRollout, groups_to_rollout
 from megatron_dapo.rollout.types import SamplingSpec, Segment
-from megatron_dapo.training.rollout_sources import PartialGroups, PromptData
+from megatron_dapo.training.group_sources import PartialGroups, PromptData
 
 STOP = 1
 SPEC = SamplingSpec(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=10, stop_token_ids=(STOP,))

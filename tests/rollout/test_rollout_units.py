@@ -75,7 +75,7 @@ def test_sampling_specs_from_config():
             "rollout.val_kwargs.n=2",
         ],
     )
-    train = SamplingSpec.for_training(cfg, [7, 8])
+    train = SamplingSpec.for_training(cfg.rollout, cfg.data.max_response_length, [7, 8])
     assert (train.n, train.temperature, train.top_p, train.top_k, train.max_tokens, train.stop_token_ids) == (
         4,
         0.9,
@@ -85,13 +85,13 @@ def test_sampling_specs_from_config():
         (7, 8),
     )
     assert not train.greedy
-    greedy = SamplingSpec.for_validation(cfg, [7])
+    greedy = SamplingSpec.for_validation(cfg.rollout, cfg.data.max_response_length, [7])
     assert greedy.greedy and (greedy.n, greedy.top_p, greedy.top_k, greedy.max_tokens) == (2, 1.0, -1, 33)
     cfg2 = load_config(
         None,
         ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0.6", "rollout.val_kwargs.top_p=0.7"],
     )
-    sampled = SamplingSpec.for_validation(cfg2)
+    sampled = SamplingSpec.for_validation(cfg2.rollout, cfg2.data.max_response_length)
     assert (sampled.temperature, sampled.top_p) == (0.6, 0.7) and not sampled.greedy
     for bad, match in [
         (dict(n=0), "n=0"),
@@ -202,7 +202,7 @@ def test_vllm_llm_kwargs_from_the_rollout_plan(tiny_checkpoints):
     )
     cpu = make_platform("cpu")
     plan = rollout_plan(cfg, 64, 2, cpu)
-    kwargs = vllm_llm_kwargs(cfg, ckpt, plan, cpu)
+    kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, cfg.trainer.mode, ckpt, plan, cpu)
     assert kwargs["model"] == ckpt and kwargs["load_format"] == "dummy" and kwargs["skip_tokenizer_init"]
     assert kwargs["distributed_executor_backend"] == "external_launcher"
     assert kwargs["tensor_parallel_size"] == plan.tp_size and kwargs["max_model_len"] == plan.max_model_len
@@ -211,6 +211,6 @@ def test_vllm_llm_kwargs_from_the_rollout_plan(tiny_checkpoints):
     assert kwargs["enable_chunked_prefill"] is False and kwargs["kv_cache_memory_bytes"] == 32 * 2**20
     assert kwargs["enable_sleep_mode"] is False and "gpu_memory_utilization" not in kwargs
     cuda = make_platform("cuda")
-    on_gpu = vllm_llm_kwargs(cfg, ckpt, rollout_plan(cfg, 64, 2, cuda), cuda)
+    on_gpu = vllm_llm_kwargs(cfg.rollout, cfg.actor, cfg.trainer.mode, ckpt, rollout_plan(cfg, 64, 2, cuda), cuda)
     assert on_gpu["gpu_memory_utilization"] == cfg.rollout.gpu_memory_utilization
     assert on_gpu["enable_chunked_prefill"] is True and "kv_cache_memory_bytes" not in on_gpu

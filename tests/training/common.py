@@ -36,7 +36,7 @@ def build_actor(params_dtype: str, dist_opt: bool, tp: int = 1, extra: tuple[str
     )
     init_distributed(cfg.parallel)
     init_model_parallel(cfg.parallel, seed=1)
-    return cfg, wrap_for_training(build_gpt_chunks(tiny_arch(), cfg), cfg)
+    return cfg, wrap_for_training(build_gpt_chunks(tiny_arch(), cfg.model, cfg.parallel, cfg.actor), cfg.parallel)
 
 
 def named_params(chunks: list) -> list[tuple[str, torch.nn.Parameter]]:

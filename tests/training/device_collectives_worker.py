@@ -140,7 +140,7 @@ def main() -> None:
     host_groups = [parallel._CONTROL_GROUP, ps.get_data_parallel_group_gloo(with_context_parallel=True)]
     hf = make_tiny_hf_model("qwen2", seed=0, **HF_KWARGS)
     arch = model_arch_from_hf(hf.config.to_dict())
-    chunks = wrap_for_training(build_gpt_chunks(arch, cfg), cfg)
+    chunks = wrap_for_training(build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor), cfg.parallel)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), chunks)
     actor = MegatronActor(chunks, arch.vocab_size, cfg.actor, optimizer=optimizer)
     batch = TrainBatch(**make_batch())

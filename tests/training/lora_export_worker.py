@@ -5,9 +5,10 @@ and ``moe`` (qwen2_moe: routed experts and a shared expert, TP 2 + SP, EP 2, exp
 For each, each rank: builds the chunks the trainer's way, loads the base (``<root>/<phase>/mcore``, the converter's
 output), ``apply_lora`` with every adapter weight drawn at random (non-zero A and B, seeded by name and rank),
 ``wrap_for_training``, ``build_optimizer``, one optimizer step on random gradients, then
-``CheckpointManager(<root>/<phase>/ckpt, states={"lora": LoraBase(cfg)}).save(1, ...)`` with the run's config, and
-the logits of a fixed input (``fixed_ids``, gathered over TP, true vocabulary) into ``<root>/<phase>/logits.pt``
-(rank 0). Imports stay inside functions: megatron-core's checkpoint writer spawns a helper that re-imports this file.
+``CheckpointManager(<root>/<phase>/ckpt, states={"lora": LoraBase(load_dir, lora)}).save(1, ...)`` with the run's
+config, and the logits of a fixed input (``fixed_ids``, gathered over TP, true vocabulary) into
+``<root>/<phase>/logits.pt`` (rank 0). Imports stay inside functions: megatron-core's checkpoint writer spawns a
+helper that re-imports this file.
 """
 
 from __future__ import annotations
@@ -124,14 +125,15 @@ def run_phase(root: Path, phase: str) -> None:
     init_distributed(cfg.parallel)
     init_model_parallel(cfg.parallel, seed=1)
     arch = model_arch_from_hf(root / phase / "hf")
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     load_mcore_checkpoint(chunks, arch, cfg.checkpoint.load_dir)
     apply_lora(chunks, cfg.actor.lora)
     randomise_adapters(chunks)
-    chunks = wrap_for_training(chunks, cfg)
+    chunks = wrap_for_training(chunks, cfg.parallel)
     optimizer, scheduler = build_optimizer(chunks, cfg.actor.optim, 10)
     optimizer_step(chunks, optimizer, scheduler)
-    manager = CheckpointManager(root / phase / "ckpt", states={"lora": LoraBase(cfg)})
+    lora_base = LoraBase(cfg.checkpoint.load_dir, cfg.actor.lora)
+    manager = CheckpointManager(root / phase / "ckpt", states={"lora": lora_base})
     manager.save(1, chunks, optimizer, scheduler, config=to_dict(cfg))
     out = logits(chunks, arch.vocab_size)
     if dist.get_rank() == 0:

@@ -79,9 +79,9 @@ def main() -> None:
     padded = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, args.tp)
     padded_tp1 = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, 1)
     weights = unfuse_hf_experts({n: p.detach() for n, p in hf.named_parameters()})
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     load_full_tensors(chunks, arch, lambda m: hf_to_mcore(m, [weights[n] for n in m.hf], arch, padded))
-    chunks = wrap_for_training(chunks, cfg)
+    chunks = wrap_for_training(chunks, cfg.parallel)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), chunks)
     actor = MegatronActor(chunks, arch.vocab_size, cfg.actor, optimizer=optimizer)
     meter = actor.moe

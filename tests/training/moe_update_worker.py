@@ -40,9 +40,9 @@ def main() -> None:
     dist.barrier()
     init_model_parallel(cfg.parallel, seed=1)
     arch = model_arch_from_hf(hf_dir)
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     load_mcore_checkpoint(chunks, arch, hf_dir)
-    chunks = wrap_for_training(chunks, cfg)
+    chunks = wrap_for_training(chunks, cfg.parallel)
     optimizer, _ = build_optimizer(chunks, cfg.actor.optim, total_steps=10)
     actor = MegatronActor(chunks, arch.vocab_size, cfg.actor, optimizer)
     before = [p.detach().clone() for p in chunks[0].parameters()]

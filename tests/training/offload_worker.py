@@ -179,7 +179,7 @@ def run_case(name: str, spec: dict, platform: CountingPlatform) -> dict:
         optimizer, _ = build_optimizer(chunks, OptimConfig(**OPTIM), total_steps=10)
         actors.append((chunks, optimizer))
     dp_rank = ps.get_data_parallel_rank()
-    ref_chunks = freeze(build_gpt_chunks(tiny_arch(), cfg))
+    ref_chunks = freeze(build_gpt_chunks(tiny_arch(), cfg.model, cfg.parallel, cfg.actor))
     (chunks, optimizer), (ctl_chunks, ctl_optimizer) = actors
     params, ctl_params = named_params(chunks), named_params(ctl_chunks)
     for c, o, p in ((chunks, optimizer, params), (ctl_chunks, ctl_optimizer, ctl_params)):

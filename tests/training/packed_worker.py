@@ -75,7 +75,7 @@ def main() -> None:
     hf = make_tiny_hf_model("qwen2", seed=0, **HF_KWARGS)
     arch = model_arch_from_hf(hf.config.to_dict())
     sd = hf.state_dict()
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     pv = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, 1)
     load_full_tensors(chunks, arch, lambda m: hf_to_mcore(m, [sd[n] for n in m.hf], arch, pv))
     for layer in unwrap(chunks[0]).decoder.layers:
@@ -83,7 +83,7 @@ def main() -> None:
         attention.core_attention = ReferenceThdAttention(
             attention.core_attention, arch.num_attention_heads, arch.num_query_groups
         )
-    chunks = wrap_for_training(chunks, cfg)
+    chunks = wrap_for_training(chunks, cfg.parallel)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), chunks)
     actor = MegatronActor(chunks, arch.vocab_size, cfg.actor, optimizer=optimizer)
     batch = TrainBatch(**make_batch())

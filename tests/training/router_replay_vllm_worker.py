@@ -93,9 +93,9 @@ def main() -> None:
         max_position_embeddings=64,
     )
     arch = model_arch_from_hf(str(hf_dir))
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     load_mcore_checkpoint(chunks, arch, str(hf_dir))
-    chunks = wrap_for_training(chunks, cfg)
+    chunks = wrap_for_training(chunks, cfg.parallel)
     optimizer, _ = build_optimizer(chunks, cfg.actor.optim, total_steps=10)
     actor = MegatronActor(chunks, arch.vocab_size, cfg.actor, optimizer)
 

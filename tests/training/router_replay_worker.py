@@ -255,9 +255,9 @@ def main() -> None:
     arch = model_arch_from_hf(hf.config.to_dict())
     padded = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
     weights = unfuse_hf_experts({n: p.detach() for n, p in hf.named_parameters()})
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     load_full_tensors(chunks, arch, lambda m: hf_to_mcore(m, [weights[n] for n in m.hf], arch, padded))
-    chunks = wrap_for_training(chunks, cfg)
+    chunks = wrap_for_training(chunks, cfg.parallel)
     optimizer, _ = build_optimizer(chunks, cfg.actor.optim, total_steps=10)
     actor = MegatronActor(chunks, arch.vocab_size, cfg.actor, optimizer)
     assert actor.router_replay is not None

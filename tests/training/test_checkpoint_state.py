@@ -132,7 +132,7 @@ def test_step_checkpoints_background_saves_are_finished(tmp_path) -> None:
     failure handler (even when it saves nothing new) publish a pending save first."""
     from types import SimpleNamespace
 
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config import load_config, to_dict
     from megatron_dapo.training.failure import NonFiniteUpdateError
     from megatron_dapo.training.run_state import StepCheckpoints
 
@@ -140,7 +140,10 @@ def test_step_checkpoints_background_saves_are_finished(tmp_path) -> None:
     handoff = SimpleNamespace(before_save=lambda engine: None, after_save=lambda: None)
     platform = SimpleNamespace(rng_state=lambda: {}, set_rng_state=lambda state: None)
     manager = _RecordingManager(tmp_path)
-    steps = StepCheckpoints(manager, cfg, platform, handoff, lambda: None, is_main=True, background=True)
+    run_config = to_dict(cfg)
+    steps = StepCheckpoints(
+        manager, cfg.checkpoint, cfg.trainer, run_config, platform, handoff, lambda: None, is_main=True, background=True
+    )
     actor = SimpleNamespace(chunks=[], optimizer=None)
     steps.save(3, actor, scheduler=None, engine=None)
     assert manager.calls == [("save", 3, False)] and steps.saved_step == 3 and not steps.saving

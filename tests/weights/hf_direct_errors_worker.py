@@ -39,7 +39,7 @@ def main() -> None:
     arch = model_arch_from_hf(hf_config)
     results: dict[str, dict] = {}
     for name, hf_dir in cases.items():
-        chunks = build_gpt_chunks(arch, cfg)
+        chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
         try:
             results[name] = {"kind": load_mcore_checkpoint(chunks, arch, hf_dir)["kind"]}
         except Exception as e:  # what a user would read: recorded, compared by the test

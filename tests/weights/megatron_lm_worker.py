@@ -53,7 +53,7 @@ def write(hf_dir: str, run_dir: Path) -> None:
     init_distributed(cfg.parallel)
     init_model_parallel(cfg.parallel, seed=1)
     arch = model_arch_from_hf(hf_dir)
-    (model,) = build_gpt_chunks(arch, cfg)
+    (model,) = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     load_hf_into_chunks([model], arch, hf_dir)
     args = argparse.Namespace(
         tensor_model_parallel_size=2,
@@ -94,14 +94,14 @@ def train(hf_dir: str, run_dir: Path, out: Path) -> None:
     cfg = _cfg(hf_dir, tp=1, pp=2, save_dir=str(out / "train"))
     init_model_parallel(cfg.parallel, seed=1)
     arch = model_arch_from_hf(hf_dir)
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     report = load_mcore_checkpoint(chunks, arch, run_dir)
-    direct = build_gpt_chunks(arch, cfg)
+    direct = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     load_mcore_checkpoint(direct, arch, hf_dir)
     differing = [
         n for (n, p), (_, q) in zip(chunks[0].named_parameters(), direct[0].named_parameters()) if not torch.equal(p, q)
     ]
-    chunks = wrap_for_training(chunks, cfg)
+    chunks = wrap_for_training(chunks, cfg.parallel)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.0), chunks)
     actor = MegatronActor(chunks, arch.vocab_size, cfg.actor, optimizer=optimizer)
     metrics = actor.update(TrainBatch(**make_batch()), TEMPERATURE).metrics
@@ -110,7 +110,7 @@ def train(hf_dir: str, run_dir: Path, out: Path) -> None:
         lp.mapping.mcore: lp.param.detach().clone() for lp in local_param_table([c.module for c in chunks], arch)
     }
     # The training step is itself a load_dir: a fresh model loaded from it holds the trained weights.
-    again = build_gpt_chunks(arch, cfg)
+    again = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     step_report = load_mcore_checkpoint(again, arch, step_dir)
     not_restored = [
         n

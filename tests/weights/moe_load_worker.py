@@ -56,7 +56,7 @@ def main() -> None:
         cfg = load_config(None, overrides)
         info, _ = init_distributed(cfg.parallel)
         init_model_parallel(cfg.parallel, seed=1)
-        chunks = build_gpt_chunks(arch, cfg)
+        chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
         load_mcore_checkpoint(chunks, arch, args.hf if from_hf else args.ckpt)
         mismatched, compared, experts = [], 0, set()
         with SafetensorsDir(args.hf) as hf:

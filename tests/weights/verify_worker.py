@@ -54,7 +54,7 @@ def main() -> int:
         else:
             args = verify.parse_args(case["argv"])
             res = verify.run_verify(args)
-            direct = build_gpt_chunks(res.arch, res.cfg)
+            direct = build_gpt_chunks(res.arch, res.cfg.model, res.cfg.parallel, res.cfg.actor)
             report = load_mcore_checkpoint(direct, res.arch, case["hf_dir"])
             differing, compared = [], 0
             for i, (a, b) in enumerate(zip(res.chunks, direct)):

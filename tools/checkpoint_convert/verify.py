@@ -92,7 +92,7 @@ def _build_and_load(args: argparse.Namespace):
     if expert_problems:
         raise ConfigError.of(expert_problems)
     init_model_parallel(cfg.parallel, seed=args.seed + 1)
-    chunks = build_gpt_chunks(arch, cfg)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     report = load_mcore_checkpoint(chunks, arch, args.mcore_dir)
     for c in chunks:
         c.eval()
