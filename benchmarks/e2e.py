@@ -224,7 +224,7 @@ def generation_floor_s(
         response_len=max(1, response_len),
         max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
         max_num_seqs=cfg.rollout.max_num_seqs,
-        dtype=dtypes.hf_name(dtypes.from_config_name(rollout_dtype(cfg), "rollout.dtype")),
+        dtype=dtypes.hf_name(dtypes.from_config_name(rollout_dtype(cfg.model, cfg.rollout), "rollout.dtype")),
         kv_cache_mb=cfg.rollout.kv_cache_memory_mb,
     )
     env = dict(os.environ, OMP_NUM_THREADS=str(CORES // nproc), VLLM_ENABLE_V1_MULTIPROCESSING="0")

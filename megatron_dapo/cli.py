@@ -47,13 +47,14 @@ def _config_error(exc: Exception) -> int:
 
 
 def _preflight(args: argparse.Namespace) -> int:
-    """The run's rules (``config/plan.resolve``: the config, the model's shape, the placement and the layouts against
-    ``--world-size``) before any process group exists: the launch scripts run it before torchrun, so a config no
-    rank can run stops in seconds with the problem list, once."""
+    """The run's rules (``config/plan.plan_problems``, each once: the config, the model's shape, the placement and the
+    layouts against ``--world-size``) before any process group exists: the launch scripts run it before torchrun, so
+    a config no rank can run stops in seconds with the problem list, once. Without a model to read (no
+    ``model.hf_config_dir`` nor ``checkpoint.load_dir``) the model's rules are left out and the rest still run."""
     # heavy: torch (the platform's answers)
     from megatron_dapo.config import ConfigError, load_config
-    from megatron_dapo.config.plan import resolve
-    from megatron_dapo.config.run_rules import config_platform, placement_problems
+    from megatron_dapo.config.plan import plan_problems
+    from megatron_dapo.config.run_rules import config_platform
     from megatron_dapo.models.families import UnsupportedModelError, model_arch_from_hf
     from megatron_dapo.weights.checkpoint_errors import CheckpointError
     from megatron_dapo.weights.dist_format import hf_config_dir_of
@@ -61,10 +62,10 @@ def _preflight(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         hf_dir = cfg.model.hf_config_dir or (cfg.checkpoint.load_dir and str(hf_config_dir_of(cfg.checkpoint.load_dir)))
-        if hf_dir:
-            resolve(cfg, model_arch_from_hf(hf_dir), args.world_size, config_platform(cfg), probe_imports=False)
-        elif placement_problems(cfg, args.world_size):  # no model to read (the trainer names it): the placement
-            raise ConfigError.of(placement_problems(cfg, args.world_size))
+        arch = model_arch_from_hf(hf_dir) if hf_dir else None
+        problems = plan_problems(cfg, arch, args.world_size, config_platform(cfg.parallel), probe_imports=False)
+        if problems:
+            raise ConfigError.of(problems)
     except (ConfigError, UnsupportedModelError, CheckpointError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

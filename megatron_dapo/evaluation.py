@@ -63,7 +63,11 @@ from megatron_dapo import dtypes
 from megatron_dapo.checkpointing.checkpoint import CONFIG_FILE, LATEST, CheckpointError, resolve_resume
 from megatron_dapo.checkpointing.export import EVAL_SETTINGS_FILE, holds_lora_adapters, read_eval_settings
 from megatron_dapo.config import (
+    DataConfig,
     ExperimentConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
     apply_override,
     check_eval_options,
     check_values,
@@ -260,7 +264,9 @@ def build_eval_config(
     max_response_length: Optional[int] = None,
     tokenizer_dir: Optional[PathLike] = None,
 ) -> ExperimentConfig:
-    """The experiment config the eval runs with (see the module docstring, step 2)."""
+    """The experiment config the eval runs with (see the module docstring, step 2), through eval's gate: its options,
+    then the config's own rules once (``check_values``), every problem in one ``ConfigError``; the engine checks
+    its layout against the model and the world (``config.plan.rollout_plan``)."""
 
     overrides = list(overrides)
     headline = None  # said once the flags below are applied too
@@ -289,8 +295,9 @@ def build_eval_config(
         cfg.data.max_response_length = max_response_length
     if tokenizer_dir is not None:
         cfg.model.tokenizer_dir = str(tokenizer_dir)
+    check_values(cfg)
     if headline is not None:
-        _announce(headline + _describe_settings(cfg))
+        _announce(headline + _describe_settings(cfg.data, cfg.rollout, cfg.model, cfg.reward))
     return cfg
 
 
@@ -316,22 +323,20 @@ def _config_without_yaml(
         max_positions = _max_position_embeddings(source)
         fitted = ""
         if max_positions is not None:
-            fit_sequence_lengths(cfg, max_positions, given)
+            fit_sequence_lengths(cfg.data, max_positions, given)
             fitted = f", lengths fitted to the model's max_position_embeddings={max_positions}"
         headline = (
             f"eval: --model {source.path} has no recorded settings ({EVAL_SETTINGS_FILE}, written by megatron-dapo"
             f" export) and no --config was given; pass --config or section.key=value overrides to change these"
             f" defaults{fitted}: "
         )
-    check_values(cfg)
     return cfg, headline
 
 
-def fit_sequence_lengths(cfg: ExperimentConfig, max_positions: int, given: set[str]) -> None:
+def fit_sequence_lengths(d: DataConfig, max_positions: int, given: set[str]) -> None:
     """Shorten the default ``data.max_prompt_length`` / ``data.max_response_length`` (those not in ``given``) so
     that prompt + response fits ``max_positions``: half each when both are defaults, else the rest of the room.
     Given values are kept; if they alone do not fit, the engine's check names them."""
-    d = cfg.data
     if d.max_prompt_length + d.max_response_length <= max_positions:
         return
     prompt_given, response_given = "data.max_prompt_length" in given, "data.max_response_length" in given
@@ -359,9 +364,9 @@ def _max_position_embeddings(source: ModelSource) -> Optional[int]:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
-def _describe_settings(cfg: ExperimentConfig) -> str:
+def _describe_settings(d: DataConfig, r: RolloutConfig, m: ModelConfig, rw: RewardConfig) -> str:
     """The settings that decide an eval's numbers, in one line."""
-    d, v, cf = cfg.data, cfg.rollout.val_kwargs, cfg.reward.custom_function
+    v, cf = r.val_kwargs, rw.custom_function
     sampling = f"n={v.n}, " + (
         f"temperature={v.temperature}, top_p={v.top_p}, top_k={v.top_k}"
         if v.do_sample and v.temperature > 0
@@ -371,7 +376,7 @@ def _describe_settings(cfg: ExperimentConfig) -> str:
     return (
         f"data.max_prompt_length={d.max_prompt_length}, data.max_response_length={d.max_response_length},"
         f" chat template {'on' if d.apply_chat_template else 'off'}, rollout.val_kwargs {sampling},"
-        f" rollout.seed={cfg.rollout.seed}, tokenizer {cfg.model.tokenizer_dir or 'from the model directory'},"
+        f" rollout.seed={r.seed}, tokenizer {m.tokenizer_dir or 'from the model directory'},"
         f" reward {reward}"
     )
 

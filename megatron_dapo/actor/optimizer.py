@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_dapo.config import OptimConfig, resolve_warmup_steps
+from megatron_dapo.config import OptimConfig, warmup_steps
 
 
 def build_optimizer(actor_chunks: list, optim: OptimConfig, total_steps: int) -> tuple[Any, Any]:
@@ -30,7 +30,7 @@ def build_optimizer(actor_chunks: list, optim: OptimConfig, total_steps: int) ->
 
     if not actor_chunks:
         raise ValueError("build_optimizer: no model chunks given")
-    warmup = resolve_warmup_steps(optim, total_steps)
+    warmup = warmup_steps(optim, total_steps)  # the schedule's rules ran in the gate (config/plan.resolve)
     model_config = actor_chunks[0].config
     ddp_config = getattr(actor_chunks[0], "ddp_config", None)
     if ddp_config is None:

@@ -2,14 +2,14 @@
 
 Run it before ``torchrun``. It needs no process group, builds no model and reads no tensor:
 
-* the config (``megatron_dapo/config/``: ``from_dict`` + ``validate_config``: required keys, ranges, cross-field);
-* model-dependent checks from the HF ``config.json`` (``model.hf_config_dir``, else ``<checkpoint.load_dir>/hf_config``
-  as the trainer finds it): the family is supported, and the trainer's own rules (``config/run_rules.py``): the actor
-  layout against the world size and the model (heads / KV heads / FFN ÷ TP, layers ÷ PP × VPP), the rollout layout
-  (plus the divisibility vLLM needs), the sequence budget against ``max_position_embeddings`` and
-  ``rollout.max_num_batched_tokens``, mini-batches against the data-parallel size; then the run is resolved as the
-  trainer resolves it (``config.plan.resolve`` → ``RunPlan``, for the config's platform: nothing is imported to
-  answer);
+* the config's keys and types (``megatron_dapo/config/``: ``from_dict``), the model's family from the HF
+  ``config.json`` (``model.hf_config_dir``, else ``<checkpoint.load_dir>/hf_config`` as the trainer finds it), then
+  every rule of the run in one pass, the gate ``train`` runs (``config.plan.plan_problems``): required keys, ranges,
+  cross-field rules (``config/rules.py``) and the run's (``config/run_rules.py``): the actor layout against the world
+  size and the model (heads / KV heads / FFN ÷ TP, layers ÷ PP × VPP), the rollout layout (plus the divisibility vLLM
+  needs), the sequence budget against ``max_position_embeddings`` and ``rollout.max_num_batched_tokens``, mini-batches
+  against the data-parallel size; then the run is laid out as the trainer resolves it (``config.plan.build_plan`` →
+  ``RunPlan``, for the config's platform: nothing is imported to answer);
 * every data file (``read_records`` + ``validate_row`` on every row; the chat template and tokenizer on the first
   ``sample_rows`` rows, reporting prompts over ``data.max_prompt_length`` under ``truncation=error``);
 * the reward functions: imported, and called once per data source found, on that source's first row, with its

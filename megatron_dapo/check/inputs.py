@@ -53,10 +53,10 @@ class InputChecker:
     def check_checkpoints(self) -> None:
         cfg = self.cfg
         dirs = [("checkpoint.load_dir", cfg.checkpoint.load_dir)]
-        if uses_reference(cfg) and cfg.checkpoint.ref_load_dir:
+        if uses_reference(cfg.actor, cfg.algorithm) and cfg.checkpoint.ref_load_dir:
             dirs.append(("checkpoint.ref_load_dir", cfg.checkpoint.ref_load_dir))
         for key, directory in dirs:
-            if directory:  # else validate_config reported it
+            if directory:  # else the rules reported it (config/rules.py required_input_problems)
                 self._check_checkpoint(key, directory)
         mode = cfg.checkpoint.resume_mode
         if mode not in ("auto", "disable") and not Path(mode).is_dir():
@@ -255,8 +255,7 @@ class InputChecker:
             specs.append(("reward.custom_function", rw.custom_function.path, rw.custom_function.name))
         for i, item in enumerate(rw.extra_functions):
             key = f"reward.extra_functions[{i}]"
-            spec, found = extra_function_spec(item, key)  # the config rule's own words (config/rules.py)
-            self.problems.extend(p for p in found if p not in self.problems)
+            spec = extra_function_spec(item, key)[0]  # a malformed entry is the reward rule's problem (config/rules.py)
             if spec is not None:
                 specs.append((key, spec[0], spec[1]))
         functions: list[tuple[str, Any]] = []

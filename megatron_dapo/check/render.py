@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from megatron_dapo.config.memory import GIB, LP_LAYER, MIB, MemoryModel, phase_unit, terms_text
 from megatron_dapo.config.plan import RunPlan
-from megatron_dapo.config.schema import ExperimentConfig
+from megatron_dapo.config.schema import ActorConfig, AlgorithmConfig, DataConfig, ParallelConfig, RolloutConfig
 from megatron_dapo.models.families import ModelArch
 
 YES_NO = {True: "yes", False: "no"}
@@ -27,9 +27,18 @@ def human(count: int) -> str:
 # ----------------------------------------------------------------------------------------------- sizes and batches
 
 
-def plan_lines(plan: RunPlan, cfg: ExperimentConfig, nnodes: int, nproc_per_node: int) -> list[str]:
+def plan_lines(
+    plan: RunPlan,
+    p: ParallelConfig,
+    a: ActorConfig,
+    r: RolloutConfig,
+    d: DataConfig,
+    al: AlgorithmConfig,
+    nnodes: int,
+    nproc_per_node: int,
+) -> list[str]:
     """The layout and each step's batch arithmetic (``RunPlan.batches``)."""
-    p, a, r, d, bt = cfg.parallel, cfg.actor, cfg.rollout, cfg.data, plan.batches
+    bt = plan.batches
     rtp, rdp, n, seq = plan.rollout.tp_size, plan.rollout.dp_size, r.n, plan.max_model_len
     out = [
         f"  world size {plan.world_size} = {nnodes} node(s) x {nproc_per_node} process(es) per node",
@@ -45,7 +54,7 @@ def plan_lines(plan: RunPlan, cfg: ExperimentConfig, nnodes: int, nproc_per_node
     else:
         mbs = f"{micro} (of {a.ppo_micro_batch_size_per_gpu} sequences)"
         lp_mbs = f"{lp_micro} (of {a.log_prob_micro_batch_size_per_gpu} sequences)"
-    fg = cfg.algorithm.filter_groups
+    fg = al.filter_groups
     gens = (
         f"1 to {fg.max_num_gen_batches or 'one pass over the data of'} generation batches (dynamic sampling)"
         if fg.enable
@@ -68,13 +77,22 @@ def plan_lines(plan: RunPlan, cfg: ExperimentConfig, nnodes: int, nproc_per_node
 # ----------------------------------------------------------------------------------------------- the memory plan
 
 
-def memory_lines(m: MemoryModel, arch: ModelArch, cfg: ExperimentConfig, hf_dir: str, nproc_per_node: int) -> list[str]:
+def memory_lines(
+    m: MemoryModel,
+    arch: ModelArch,
+    a: ActorConfig,
+    p: ParallelConfig,
+    r: RolloutConfig,
+    d: DataConfig,
+    hf_dir: str,
+    nproc_per_node: int,
+) -> list[str]:
     """The memory plan: parameters, the hand-off, each term's formula, each phase's terms, the peak and the pinned
     host memory."""
     return (
         param_lines(m, arch, hf_dir)
-        + handoff_lines(m, cfg)
-        + term_lines(m, arch, cfg)
+        + handoff_lines(m, r)
+        + term_lines(m, arch, a, p, r, d)
         + ["  per phase, per rank (device: allocated on the device; host: offloaded values in pinned host memory):"]
         + phase_lines(m)
         + peak_lines(m, nproc_per_node)
@@ -120,7 +138,7 @@ def param_lines(m: MemoryModel, arch: ModelArch, hf_dir: str) -> list[str]:
     return out
 
 
-def handoff_lines(m: MemoryModel, cfg: ExperimentConfig) -> list[str]:
+def handoff_lines(m: MemoryModel, r: RolloutConfig) -> list[str]:
     """Where the hand-off keeps what (the platform's defaults with the config's choices) and how vLLM sleeps."""
     plan = m.plan
     handoff = plan.handoff
@@ -137,7 +155,7 @@ def handoff_lines(m: MemoryModel, cfg: ExperimentConfig) -> list[str]:
     else:
         why = (
             "rollout.free_cache_engine=false"
-            if not cfg.rollout.free_cache_engine
+            if not r.free_cache_engine
             else f"no vLLM sleep mode on {plan.platform_name}"
         )
         sleep = f"vLLM never sleeps ({why}): its weights and KV cache stay on the device"
@@ -165,7 +183,9 @@ def _optimizer_text(m: MemoryModel, moe: bool, distributed: bool) -> str:
     return text + ")"
 
 
-def term_lines(m: MemoryModel, arch: ModelArch, cfg: ExperimentConfig) -> list[str]:
+def term_lines(
+    m: MemoryModel, arch: ModelArch, a: ActorConfig, p: ParallelConfig, r: RolloutConfig, d: DataConfig
+) -> list[str]:
     """Each term's bytes and how they are made up (docs/check.md, "Terms")."""
     plan, act = m.plan, m.act
     b, br, rtp, seq = plan.param_bytes, plan.rollout_bytes, plan.rollout.tp_size, plan.max_model_len
@@ -175,7 +195,7 @@ def term_lines(m: MemoryModel, arch: ModelArch, cfg: ExperimentConfig) -> list[s
         "parallelism; router replicated)"
     )
     stage = f" ({'first' if act.update_stage == 0 else 'last'} pipeline stage)" if plan.pp > 1 else ""
-    rows_per_rank, resp = plan.batches.log_prob_sequences_per_rank, cfg.data.max_response_length
+    rows_per_rank, resp = plan.batches.log_prob_sequences_per_rank, d.max_response_length
     lora = m.adapter_params
     trained = f"LoRA adapter params/rank {lora:,}" if lora else "params/rank"
     reference = "0 (no KL term)"
@@ -190,14 +210,14 @@ def term_lines(m: MemoryModel, arch: ModelArch, cfg: ExperimentConfig) -> list[s
         "grad_reduce_in_fp32)",
         f"    optimizer state    {gib(m.optimizer)}  = "
         + (f"{trained}: " if lora else "")
-        + _optimizer_text(m, moe, cfg.parallel.use_distributed_optimizer),
+        + _optimizer_text(m, moe, p.use_distributed_optimizer),
         f"    reference weights  {gib(m.reference)}  = "
         + (f"params/rank x {b} B (KL term on)" if plan.uses_reference and not lora else reference),
         f"    vLLM weights       {gib(m.vllm_weights)}  = full model / rollout TP {rtp} x {br} B"
         + (all_experts if moe else ""),
         f"    vLLM KV cache      {gib(m.kv.size)}  = {m.kv.formula}; {m.kv.tokens:,} tokens = {m.kv.tokens // seq} "
         "full sequences",
-        f"    update activations {gib(act.update_bytes)}  = {activation_text(m, arch, cfg)}"
+        f"    update activations {gib(act.update_bytes)}  = {activation_text(m, arch, a, p)}"
         + (f"; / CP {plan.cp}" if plan.cp > 1 else "")
         + stage,
         f"    training logits    {gib(act.training_logits)}  = tokens {act.update_tokens} x padded vocab/TP "
@@ -215,14 +235,14 @@ def term_lines(m: MemoryModel, arch: ModelArch, cfg: ExperimentConfig) -> list[s
         f"{gib(m.log_prob_gathered).strip()} (all {plan.batches.trajectories_per_step} rows + this rank's copy, "
         "once the forward is done)",
         f"    sync buckets       {gib(m.sync_buckets)}  = max(rollout.weight_sync_bucket_mb="
-        f"{cfg.rollout.weight_sync_bucket_mb}, largest module {gib(m.largest_module).strip()}) of full tensors x "
+        f"{r.weight_sync_bucket_mb}, largest module {gib(m.largest_module).strip()}) of full tensors x "
         f"(1 + vLLM staging copy {br}/{b})",
     ]
 
 
-def activation_text(m: MemoryModel, arch: ModelArch, cfg: ExperimentConfig) -> str:
+def activation_text(m: MemoryModel, arch: ModelArch, a: ActorConfig, p: ParallelConfig) -> str:
     """How the update's activations are made up: what one layer keeps per token, recompute and chunks in flight."""
-    plan, act, a = m.plan, m.act, cfg.actor
+    plan, act = m.plan, m.act
     full, b, tp, h = act.full_layer, plan.param_bytes, plan.tp, arch.hidden_size
     head = (
         "QKV output, rotated Q and K, "
@@ -231,7 +251,7 @@ def activation_text(m: MemoryModel, arch: ModelArch, cfg: ExperimentConfig) -> s
         + f" + norms {full.replicated:,.0f} B/tok"
     )
     if m.params.counts.moe_layers and full.moe:
-        k, fe, sp = arch.moe_router_topk, arch.moe_ffn_hidden_size, cfg.parallel.sequence_parallel
+        k, fe, sp = arch.moe_router_topk, arch.moe_ffn_hidden_size, p.sequence_parallel
         shared = "shared expert's fc1 and SwiGLU outputs" if arch.moe_shared_expert_ffn_hidden_size else ""
         head = head.replace(", fc1 and SwiGLU outputs", f", {shared}" if shared else "") + (
             f" + routed experts {full.moe:,.0f} B/tok (alltoall dispatch, balanced routing: router scores "

@@ -1,5 +1,6 @@
-"""``run_check``: load the config and the model's architecture, check the layout against the world, resolve the run
-(``config.plan.resolve``) and its memory (``config.memory.memory_model``), check the input files, and render."""
+"""``run_check``: load the config and the model's architecture, run every rule of the run once
+(``config.plan.plan_problems``, as ``train``'s ``resolve`` does, with the world size spelled out), lay out the run
+(``config.plan.build_plan``) and its memory (``config.memory.memory_model``), check the input files, and render."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from megatron_dapo.check.report import CheckReport
 from megatron_dapo.config import (
     ConfigError,
     ExperimentConfig,
+    ParallelConfig,
     apply_override,
     from_dict,
     read_config_file,
-    validate_config,
 )
 from megatron_dapo.config.memory import GIB, MemoryModel, memory_model
 from megatron_dapo.config.plan import RunPlan, build_plan, plan_problems
-from megatron_dapo.config.run_rules import batch_layout_problems, parallel_layout_problems, rollout_layout_problems
+from megatron_dapo.config.run_rules import layout_sizes_usable
 from megatron_dapo.models.families import ModelArch, UnsupportedModelError, model_arch_from_hf
 from megatron_dapo.platform import Platform, make_platform
 from megatron_dapo.weights.checkpoint_errors import CheckpointError
@@ -29,11 +30,11 @@ DEFAULT_SAMPLE_ROWS = 1000
 NOT_COMPUTED = "plan: not computed (needs a readable HF config and a valid parallel layout; see problems)"
 
 
-def check_platform(cfg: ExperimentConfig, device_memory_gb: Optional[float]) -> Platform:
+def check_platform(parallel: ParallelConfig, device_memory_gb: Optional[float]) -> Platform:
     """The platform whose answers (defaults, attention, sleep mode) the check uses; not set up, since the check plans
     a CUDA or NPU run on any machine. ``parallel.platform``; ``auto`` counts as ``cuda`` when ``--device-memory-gb``
     is given (a device is being planned), else as ``cpu``."""
-    name = cfg.parallel.platform
+    name = parallel.platform
     if name == "auto":
         name = "cuda" if device_memory_gb else "cpu"
     return make_platform(name)
@@ -53,34 +54,6 @@ def read_config(config_path: Optional[str], overrides: Sequence[str]) -> tuple[O
         except ConfigError as exc:
             problems.extend(exc.problems)
     return (None if problems else raw), problems
-
-
-def sizes_usable(cfg: ExperimentConfig) -> bool:
-    """The sizes the layout, batch and memory arithmetic divide by are in range (else those checks are skipped;
-    ``validate_config`` has reported the bad values)."""
-    p, a, r, d = cfg.parallel, cfg.actor, cfg.rollout, cfg.data
-    positive = [
-        p.tensor_model_parallel_size,
-        p.pipeline_model_parallel_size,
-        r.tensor_model_parallel_size,
-        r.n,
-        d.max_prompt_length,
-        d.max_response_length,
-        d.train_batch_size,
-        a.ppo_mini_batch_size,
-        a.ppo_micro_batch_size_per_gpu,
-        a.log_prob_micro_batch_size_per_gpu,
-        a.ppo_max_token_len_per_gpu,
-        a.ppo_epochs,
-        r.kv_cache_memory_mb,
-    ]
-    optional = [p.virtual_pipeline_model_parallel_size, d.gen_batch_size]
-    return (
-        all(v >= 1 for v in positive)
-        and all(v is None or v >= 1 for v in optional)
-        and 0 < r.gpu_memory_utilization <= 1
-        and d.train_batch_size % a.ppo_mini_batch_size == 0
-    )
 
 
 class _Checker:
@@ -105,7 +78,8 @@ class _Checker:
         self.arch: Optional[ModelArch] = None
         self.hf_dir: Optional[str] = None
         self.hf_key = "model.hf_config_dir"
-        self.range_ok = False
+        self.range_ok = False  # the sizes the layout, batch and memory arithmetic divide by are usable
+        self.layout_ok = False  # the layouts fit the world and the model: the run can be laid out
         self.world_size = 0
 
     # ----------------------------------------------------------------------------------------- config
@@ -119,13 +93,8 @@ class _Checker:
         except ConfigError as exc:  # unknown key or wrong type: nothing else can be checked reliably
             self.problems.extend(exc.problems)
             return False
-        try:
-            validate_config(cfg)
-            self.range_ok = True
-        except ConfigError as exc:
-            self.problems.extend(exc.problems)
-            self.range_ok = sizes_usable(cfg)
-        self.platform = check_platform(cfg, self.device_memory_gb)
+        self.range_ok = layout_sizes_usable(cfg.parallel, cfg.actor, cfg.rollout, cfg.data)
+        self.platform = check_platform(cfg.parallel, self.device_memory_gb)
         if self.nproc_per_node is None:
             self.nproc_per_node = 8 if self.platform.device_type != "cpu" else 2
         if self.nnodes < 1 or self.nproc_per_node < 1:
@@ -170,54 +139,28 @@ class _Checker:
                 f"{type(exc).__name__}: {exc}"
             )
 
-    def check_layout(self) -> bool:
-        """Actor and rollout layouts against the world size and the model, and mini-batches against data
-        parallelism (``config/run_rules.py``, with the world size spelled out); True when the run can be resolved."""
-        cfg, arch, world = self.cfg, self.arch, self.world_size
-        p = cfg.parallel
+    def check_rules(self) -> None:
+        """Every rule of the run, once (``plan_problems``, the gate ``train``'s ``resolve`` runs), with the world size
+        spelled out; they lead the report. The model's rules need its architecture and a usable world; the reward
+        files are left to ``InputChecker``, which imports and calls them itself and words their problems its own way.
+        TransformerEngine is not imported to answer (the check plans for a platform it does not run on)."""
+        cfg = self.cfg
         where = f" = {self.nnodes} node(s) x {self.nproc_per_node} process(es) per node"
-        actor = parallel_layout_problems(
-            p,
-            world,
-            arch.num_layers,
-            arch.num_attention_heads,
-            arch.num_query_groups,
-            arch.ffn_hidden_size,
-            world_desc=where,
-            num_experts=arch.num_experts,
-            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        arch = self.arch if self.range_ok else None
+        found = plan_problems(
+            cfg, arch, self.world_size, self.platform, probe_imports=False, world_desc=where, reward_files=False
         )
-        self.problems.extend(actor)
-        rollout = rollout_layout_problems(
-            cfg, world, arch.max_position_embeddings, arch, world_desc=where, platform=self.platform
-        )
-        self.problems.extend(rollout)
-        if actor:
-            return False
-        batches = batch_layout_problems(
-            cfg,
-            world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * max(1, p.context_parallel_size)),
-        )
-        self.problems.extend(batches)
-        if not batches and p.virtual_pipeline_model_parallel_size is not None and cfg.actor.use_dynamic_bsz:
+        self.problems[:0] = found
+        self.layout_ok = arch is not None and found.layout_ok
+        p = cfg.parallel
+        if self.layout_ok and p.virtual_pipeline_model_parallel_size is not None and cfg.actor.use_dynamic_bsz:
             self.warnings.append(
                 "parallel.virtual_pipeline_model_parallel_size with actor.use_dynamic_bsz=true: megatron-core's "
                 "interleaved schedule needs the number of micro-batches to be a multiple of PP="
                 f"{p.pipeline_model_parallel_size}, which dynamic batching does not guarantee"
             )
-        return not rollout
 
     # ----------------------------------------------------------------------------------------- plan
-
-    def resolve_plan(self) -> RunPlan:
-        """The run as the trainer resolves it, for this check's platform (nothing imported to answer): its problems
-        that no other stage of the check reports are added, and the plan is built all the same (the layout and the
-        sizes are usable, so the plan's numbers are shown beside the problems)."""
-        cfg, arch, world, platform = self.cfg, self.arch, self.world_size, self.platform
-        # Reward files: the check imports and calls them itself and words their problems its own way.
-        found = plan_problems(cfg, arch, world, platform, probe_imports=False)
-        self.problems.extend(p for p in found if p not in self.problems and not p.startswith("reward."))
-        return build_plan(cfg, arch, world, platform, probe_imports=False)
 
     def memory(self, plan: Optional[RunPlan]) -> Optional[MemoryModel]:
         """The plan's memory on a device of ``--device-memory-gb``; its problems and warnings join the report's."""
@@ -230,11 +173,12 @@ class _Checker:
         return model
 
     def plan_text(self, model: MemoryModel) -> list[str]:
-        nproc = self.nproc_per_node
+        cfg, nproc = self.cfg, self.nproc_per_node
+        a, p, r, d = cfg.actor, cfg.parallel, cfg.rollout, cfg.data
         return (
             ["plan:"]
-            + plan_lines(model.plan, self.cfg, self.nnodes, nproc)
-            + memory_lines(model, self.arch, self.cfg, self.hf_dir, nproc)
+            + plan_lines(model.plan, p, a, r, d, cfg.algorithm, self.nnodes, nproc)
+            + memory_lines(model, self.arch, a, p, r, d, self.hf_dir, nproc)
         )
 
     # ----------------------------------------------------------------------------------------- driver
@@ -243,7 +187,7 @@ class _Checker:
         if not self.load():
             return self.report("")
         self.load_model()
-        layout_ok = self.arch is not None and self.range_ok and self.check_layout()
+        self.check_rules()
         inputs = InputChecker(self.cfg, self.arch, self.hf_dir, self.hf_key, self.sample_rows)
         inputs.check_checkpoints()
         if self.range_ok:
@@ -252,7 +196,9 @@ class _Checker:
         inputs.check_tools()
         self.problems.extend(inputs.problems)
         lines = [f"megatron-dapo check {self.config_path or '(defaults)'} {' '.join(self.overrides)}".rstrip()]
-        model = self.memory(self.resolve_plan()) if layout_ok else None
+        model = None
+        if self.layout_ok:  # the sizes and the layout are usable: the plan's numbers are shown beside the problems
+            model = self.memory(build_plan(self.cfg, self.arch, self.world_size, self.platform, probe_imports=False))
         if model is not None:
             lines += self.plan_text(model)
         else:

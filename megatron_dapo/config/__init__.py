@@ -14,11 +14,8 @@ from megatron_dapo.config.rules import (
     config_problems,
     extra_function_spec,
     lr_schedule_problems,
-    range_problems,
     required_input_problems,
-    resolve_warmup_steps,
     reward_value_problems,
-    validate_config,
     warmup_steps,
 )
 from megatron_dapo.config.schema import (
@@ -71,12 +68,9 @@ __all__ = [
     "from_dict",
     "load_config",
     "lr_schedule_problems",
-    "range_problems",
     "read_config_file",
     "required_input_problems",
-    "resolve_warmup_steps",
     "reward_value_problems",
     "to_dict",
-    "validate_config",
     "warmup_steps",
 ]

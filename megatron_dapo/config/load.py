@@ -13,18 +13,17 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from megatron_dapo.config.rules import check_values
 from megatron_dapo.config.schema import ConfigError, ExperimentConfig
 
 
 def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> ExperimentConfig:
-    """Read a YAML file (optional), apply ``a.b.c=value`` overrides and build a checked ``ExperimentConfig``."""
+    """Read a YAML file (optional), apply ``a.b.c=value`` overrides and build an ``ExperimentConfig``: unknown keys
+    and wrong types are errors here; the rules (ranges, cross-field, layouts) run once, in the command's gate
+    (``config.plan.resolve`` for ``train``)."""
     raw = read_config_file(path) if path is not None else {}
     for item in overrides or []:
         apply_override(raw, item)
-    cfg = from_dict(ExperimentConfig, raw)
-    check_values(cfg)
-    return cfg
+    return from_dict(ExperimentConfig, raw)
 
 
 def read_config_file(path: Union[str, Path]) -> dict:

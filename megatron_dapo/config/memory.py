@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from megatron_dapo.algo.logprobs import response_log_probs
 from megatron_dapo.config.plan import HandoffPlan, RunPlan
-from megatron_dapo.config.schema import ExperimentConfig
+from megatron_dapo.config.schema import ActorConfig, ExperimentConfig, ModelConfig, ParallelConfig, RolloutConfig
 from megatron_dapo.models.families import ModelArch
 from megatron_dapo.models.lora import resolve_targets
 
@@ -374,14 +374,14 @@ class Activations:
 
 
 def _layers(
-    plan: RunPlan, arch: ModelArch, cfg: ExperimentConfig, counts: ParamCounts, seq_len: int, flash: bool
+    plan: RunPlan, arch: ModelArch, a: ActorConfig, p: ParallelConfig, counts: ParamCounts, seq_len: int, flash: bool
 ) -> tuple[LayerActivations, LayerActivations, Optional[Callable[[int], float]]]:
     """(one layer with everything kept, one layer as recompute none/selective keeps it, and for an MoE model the
     per-token bytes the largest model chunk of a stage keeps). An MoE model's one-layer terms take the larger kind of
     layer; its MoE layers keep their routed experts' tensors (``moe_activations``) instead of the dense MLP's, and the
     kept activations sum each chunk's own layers."""
-    b, tp, sp = plan.param_bytes, plan.tp, cfg.parallel.sequence_parallel
-    sel = cfg.actor.recompute == "selective"
+    b, tp, sp = plan.param_bytes, plan.tp, p.sequence_parallel
+    sel = a.recompute == "selective"
     full = layer_activations(arch, b, tp, sp, flash, seq_len)
     kept = layer_activations(arch, b, tp, sp, flash, seq_len, selective=sel)
     if not counts.moe_layers:
@@ -399,18 +399,20 @@ def _layers(
     return largest, (moe_kept if largest is moe_full else kept), chunk_bytes
 
 
-def _activations(plan: RunPlan, arch: ModelArch, cfg: ExperimentConfig, counts: ParamCounts) -> Activations:
-    a, b, pp, seq = cfg.actor, plan.param_bytes, plan.pp, plan.max_model_len
+def _activations(
+    plan: RunPlan, arch: ModelArch, a: ActorConfig, p: ParallelConfig, m: ModelConfig, counts: ParamCounts
+) -> Activations:
+    b, pp, seq = plan.param_bytes, plan.pp, plan.max_model_len
     tokens, lp_tokens = plan.batches.micro_batch_tokens, plan.batches.log_prob_micro_batch_tokens
     # Only softmax statistics kept: TransformerEngine / MindSpeed, or the local spec's SDPA core attention.
     flash = (plan.on_device and plan.transformer_impl != "local") or (
-        plan.transformer_impl == "local" and cfg.model.attention_backend == "sdpa"
+        plan.transformer_impl == "local" and m.attention_backend == "sdpa"
     )
     t_upd, t_lp = -(-tokens // plan.cp), -(-lp_tokens // plan.cp)  # tokens per rank: CP splits the sequence
-    full, kept, chunk_bytes = _layers(plan, arch, cfg, counts, min(seq, tokens), flash)
+    full, kept, chunk_bytes = _layers(plan, arch, a, p, counts, min(seq, tokens), flash)
     chunk_layers = arch.num_layers // (pp * (plan.vpp or 1))
     group, vshard, rows = a.recompute_num_layers, plan.padded_vocab_size // plan.tp, logit_chunk_rows()
-    layer_input = arch.hidden_size * b / (plan.tp if cfg.parallel.sequence_parallel else 1)
+    layer_input = arch.hidden_size * b / (plan.tp if p.sequence_parallel else 1)
     n_micro = plan.batches.micro_batches_per_mini_batch
 
     def stage_terms(stage: int) -> dict[str, float]:
@@ -430,7 +432,7 @@ def _activations(plan: RunPlan, arch: ModelArch, cfg: ExperimentConfig, counts: 
 
     stages = {0: stage_terms(0), pp - 1: stage_terms(pp - 1)}
     upd_stage = max(stages, key=lambda s: sum(stages[s].values()))
-    lp_layer = _layers(plan, arch, cfg, counts, min(seq, lp_tokens), flash)[0]
+    lp_layer = _layers(plan, arch, a, p, counts, min(seq, lp_tokens), flash)[0]
     return Activations(
         update_tokens=t_upd,
         log_prob_tokens=t_lp,
@@ -739,12 +741,12 @@ class MemoryModel:
 
 
 def _kv_cache(
-    plan: RunPlan, arch: ModelArch, cfg: ExperimentConfig, vllm_weights: float, capacity: Optional[float]
+    plan: RunPlan, arch: ModelArch, r: RolloutConfig, vllm_weights: float, capacity: Optional[float]
 ) -> tuple[KVCache, list[str]]:
     """vLLM's KV cache: on a device with a capacity, its share (``gpu_memory_utilization`` x capacity) less its
     weights; else ``rollout.kv_cache_memory_mb`` (vLLM-CPU). K and V per token per layer, the KV heads split over
     rollout TP (replicated when fewer). Problems: a share too small for the weights, a cache short of one sequence."""
-    r, rtp, seq = cfg.rollout, plan.rollout.tp_size, plan.max_model_len
+    rtp, seq = plan.rollout.tp_size, plan.max_model_len
     problems = []
     if plan.on_device and capacity is not None:
         budget = r.gpu_memory_utilization * capacity
@@ -895,24 +897,26 @@ def _pinned_buffers(plan: RunPlan, state: Mapping[str, float]) -> float:
     )
 
 
-def _resident_state(plan: RunPlan, params: RankParams, cfg: ExperimentConfig, arch: ModelArch) -> dict[str, float]:
+def _resident_state(
+    plan: RunPlan, params: RankParams, a: ActorConfig, p: ParallelConfig, arch: ModelArch
+) -> dict[str, float]:
     """The state terms: actor weights (params/rank x B), fp32 main grads (x 4), Adam's fp32 moments plus fp32 master
     weights below fp32 (the distributed optimizer shards the non-expert state over DP and the expert state over the
     expert DP group), the reference (a KL term) and vLLM's weights. With LoRA (``actor.lora``) the weights add the
     adapters, grads and optimizer state are the adapters' alone, and there is no reference copy (the actor with its
     adapters off is the reference)."""
     per_param = _optimizer_bytes_per_param(plan)
-    shards, expert_shards = _optimizer_shards(plan, cfg)
+    shards, expert_shards = _optimizer_shards(plan, p)
     trained_dense, trained_expert = params.dense, params.expert
-    if cfg.actor.lora.rank:
-        trained_dense, trained_expert = lora_stage_params(arch, cfg.actor.lora, plan, params.stage)
-    adapters = trained_dense + trained_expert if cfg.actor.lora.rank else 0
+    if a.lora.rank:
+        trained_dense, trained_expert = lora_stage_params(arch, a.lora, plan, params.stage)
+    adapters = trained_dense + trained_expert if a.lora.rank else 0
     weights = (params.actor + adapters) * plan.param_bytes
     return {
         "actor weights": weights,
         "grads": (trained_dense + trained_expert) * 4,
         "optimizer": trained_dense * per_param / shards + trained_expert * per_param / expert_shards,
-        "reference": params.actor * plan.param_bytes if plan.uses_reference and not cfg.actor.lora.rank else 0,
+        "reference": params.actor * plan.param_bytes if plan.uses_reference and not a.lora.rank else 0,
         "vLLM weights": params.rollout * plan.rollout_bytes,
     }
 
@@ -943,9 +947,9 @@ def _optimizer_bytes_per_param(plan: RunPlan) -> int:
     return 8 + (4 if plan.param_bytes < 4 else 0)
 
 
-def _optimizer_shards(plan: RunPlan, cfg: ExperimentConfig) -> tuple[int, int]:
+def _optimizer_shards(plan: RunPlan, p: ParallelConfig) -> tuple[int, int]:
     """(non-expert, expert) optimizer shards: DP and expert DP with the distributed optimizer, else 1."""
-    return (plan.dp_size, plan.expert_dp_size) if cfg.parallel.use_distributed_optimizer else (1, 1)
+    return (plan.dp_size, plan.expert_dp_size) if p.use_distributed_optimizer else (1, 1)
 
 
 def memory_model(
@@ -956,10 +960,10 @@ def memory_model(
     sizes the KV cache, and nothing is compared with a capacity)."""
     capacity = device_memory_bytes
     params = rank_params(plan, arch)
-    state = _resident_state(plan, params, cfg, arch)
-    kv, problems = _kv_cache(plan, arch, cfg, state["vLLM weights"], capacity)
+    state = _resident_state(plan, params, cfg.actor, cfg.parallel, arch)
+    kv, problems = _kv_cache(plan, arch, cfg.rollout, state["vLLM weights"], capacity)
     state["vLLM KV cache"] = kv.size
-    act = _activations(plan, arch, cfg, params.counts)
+    act = _activations(plan, arch, cfg.actor, cfg.parallel, cfg.model, params.counts)
     largest = _largest_module(plan, arch, params.counts)
     bucket = max(cfg.rollout.weight_sync_bucket_mb * MIB, largest)
     staging = bucket * plan.rollout_bytes // plan.param_bytes  # vLLM's staging copy of a bucket, in its dtype
@@ -987,7 +991,7 @@ def memory_model(
             kept = [f"actor.offload_{k}=true" for k in ("grads", "optimizer") if not getattr(plan.handoff, k)]
             problems.append(startup.problem(resident, kept))
     running = [ph for ph in phases if ph.runs]
-    shards, expert_shards = _optimizer_shards(plan, cfg)
+    shards, expert_shards = _optimizer_shards(plan, cfg.parallel)
     sleeps_level_1 = plan.rollout.sleeps and plan.handoff.sleep_level == 1
     return MemoryModel(
         plan=plan,

@@ -1,7 +1,8 @@
 """The run, resolved once: ``resolve(cfg, arch, world_size, platform) -> RunPlan``.
 
 Everything a run derives from its config, the model architecture, the world size and the platform is computed here,
-once, after every rule (``rules.py``, ``run_rules.py``) has passed: the parallel layout, the attention
+once, after every rule (``rules.py``, ``run_rules.py``) has passed — ``resolve`` is ``train``'s only gate: it runs
+each rule once (``plan_problems``) and raises every problem at once. What is derived: the parallel layout, the attention
 implementation and packed sequences, the rows and micro-batches of each phase, the memory hand-off and vLLM's sleep
 level, whether the old-policy forward is skipped, dtype sizes. The trainer, the actor, the engine, ``eval`` and
 ``check`` read the plan; none of them re-derives a value or changes the config. ``check`` resolves the same plan for
@@ -13,23 +14,40 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from megatron_dapo.config.rules import warmup_steps
+from megatron_dapo.config.rules import config_problems, lr_schedule_problems, required_input_problems, warmup_steps
 from megatron_dapo.config.run_rules import (
+    batch_layout_problems,
+    layout_sizes_usable,
+    parallel_layout_problems,
+    placement_problems,
     resolve_max_num_batched_tokens,
+    reward_function_problems,
     rollout_layout_problems,
-    run_problems,
+    router_replay_problems,
     side_worlds,
     weight_sync_notes,
 )
-from megatron_dapo.config.schema import ConfigError, ExperimentConfig
+from megatron_dapo.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    ConfigError,
+    DataConfig,
+    ExperimentConfig,
+    ModelConfig,
+    ParallelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 from megatron_dapo.dtypes import dtype_bytes
-from megatron_dapo.models.families import ModelArch
+from megatron_dapo.models.families import ModelArch, layout_problems
 from megatron_dapo.platform.base import HandoffDefaults, Platform
 from megatron_dapo.weights.layout import padded_vocab_size
 
 __all__ = [
     "BatchPlan",
     "HandoffPlan",
+    "PlanProblems",
     "RolloutPlan",
     "RunPlan",
     "build_plan",
@@ -79,14 +97,14 @@ def resolve_handoff_plan(cfg: ExperimentConfig, platform: Platform) -> HandoffPl
     )
 
 
-def rollout_dtype(cfg: ExperimentConfig) -> str:
+def rollout_dtype(m: ModelConfig, r: RolloutConfig) -> str:
     """``rollout.dtype`` with ``auto`` resolved to ``model.params_dtype`` (fp32 | bf16 | fp16)."""
-    return cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    return m.params_dtype if r.dtype == "auto" else r.dtype
 
 
-def uses_reference(cfg: ExperimentConfig) -> bool:
+def uses_reference(a: ActorConfig, al: AlgorithmConfig) -> bool:
     """A KL term (in the loss or in the reward) needs the frozen reference."""
-    return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    return a.use_kl_loss or al.use_kl_in_reward
 
 
 @dataclass(frozen=True)
@@ -106,8 +124,8 @@ class BatchPlan:
     log_prob_micro_batch_tokens: int
 
 
-def batch_plan(cfg: ExperimentConfig, dp_size: int, max_model_len: int) -> BatchPlan:
-    a, d, n = cfg.actor, cfg.data, cfg.rollout.n
+def batch_plan(a: ActorConfig, d: DataConfig, r: RolloutConfig, dp_size: int, max_model_len: int) -> BatchPlan:
+    n = r.n
     per_rank = a.ppo_mini_batch_size * n // dp_size
     step_rows = d.train_batch_size * n // dp_size
     minis = d.train_batch_size // a.ppo_mini_batch_size
@@ -152,25 +170,33 @@ def rollout_plan(
 ) -> RolloutPlan:
     """The engine's settings for an engine outside a training run (``eval``, benchmarks): its own rules are checked
     here (``ConfigError``); a training run's ``resolve`` has checked them with everything else."""
-    problems = rollout_layout_problems(cfg, world_size, max_position_embeddings, platform=platform)
+    problems = rollout_layout_problems(cfg.rollout, cfg.data, world_size, max_position_embeddings, platform=platform)
     if problems:
         raise ConfigError.of(problems)
-    return _rollout_plan(cfg, world_size, platform)
+    sleep_level = resolve_handoff_plan(cfg, platform).sleep_level
+    return _rollout_plan(cfg.rollout, cfg.data, cfg.model, cfg.trainer, world_size, platform, sleep_level)
 
 
-def _rollout_plan(cfg: ExperimentConfig, world_size: int, platform: Platform) -> RolloutPlan:
-    r = cfg.rollout
-    max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+def _rollout_plan(
+    r: RolloutConfig,
+    d: DataConfig,
+    m: ModelConfig,
+    t: TrainerConfig,
+    world_size: int,
+    platform: Platform,
+    sleep_level: int,
+) -> RolloutPlan:
+    max_model_len = d.max_prompt_length + d.max_response_length
     return RolloutPlan(
         tp_size=r.tensor_model_parallel_size,
         ep_size=r.expert_parallel_size,
         dp_size=world_size // r.tensor_model_parallel_size,
         max_model_len=max_model_len,
-        max_num_batched_tokens=resolve_max_num_batched_tokens(cfg, max_model_len),
-        dtype=rollout_dtype(cfg),
+        max_num_batched_tokens=resolve_max_num_batched_tokens(r, max_model_len),
+        dtype=rollout_dtype(m, r),
         # Disaggregated rollout ranks hold nothing else: their engines never sleep.
-        sleeps=bool(platform.supports_vllm_sleep() and r.free_cache_engine and cfg.trainer.mode == "sync"),
-        sleep_level=resolve_handoff_plan(cfg, platform).sleep_level,
+        sleeps=bool(platform.supports_vllm_sleep() and r.free_cache_engine and t.mode == "sync"),
+        sleep_level=sleep_level,
         per_request_seed=platform.default_per_request_seed if r.per_request_seed is None else bool(r.per_request_seed),
         enforce_eager=platform.default_enforce_eager if r.enforce_eager is None else bool(r.enforce_eager),
     )
@@ -236,48 +262,109 @@ class RunPlan:
         return self.rollout.max_num_batched_tokens
 
 
-def _attention_problems(cfg: ExperimentConfig, platform: Platform, probe_imports: bool) -> tuple[str, list[str]]:
-    """(resolved transformer_impl, problems): TransformerEngine importable when it is asked for (``probe_imports``),
-    context parallelism supported by the attention, packed sequences only with an attention that takes them."""
-    requested = cfg.model.transformer_impl
-    impl = platform.default_transformer_impl if requested == "auto" else requested
+def _transformer_impl(m: ModelConfig, platform: Platform, probe_imports: bool) -> str:
+    """``model.transformer_impl`` resolved: ``auto`` = the platform's default; with ``probe_imports`` the platform
+    answers (TransformerEngine importable; raises when it is asked for and missing)."""
+    if probe_imports:
+        return platform.resolve_transformer_impl(m.transformer_impl)
+    return platform.default_transformer_impl if m.transformer_impl == "auto" else m.transformer_impl
+
+
+def _attention_problems(
+    m: ModelConfig, p: ParallelConfig, a: ActorConfig, platform: Platform, probe_imports: bool
+) -> list[str]:
+    """TransformerEngine importable when it is asked for (``probe_imports``), context parallelism supported by the
+    attention, packed sequences only with an attention that takes them."""
+    impl = _transformer_impl(m, platform, probe_imports=False)
     problems: list[str] = []
     try:
-        if probe_imports:
-            impl = platform.resolve_transformer_impl(requested)
-        platform.check_context_parallel(cfg.parallel.context_parallel_size, impl)
+        impl = _transformer_impl(m, platform, probe_imports)
+        platform.check_context_parallel(p.context_parallel_size, impl)
     except (RuntimeError, ValueError) as exc:
         problems.append(str(exc))
-    if cfg.actor.use_remove_padding and impl == "local":
+    if a.use_remove_padding and impl == "local":
         problems.append(
             "actor.use_remove_padding=true needs packed (THD) attention: model.transformer_impl=transformer_engine "
             "(CUDA) or MindSpeed (Ascend NPU); megatron-core's local spec has none. Set actor.use_remove_padding=false"
         )
-    return impl, problems
+    return problems
+
+
+class PlanProblems(list):
+    """``plan_problems``' lines, in the order the rules ran; ``layout_ok``: the layouts were checked and fit the world
+    and the model (``build_plan`` can then lay the run out, problems elsewhere or not: ``check`` shows both)."""
+
+    def __init__(self, lines: list[str], layout_ok: bool) -> None:
+        super().__init__(lines)
+        self.layout_ok = layout_ok
 
 
 def plan_problems(
     cfg: ExperimentConfig,
-    arch: ModelArch,
+    arch: Optional[ModelArch],
     world_size: int,
     platform: Platform,
     total_steps: Optional[int] = None,
     probe_imports: bool = True,
-) -> list[str]:
-    """Every problem ``resolve`` would raise, as a list (``check`` reports them)."""
-    problems = run_problems(cfg, arch, world_size, platform, total_steps)
-    return problems + _attention_problems(cfg, platform, probe_imports)[1]
+    world_desc: str = "",
+    reward_files: bool = True,
+) -> PlanProblems:
+    """Every rule of a run, each run once, every problem in one list: the required inputs, the config's own rules
+    (``rules.config_problems``), the placement, the actor and rollout layouts against the world and the model and
+    mini-batches against data parallelism (when the sizes they divide by are in range), routing replay, the lr
+    warm-up against ``total_steps`` (when ``trainer.total_training_steps`` does not set them), the reward files
+    (``reward_files``: ``check`` imports and calls them itself) and the attention. ``arch`` None: the model could
+    not be read (``check`` reports why), its rules are left out. ``world_desc`` follows "world size N" in messages."""
+    problems = required_input_problems(cfg.checkpoint, cfg.data)
+    own = config_problems(cfg)
+    placement = placement_problems(cfg.trainer, cfg.placement, world_size)
+    problems += own + placement
+    p, layout_ok = cfg.parallel, False
+    if arch is not None and not placement and layout_sizes_usable(p, cfg.actor, cfg.rollout, cfg.data):
+        train_world, rollout_world = side_worlds(cfg.trainer, cfg.placement, world_size)
+        actor = parallel_layout_problems(
+            p,
+            train_world,
+            arch.num_layers,
+            arch.num_attention_heads,
+            arch.num_query_groups,
+            arch.ffn_hidden_size,
+            world_desc=world_desc,
+            num_experts=arch.num_experts,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        )
+        problems += actor
+        if not actor:
+            cp = max(1, p.context_parallel_size)
+            dp = train_world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * cp)
+            problems += batch_layout_problems(cfg.actor, cfg.rollout, cfg.data, p, dp)
+        positions = arch.max_position_embeddings
+        rollout = rollout_layout_problems(cfg.rollout, cfg.data, rollout_world, positions, arch, world_desc, platform)
+        problems += rollout
+        layout_ok = not actor and not rollout
+    if arch is not None:
+        problems += router_replay_problems(cfg.actor, arch, platform)
+        # What megatron-core cannot shard or feed for this model (Qwen3.5's Gated DeltaNet: docs/qwen35.md).
+        problems += layout_problems(
+            arch, p.tensor_model_parallel_size, p.context_parallel_size, cfg.actor.use_remove_padding
+        )
+    in_range = own.out_of_range.isdisjoint(("actor", "trainer"))
+    if total_steps is not None and cfg.trainer.total_training_steps is None and in_range:  # else config_problems'
+        problems += lr_schedule_problems(cfg.actor.optim, total_steps)
+    if reward_files:
+        problems += reward_function_problems(cfg.reward)
+    problems += _attention_problems(cfg.model, p, cfg.actor, platform, probe_imports)
+    return PlanProblems(problems, layout_ok)
 
 
-def on_policy_update(cfg: ExperimentConfig) -> bool:
+def on_policy_update(a: ActorConfig, d: DataConfig, al: AlgorithmConfig) -> bool:
     """One epoch over one mini-batch per step, no KL in the reward: the update's first forward is the old policy, so
     ``actor.old_log_prob_forward=auto`` skips the separate forward (``DAPOTrainer.train_step``)."""
-    a = cfg.actor
     return (
         a.old_log_prob_forward == "auto"
         and a.ppo_epochs == 1
-        and a.ppo_mini_batch_size == cfg.data.train_batch_size
-        and not cfg.algorithm.use_kl_in_reward
+        and a.ppo_mini_batch_size == d.train_batch_size
+        and not al.use_kl_in_reward
     )
 
 
@@ -290,40 +377,40 @@ class PartialPlan:
     max_segments: int
 
 
-def partial_plan(cfg: ExperimentConfig) -> Optional[PartialPlan]:
+def partial_plan(r: RolloutConfig, d: DataConfig) -> Optional[PartialPlan]:
     """None without partial rollout; else the segment length (default: the budget split into ``max_segments``)."""
-    pr = cfg.rollout.partial_rollout
+    pr = r.partial_rollout
     if not pr.enable:
         return None
-    budget = cfg.data.max_response_length
+    budget = d.max_response_length
     return PartialPlan(pr.segment_length or -(-budget // pr.max_segments), pr.max_segments)
 
 
-def reward_overlaps_generation(cfg: ExperimentConfig) -> bool:
+def reward_overlaps_generation(rw: RewardConfig, r: RolloutConfig, d: DataConfig, t: TrainerConfig) -> bool:
     """``reward.overlap_generation`` where it applies: scoring in worker processes (the engine keeps this process
     busy) and a rollout of whole responses in the training job (partial rollout and the async rollout ranks score
     the groups a round completes)."""
-    whole = partial_plan(cfg) is None and cfg.trainer.mode == "sync"
-    return cfg.reward.overlap_generation and cfg.reward.num_workers > 0 and whole
+    whole = partial_plan(r, d) is None and t.mode == "sync"
+    return rw.overlap_generation and rw.num_workers > 0 and whole
 
 
-def off_policy_mode(cfg: ExperimentConfig) -> str:
+def off_policy_mode(al: AlgorithmConfig, r: RolloutConfig, t: TrainerConfig) -> str:
     """``algorithm.off_policy.mode`` with ``auto`` resolved: decoupled where stale tokens can occur (partial
     rollout, asynchronous training), none where every batch is on-policy."""
-    mode = cfg.algorithm.off_policy.mode
+    mode = al.off_policy.mode
     if mode != "auto":
         return mode
-    return "decoupled" if cfg.rollout.partial_rollout.enable or cfg.trainer.mode == "async" else "none"
+    return "decoupled" if r.partial_rollout.enable or t.mode == "async" else "none"
 
 
-def is_weight_threshold(cfg: ExperimentConfig) -> Optional[float]:
+def is_weight_threshold(al: AlgorithmConfig, r: RolloutConfig, t: TrainerConfig) -> Optional[float]:
     """The truncation of the IS weight proximal / behaviour (algo/off_policy.py), None = no weight: decoupled's
     ``is_threshold``; with ``none`` the synchronous ``algorithm.rollout_is_threshold``; none with ``tis`` (the
     behaviour policy is the old policy there)."""
-    mode = off_policy_mode(cfg)
+    mode = off_policy_mode(al, r, t)
     if mode == "decoupled":
-        return float(cfg.algorithm.off_policy.is_threshold)
-    return cfg.algorithm.rollout_is_threshold if mode == "none" else None
+        return float(al.off_policy.is_threshold)
+    return al.rollout_is_threshold if mode == "none" else None
 
 
 def resolve(
@@ -334,11 +421,12 @@ def resolve(
     total_steps: Optional[int] = None,
     probe_imports: bool = True,
 ) -> RunPlan:
-    """Check the run (every rule, every problem at once: ``ConfigError``) and resolve it.
+    """Check the run (``plan_problems``: every rule once, every problem at once: ``ConfigError``) and resolve it.
+    ``train``'s only gate: ``load_config`` only parses, and no component checks its config again.
 
     ``total_steps``: the number of training steps when the caller knows it (the trainer: from
     ``trainer.total_training_steps``, else epochs x batches of the training data); None = only
-    ``trainer.total_training_steps``, and without it the warm-up is checked when the optimizer is built.
+    ``trainer.total_training_steps`` (without either the warm-up is not checked: nothing to check it against).
     """
     problems = plan_problems(cfg, arch, world_size, platform, total_steps, probe_imports)
     if problems:
@@ -360,10 +448,11 @@ def build_plan(
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, max(1, p.context_parallel_size)
     ep = p.expert_model_parallel_size if arch.is_moe else 1
     etp = (p.expert_tensor_parallel_size or tp) if arch.is_moe else tp
-    train_world, rollout_world = side_worlds(cfg, world_size)
+    train_world, rollout_world = side_worlds(cfg.trainer, cfg.placement, world_size)
     dp = train_world // (tp * pp * cp)
     max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    impl = _attention_problems(cfg, platform, probe_imports)[0]
+    impl = _transformer_impl(cfg.model, platform, probe_imports)
+    handoff = resolve_handoff_plan(cfg, platform)
     padded_vocab = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
     steps = total_steps if total_steps is not None else cfg.trainer.total_training_steps
     return RunPlan(
@@ -381,41 +470,44 @@ def build_plan(
         etp=etp,
         dp_size=dp,
         expert_dp_size=train_world // (etp * ep * pp),
-        rollout=_rollout_plan(cfg, rollout_world, platform),
+        rollout=_rollout_plan(
+            cfg.rollout, cfg.data, cfg.model, cfg.trainer, rollout_world, platform, handoff.sleep_level
+        ),
         padded_vocab_size=padded_vocab,
         total_steps=steps,
         warmup_steps=warmup_steps(cfg.actor.optim, steps) if steps is not None else None,
         transformer_impl=impl,
-        use_remove_padding=_remove_padding(cfg, impl),
+        use_remove_padding=_remove_padding(cfg.actor, p, impl),
         explicit_causal_mask=platform.causal_mask_needed and impl == "local" and cfg.model.attention_backend == "local",
-        handoff=resolve_handoff_plan(cfg, platform),
-        uses_reference=uses_reference(cfg),
-        on_policy_update=on_policy_update(cfg),
-        partial=partial_plan(cfg),
-        reward_overlap=reward_overlaps_generation(cfg),
-        off_policy_mode=off_policy_mode(cfg),
-        is_threshold=is_weight_threshold(cfg),
+        handoff=handoff,
+        uses_reference=uses_reference(cfg.actor, cfg.algorithm),
+        on_policy_update=on_policy_update(cfg.actor, cfg.data, cfg.algorithm),
+        partial=partial_plan(cfg.rollout, cfg.data),
+        reward_overlap=reward_overlaps_generation(cfg.reward, cfg.rollout, cfg.data, cfg.trainer),
+        off_policy_mode=off_policy_mode(cfg.algorithm, cfg.rollout, cfg.trainer),
+        is_threshold=is_weight_threshold(cfg.algorithm, cfg.rollout, cfg.trainer),
         max_staleness=cfg.async_.max_staleness,
         queue_groups=cfg.async_.queue_groups or (cfg.async_.max_staleness + 1) * cfg.data.train_batch_size,
-        batches=batch_plan(cfg, dp, max_model_len),
+        batches=batch_plan(cfg.actor, cfg.data, cfg.rollout, dp, max_model_len),
         params_dtype=cfg.model.params_dtype,
         param_bytes=dtype_bytes(cfg.model.params_dtype, "model.params_dtype"),
-        rollout_bytes=dtype_bytes(rollout_dtype(cfg), "rollout.dtype"),
-        notes=tuple(_notes(cfg, arch, padded_vocab)),
+        rollout_bytes=dtype_bytes(rollout_dtype(cfg.model, cfg.rollout), "rollout.dtype"),
+        notes=tuple(_notes(cfg.model, cfg.rollout, p, cfg.actor, arch, padded_vocab)),
     )
 
 
-def _remove_padding(cfg: ExperimentConfig, impl: str) -> bool:
+def _remove_padding(a: ActorConfig, p: ParallelConfig, impl: str) -> bool:
     """``actor.use_remove_padding``; None = on where the attention takes packed sequences and CP is 1."""
-    if cfg.actor.use_remove_padding is None:
-        return impl != "local" and cfg.parallel.context_parallel_size <= 1
-    return cfg.actor.use_remove_padding
+    if a.use_remove_padding is None:
+        return impl != "local" and p.context_parallel_size <= 1
+    return a.use_remove_padding
 
 
-def _notes(cfg: ExperimentConfig, arch: ModelArch, padded_vocab: int) -> list[str]:
-    notes = weight_sync_notes(cfg, arch, padded_vocab)
-    p = cfg.parallel
-    if p.virtual_pipeline_model_parallel_size is not None and cfg.actor.use_dynamic_bsz:
+def _notes(
+    m: ModelConfig, r: RolloutConfig, p: ParallelConfig, a: ActorConfig, arch: ModelArch, padded_vocab: int
+) -> list[str]:
+    notes = weight_sync_notes(m, r, arch, padded_vocab)
+    if p.virtual_pipeline_model_parallel_size is not None and a.use_dynamic_bsz:
         notes.append(
             "parallel.virtual_pipeline_model_parallel_size with actor.use_dynamic_bsz=true: megatron-core's "
             "interleaved schedule needs the number of micro-batches to be a multiple of PP="

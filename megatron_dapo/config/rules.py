@@ -1,12 +1,14 @@
 """What the config alone decides, as pure functions returning problem lines: each value's range, settings that
-cannot work together, the learning-rate schedule and the algorithm names. ``run_rules.py`` adds what needs the
-model and the world; ``plan.resolve`` calls both.
+cannot work together, the learning-rate schedule and the algorithm names. Each rule takes the config sections it
+reads; the tables below say which (``Rule.reads``), and :func:`config_problems` runs every rule of them once.
+``run_rules.py`` holds what needs the model and the world; ``plan.plan_problems`` runs both, once per command.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import megatron_dapo.algo.advantages  # noqa: F401  (the built-in estimators register themselves on import)
@@ -22,6 +24,7 @@ from megatron_dapo.algo.rollout_correction import (
 from megatron_dapo.config.schema import (
     ActorConfig,
     AlgorithmConfig,
+    AsyncConfig,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -29,6 +32,7 @@ from megatron_dapo.config.schema import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    PlacementConfig,
     RewardConfig,
     RolloutConfig,
     TrainerConfig,
@@ -59,7 +63,8 @@ class _Problems(list):
         self.need(key, value, math.isfinite(value), "a finite number")
 
 
-def _model_parallel_ranges(out: _Problems, m: ModelConfig, p: ParallelConfig) -> None:
+def _model_parallel_ranges(m: ModelConfig, p: ParallelConfig) -> list[str]:
+    out = _Problems()
     out.positive_int("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
     out.need("model.attention_backend", m.attention_backend, m.attention_backend in ("sdpa", "local"), "sdpa or local")
     out.in_unit("model.attention_dropout", m.attention_dropout)
@@ -71,9 +76,11 @@ def _model_parallel_ranges(out: _Problems, m: ModelConfig, p: ParallelConfig) ->
     out.positive_int("parallel.expert_model_parallel_size", p.expert_model_parallel_size)
     out.positive_int("parallel.expert_tensor_parallel_size", p.expert_tensor_parallel_size, True)
     out.positive_int("parallel.ddp_bucket_size", p.ddp_bucket_size, True)
+    return out
 
 
-def _checkpoint_data_ranges(out: _Problems, c: CheckpointConfig, d: DataConfig) -> None:
+def _checkpoint_data_ranges(c: CheckpointConfig, d: DataConfig) -> list[str]:
+    out = _Problems()
     out.need(
         "checkpoint.save_freq",
         c.save_freq,
@@ -85,6 +92,7 @@ def _checkpoint_data_ranges(out: _Problems, c: CheckpointConfig, d: DataConfig) 
     out.positive_int("data.train_batch_size", d.train_batch_size)
     out.positive_int("data.gen_batch_size", d.gen_batch_size, True)
     out.positive_int("data.val_batch_size", d.val_batch_size, True)
+    return out
 
 
 def _optim_ranges(out: _Problems, o: OptimConfig) -> None:
@@ -99,7 +107,9 @@ def _optim_ranges(out: _Problems, o: OptimConfig) -> None:
     out.need("actor.optim.clip_grad", o.clip_grad, o.clip_grad >= 0, "a value >= 0 (0 = no clipping)")
 
 
-def _actor_ranges(out: _Problems, a: ActorConfig) -> None:
+def _actor_ranges(a: ActorConfig) -> list[str]:
+    out = _Problems()
+    _optim_ranges(out, a.optim)
     out.positive_int("actor.ppo_mini_batch_size", a.ppo_mini_batch_size)
     out.positive_int("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu)
     out.positive_int("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu)
@@ -126,6 +136,7 @@ def _actor_ranges(out: _Problems, a: ActorConfig) -> None:
     z = a.moe_z_loss_coeff
     out.need("actor.moe_z_loss_coeff", z, math.isfinite(z) and z >= 0, "a finite value >= 0 (0 = off)")
     _policy_loss_ranges(out, a)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------- policy loss
@@ -193,7 +204,8 @@ def _sampling_ranges(out: _Problems, prefix: str, temperature: float, top_p: flo
     out.need(f"{prefix}.top_k", top_k, top_k == -1 or top_k >= 1, "-1 (off) or an integer >= 1")
 
 
-def _rollout_ranges(out: _Problems, r: RolloutConfig) -> None:
+def _rollout_ranges(r: RolloutConfig) -> list[str]:
+    out = _Problems()
     out.positive_int("rollout.tensor_model_parallel_size", r.tensor_model_parallel_size)
     out.positive_int("rollout.expert_parallel_size", r.expert_parallel_size)
     out.positive_int("rollout.n", r.n)
@@ -217,9 +229,11 @@ def _rollout_ranges(out: _Problems, r: RolloutConfig) -> None:
     v = r.val_kwargs
     _sampling_ranges(out, "rollout.val_kwargs", v.temperature, v.top_p, v.top_k)
     out.positive_int("rollout.val_kwargs.n", v.n)
+    return out
 
 
-def _algorithm_ranges(out: _Problems, al: AlgorithmConfig) -> None:
+def _algorithm_ranges(al: AlgorithmConfig) -> list[str]:
+    out = _Problems()
     out.in_unit("algorithm.gamma", al.gamma, high_open=False)
     out.need("algorithm.kl_ctrl.kl_coef", al.kl_ctrl.kl_coef, al.kl_ctrl.kl_coef >= 0, "a value >= 0")
     out.need("algorithm.kl_ctrl.target_kl", al.kl_ctrl.target_kl, al.kl_ctrl.target_kl > 0, "a value > 0")
@@ -242,10 +256,12 @@ def _algorithm_ranges(out: _Problems, al: AlgorithmConfig) -> None:
         1 <= al.off_policy.is_threshold < math.inf,
         "a finite value >= 1 (the truncation of proximal / behaviour)",
     )
+    return out
 
 
 def reward_value_problems(rw: RewardConfig) -> list[str]:
-    """The ``reward`` section's ranges (also for a ``RewardConfig`` built directly, as the reward manager takes)."""
+    """The ``reward`` section's ranges and every ``reward.extra_functions`` entry's shape and weight (no file is
+    imported here: ``run_rules.reward_function_problems`` imports them)."""
     out = _Problems()
     ob = rw.overlong_buffer
     out.positive_int("reward.overlong_buffer.len", ob.len)
@@ -266,10 +282,13 @@ def reward_value_problems(rw: RewardConfig) -> list[str]:
     out.finite("reward.error_score", rw.error_score)
     out.need("reward.max_logged_errors", rw.max_logged_errors, rw.max_logged_errors >= 0, "an integer >= 0")
     out.finite("reward.custom_function.weight", rw.custom_function.weight)
+    for i, item in enumerate(rw.extra_functions):
+        out.extend(extra_function_spec(item, f"reward.extra_functions[{i}]")[1])
     return out
 
 
-def _trainer_ranges(out: _Problems, t: TrainerConfig) -> None:
+def _trainer_ranges(t: TrainerConfig) -> list[str]:
+    out = _Problems()
     out.positive_int("trainer.total_epochs", t.total_epochs)
     out.positive_int("trainer.total_training_steps", t.total_training_steps, True)
     out.need(
@@ -286,26 +305,15 @@ def _trainer_ranges(out: _Problems, t: TrainerConfig) -> None:
     )
     out.positive_int("trainer.max_consecutive_skipped_updates", t.max_consecutive_skipped_updates)
     out.positive_int("trainer.console_every", t.console_every)
+    return out
 
 
-def range_problems(cfg: ExperimentConfig) -> list[str]:
-    """Every value against its valid range, section by section; one line per problem."""
+def _placement_async_ranges(pl: PlacementConfig, a: AsyncConfig) -> list[str]:
     out = _Problems()
-    _model_parallel_ranges(out, cfg.model, cfg.parallel)
-    _checkpoint_data_ranges(out, cfg.checkpoint, cfg.data)
-    _optim_ranges(out, cfg.actor.optim)
-    _actor_ranges(out, cfg.actor)
-    _rollout_ranges(out, cfg.rollout)
-    _algorithm_ranges(out, cfg.algorithm)
-    out.extend(reward_value_problems(cfg.reward))
-    _trainer_ranges(out, cfg.trainer)
-    out.extend(_lora_problems(cfg))
-    ranks = cfg.placement.rollout_ranks
-    out.need("placement.rollout_ranks", ranks, ranks >= 0, "an integer >= 0")
-    a = cfg.async_
+    out.need("placement.rollout_ranks", pl.rollout_ranks, pl.rollout_ranks >= 0, "an integer >= 0")
     out.need("async.max_staleness", a.max_staleness, a.max_staleness >= 0, "an integer >= 0 (0 = synchronous)")
     out.need("async.queue_groups", a.queue_groups, a.queue_groups >= 0, "an integer >= 0 (0 = automatic)")
-    return list(out)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------- lr schedule
@@ -350,9 +358,9 @@ def lr_schedule_problems(optim: OptimConfig, total_steps: int, steps_key: Option
 # --------------------------------------------------------------------------------------------------- cross-field
 
 
-def _batch_and_sampling_problems(cfg: ExperimentConfig) -> list[str]:
+def _batch_and_sampling_problems(a: ActorConfig, d: DataConfig, r: RolloutConfig, al: AlgorithmConfig) -> list[str]:
     problems: list[str] = []
-    a, d, r, fg = cfg.actor, cfg.data, cfg.rollout, cfg.algorithm.filter_groups
+    fg = al.filter_groups
     if a.ppo_mini_batch_size > d.train_batch_size or d.train_batch_size % a.ppo_mini_batch_size:
         problems.append(
             f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide data.train_batch_size="
@@ -369,40 +377,45 @@ def _batch_and_sampling_problems(cfg: ExperimentConfig) -> list[str]:
             "responses of a prompt the same text, so every group has equal rewards and dynamic sampling can never "
             "fill a batch; set rollout.temperature > 0 (e.g. 1.0) or disable algorithm.filter_groups.enable"
         )
-    if r.n > 1 and r.temperature == 0 and cfg.algorithm.adv_estimator in ("grpo", "rloo"):
+    if r.n > 1 and r.temperature == 0 and al.adv_estimator in ("grpo", "rloo"):
         problems.append(
             f"rollout.n={r.n} with rollout.temperature=0: the n greedy responses of a prompt are identical, so every "
-            f"group-relative advantage ({cfg.algorithm.adv_estimator}) is zero and nothing trains; set "
+            f"group-relative advantage ({al.adv_estimator}) is zero and nothing trains; set "
             "rollout.temperature > 0"
         )
     return problems
 
 
-def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
-    """Settings that are each valid but cannot work together; each line says how to fix it."""
-    problems = _batch_and_sampling_problems(cfg)
-    if cfg.actor.use_remove_padding and cfg.parallel.context_parallel_size > 1:
-        problems.append(
-            f"actor.use_remove_padding=true with parallel.context_parallel_size={cfg.parallel.context_parallel_size}: "
+def _packing_problems(a: ActorConfig, p: ParallelConfig) -> list[str]:
+    if a.use_remove_padding and p.context_parallel_size > 1:
+        return [
+            f"actor.use_remove_padding=true with parallel.context_parallel_size={p.context_parallel_size}: "
             "packed (THD) micro-batches are not split over context-parallel ranks; set actor.use_remove_padding=false "
             "(padded micro-batches, split as megatron-core expects) or parallel.context_parallel_size=1"
-        )
-    ob, d = cfg.reward.overlong_buffer, cfg.data
-    if ob.enable and ob.len >= d.max_response_length:
-        problems.append(
+        ]
+    return []
+
+
+def _overlong_problems(rw: RewardConfig, d: DataConfig) -> list[str]:
+    ob = rw.overlong_buffer
+    if ob.enable and d.max_response_length >= 1 and ob.len >= d.max_response_length:  # any buffer length compares
+        return [
             f"reward.overlong_buffer.len={ob.len} must be shorter than data.max_response_length="
             f"{d.max_response_length}: the buffer is the tail of the response budget; lower it (DAPO uses 4096 of "
             "20480)"
-        )
-    steps = cfg.trainer.total_training_steps
-    if steps is not None:
-        problems += lr_schedule_problems(cfg.actor.optim, steps, "trainer.total_training_steps")
-    return problems + _off_policy_problems(cfg) + _async_problems(cfg) + _multi_turn_problems(cfg) + _gdpo_problems(cfg)
+        ]
+    return []
 
 
-def _gdpo_problems(cfg: ExperimentConfig) -> list[str]:
+def _step_schedule_problems(a: ActorConfig, t: TrainerConfig) -> list[str]:
+    """The lr schedule over ``trainer.total_training_steps`` when the config sets it (else ``plan.plan_problems``
+    checks it over the steps the data gives)."""
+    steps = t.total_training_steps
+    return [] if steps is None else lr_schedule_problems(a.optim, steps, "trainer.total_training_steps")
+
+
+def _gdpo_problems(a: AlgorithmConfig) -> list[str]:
     """GDPO needs the reward dimensions it normalises one by one (the reward function's dict keys)."""
-    a = cfg.algorithm
     if a.adv_estimator != "gdpo":
         return []
     if not a.gdpo_reward_keys:
@@ -419,19 +432,19 @@ def _gdpo_problems(cfg: ExperimentConfig) -> list[str]:
     return []
 
 
-def _multi_turn_problems(cfg: ExperimentConfig) -> list[str]:
+def _multi_turn_problems(r: RolloutConfig) -> list[str]:
     """Multi-turn rollout against the rest of the config (it combines with partial rollout, async mode and routing
     replay as single-turn rollout does: their own rules apply)."""
-    mt = cfg.rollout.multi_turn
+    mt = r.multi_turn
     if mt.enable and not mt.tool_config_path:
         return ["rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path (a tool YAML)"]
     return []
 
 
-def _async_problems(cfg: ExperimentConfig) -> list[str]:
+def _async_problems(t: TrainerConfig, pl: PlacementConfig, a: ActorConfig) -> list[str]:
     """trainer.mode=async against the placement and the features it does not carry."""
-    ranks = cfg.placement.rollout_ranks
-    if cfg.trainer.mode == "sync":
+    ranks = pl.rollout_ranks
+    if t.mode == "sync":
         if ranks:
             return [
                 f"placement.rollout_ranks={ranks} with trainer.mode=sync: every rank generates and trains in "
@@ -443,48 +456,50 @@ def _async_problems(cfg: ExperimentConfig) -> list[str]:
         problems.append(
             "trainer.mode=async needs placement.rollout_ranks >= 1 (the last ranks of the job that only generate)"
         )
-    if cfg.actor.router_replay == "rollout":
+    if a.router_replay == "rollout":
         problems.append("trainer.mode=async with actor.router_replay=rollout: routing replay is synchronous only")
     return problems
 
 
-def _off_policy_problems(cfg: ExperimentConfig) -> list[str]:
+def _off_policy_problems(
+    a: ActorConfig, r: RolloutConfig, al: AlgorithmConfig, t: TrainerConfig, d: DataConfig
+) -> list[str]:
     """Partial rollout and the off-policy correction against the rest of the config."""
     problems = []
-    pr, mode = cfg.rollout.partial_rollout, cfg.algorithm.off_policy.mode
-    if pr.enable and cfg.actor.router_replay == "rollout":
+    pr, mode = r.partial_rollout, al.off_policy.mode
+    if pr.enable and a.router_replay == "rollout":
         problems.append(
             "rollout.partial_rollout.enable=true with actor.router_replay=rollout: the routing of a response's earlier "
             "segments is not kept across steps; set one of them off"
         )
-    if mode == "auto" and (pr.enable or cfg.trainer.mode == "async"):
+    if mode == "auto" and (pr.enable or t.mode == "async"):
         mode = "auto (decoupled with partial rollout or async)"
-    if mode not in ("auto", "none") and cfg.algorithm.rollout_is_threshold is not None:
+    if mode not in ("auto", "none") and al.rollout_is_threshold is not None:
         problems.append(
             f"algorithm.off_policy.mode={mode} with algorithm.rollout_is_threshold="
-            f"{cfg.algorithm.rollout_is_threshold}: both correct the behaviour/rollout mismatch; keep "
+            f"{al.rollout_is_threshold}: both correct the behaviour/rollout mismatch; keep "
             "algorithm.off_policy (its is_threshold) and set algorithm.rollout_is_threshold to null"
         )
-    if cfg.actor.policy_loss.loss_mode == "bypass_mode" and cfg.algorithm.rollout_is_threshold is not None:
+    if a.policy_loss.loss_mode == "bypass_mode" and al.rollout_is_threshold is not None:
         problems.append(
             f"actor.policy_loss.loss_mode=bypass_mode with algorithm.rollout_is_threshold="
-            f"{cfg.algorithm.rollout_is_threshold}: bypass mode takes the rollout as the old policy and corrects with "
+            f"{al.rollout_is_threshold}: bypass mode takes the rollout as the old policy and corrects with "
             "actor.policy_loss.rollout_correction.* (the other weights are ignored); set "
             "algorithm.rollout_is_threshold to null"
         )
-    if pr.enable and pr.segment_length is not None and pr.segment_length >= cfg.data.max_response_length:
+    if pr.enable and pr.segment_length is not None and pr.segment_length >= d.max_response_length:
         problems.append(
             f"rollout.partial_rollout.segment_length={pr.segment_length} covers the whole "
-            f"data.max_response_length={cfg.data.max_response_length}: every response would end in one segment; "
+            f"data.max_response_length={d.max_response_length}: every response would end in one segment; "
             "lower it or leave it null (max_response_length / max_segments)"
         )
     return problems
 
 
-def algorithm_name_problems(cfg: ExperimentConfig) -> list[str]:
+def algorithm_name_problems(al: AlgorithmConfig, a: ActorConfig) -> list[str]:
     """``algorithm.adv_estimator`` and ``actor.policy_loss`` name registered entries (built-ins, plus those of
     ``algorithm.user_algorithms_file``, which is imported here)."""
-    path = cfg.algorithm.user_algorithms_file
+    path = al.user_algorithms_file
     try:
         load_user_algorithms(path)
     except (FileNotFoundError, ImportError, ValueError) as exc:
@@ -493,7 +508,7 @@ def algorithm_name_problems(cfg: ExperimentConfig) -> list[str]:
             "to null"
         ]
     problems = []
-    names = ((ADV_ESTIMATORS, cfg.algorithm.adv_estimator), (POLICY_LOSSES, cfg.actor.policy_loss.loss_mode))
+    names = ((ADV_ESTIMATORS, al.adv_estimator), (POLICY_LOSSES, a.policy_loss.loss_mode))
     for registry, name in names:
         if name not in registry:
             problems.append(registry.unknown(name))
@@ -516,39 +531,6 @@ def extra_function_spec(item: Any, where: str) -> tuple[Optional[tuple[str, str,
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
         return spec, [f"{where}.weight={weight!r}: expected a finite number"]
     return spec, []
-
-
-def reward_config_problems(rw: RewardConfig, max_response_length: Optional[int] = None) -> list[str]:
-    """What the reward manager needs of a ``reward`` section, which may be built in code rather than loaded: its
-    ranges (:func:`reward_value_problems`), every ``reward.extra_functions`` entry's shape and weight, and, given
-    ``data.max_response_length``, an enabled overlong buffer no longer than it (the manager's bound; a training run's
-    config must keep the buffer strictly shorter, see ``_cross_field_problems``). Imports no reward file."""
-    problems = reward_value_problems(rw)
-    for i, item in enumerate(rw.extra_functions):
-        problems += extra_function_spec(item, f"reward.extra_functions[{i}]")[1]
-    ob = rw.overlong_buffer
-    if max_response_length is not None and ob.enable and isinstance(ob.len, int) and ob.len > max_response_length:
-        problems.append(
-            f"reward.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={max_response_length}]"
-        )
-    return problems
-
-
-def check_reward_config(rw: RewardConfig, max_response_length: Optional[int] = None) -> None:
-    """:func:`reward_config_problems`, raised as one ``ConfigError`` (the reward manager's only config check)."""
-    problems = reward_config_problems(rw, max_response_length)
-    if problems:
-        raise ConfigError.of(problems)
-
-
-def resolve_warmup_steps(optim: OptimConfig, total_steps: int) -> int:
-    """Checked warm-up length: ``lr_warmup_steps`` when positive, else ``int(lr_warmup_steps_ratio × total_steps)``
-    (verl's rule); the other schedule fields are validated on the way (``config.lr_schedule_problems``, the check
-    ``plan.resolve`` makes up front when it knows the number of steps)."""
-    problems = lr_schedule_problems(optim, total_steps)
-    if problems:
-        raise ConfigError.of(problems)
-    return warmup_steps(optim, total_steps)
 
 
 def eval_option_problems(
@@ -579,43 +561,19 @@ def check_eval_options(*args: Any) -> None:
         raise ConfigError.of(problems)
 
 
-def config_problems(cfg: ExperimentConfig) -> list[str]:
-    """Every problem ``check_values`` reports (ranges, then cross-field ones, algorithm names), as a list."""
-    problems = range_problems(cfg)
-    if not problems:  # cross-field messages assume each value is in range
-        problems = _cross_field_problems(cfg)
-    return problems + algorithm_name_problems(cfg) + distillation_problems(cfg.distillation)
-
-
-def check_values(cfg: ExperimentConfig) -> None:
-    """Range and cross-field checks that need no model; all problems are reported at once. The only file read is
-    ``algorithm.user_algorithms_file`` (imported so that the algorithm names can be checked)."""
-    problems = config_problems(cfg)
-    if problems:
-        raise ConfigError.of(problems)
-
-
-def required_input_problems(cfg: ExperimentConfig) -> list[str]:
+def required_input_problems(c: CheckpointConfig, d: DataConfig) -> list[str]:
     """What a training run needs and a config for other commands may leave out."""
     problems = []
-    if not cfg.checkpoint.load_dir:
+    if not c.load_dir:
         problems.append("checkpoint.load_dir is required: the converter's output (megatron-dapo convert hf-to-mcore)")
-    if not cfg.data.train_files:
+    if not d.train_files:
         problems.append("data.train_files is required: one or more parquet/jsonl files of prompts")
     return problems
 
 
-def validate_config(cfg: ExperimentConfig) -> None:
-    """Everything a training run needs that can be checked before the model architecture is known. With the
-    architecture and the world size, ``plan.resolve`` checks this and the rest."""
-    problems = required_input_problems(cfg) + config_problems(cfg)
-    if problems:
-        raise ConfigError.of(problems)
-
-
-def _lora_problems(cfg: ExperimentConfig) -> list[str]:
+def _lora_problems(a: ActorConfig, p: ParallelConfig, c: CheckpointConfig) -> list[str]:
     """``actor.lora`` (megatron_dapo/models/lora.py, docs/lora.md)."""
-    lo, out = cfg.actor.lora, _Problems()
+    lo, out = a.lora, _Problems()
     out.need("actor.lora.rank", lo.rank, isinstance(lo.rank, int) and lo.rank >= 0, "an integer >= 0 (0 = off)")
     ok = math.isfinite(lo.alpha) and lo.alpha > 0
     out.need("actor.lora.alpha", lo.alpha, ok, "a finite number > 0 (the update is scaled by alpha / rank)")
@@ -623,7 +581,7 @@ def _lora_problems(cfg: ExperimentConfig) -> list[str]:
     targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     ok = bool(lo.target_modules) and all(t in targets or t == "all-linear" for t in lo.target_modules)
     out.need("actor.lora.target_modules", lo.target_modules, ok, f"a non-empty list of {list(targets)} or [all-linear]")
-    tp = cfg.parallel.tensor_model_parallel_size
+    tp = p.tensor_model_parallel_size
     if isinstance(lo.rank, int) and lo.rank > 0 and isinstance(tp, int) and tp > 0 and lo.rank % tp:
         out.need(
             "actor.lora.rank",
@@ -632,11 +590,86 @@ def _lora_problems(cfg: ExperimentConfig) -> list[str]:
             f"a multiple of parallel.tensor_model_parallel_size={tp}",
             "A of a column-parallel layer is split along the rank (as Megatron-Bridge's)",
         )
-    if isinstance(lo.rank, int) and lo.rank > 0 and cfg.checkpoint.ref_load_dir:
+    if isinstance(lo.rank, int) and lo.rank > 0 and c.ref_load_dir:
         out.need(
             "checkpoint.ref_load_dir",
-            cfg.checkpoint.ref_load_dir,
+            c.ref_load_dir,
             False,
             "unset with actor.lora (the reference is the base with the adapters off: checkpoint.load_dir)",
         )
-    return list(out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- the rule tables
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule: ``check`` takes the ``ExperimentConfig`` sections named by ``reads`` (field names, in order) and
+    returns its problem lines. A cross-field rule runs only when none of the sections it reads has a range problem
+    (its messages assume each value is in range); ``after_ranges=False`` runs it whatever the ranges."""
+
+    check: Callable[..., list[str]]
+    reads: tuple[str, ...]
+    after_ranges: bool = True
+
+
+# Each value against its valid range, section by section.
+RANGE_RULES: tuple[Rule, ...] = (
+    Rule(_model_parallel_ranges, ("model", "parallel")),
+    Rule(_checkpoint_data_ranges, ("checkpoint", "data")),
+    Rule(_actor_ranges, ("actor",)),
+    Rule(_rollout_ranges, ("rollout",)),
+    Rule(_algorithm_ranges, ("algorithm",)),
+    Rule(reward_value_problems, ("reward",)),
+    Rule(_trainer_ranges, ("trainer",)),
+    Rule(_lora_problems, ("actor", "parallel", "checkpoint")),
+    Rule(_placement_async_ranges, ("placement", "async_")),
+)
+
+# Settings that are each valid but cannot work together (each line says how to fix it), and the algorithm names.
+CROSS_RULES: tuple[Rule, ...] = (
+    Rule(_batch_and_sampling_problems, ("actor", "data", "rollout", "algorithm")),
+    Rule(_packing_problems, ("actor", "parallel")),
+    Rule(_overlong_problems, ("reward", "data"), after_ranges=False),
+    Rule(_step_schedule_problems, ("actor", "trainer")),
+    Rule(_off_policy_problems, ("actor", "rollout", "algorithm", "trainer", "data")),
+    Rule(_async_problems, ("trainer", "placement", "actor")),
+    Rule(_multi_turn_problems, ("rollout",)),
+    Rule(_gdpo_problems, ("algorithm",)),
+    Rule(algorithm_name_problems, ("algorithm", "actor"), after_ranges=False),
+    Rule(distillation_problems, ("distillation",), after_ranges=False),  # after the user file is imported
+)
+
+
+class ConfigProblems(list):
+    """``config_problems``' lines; ``out_of_range``: the sections with a value out of range (the rules that read them
+    and need them in range were skipped)."""
+
+    def __init__(self, lines: list[str], out_of_range: frozenset[str]) -> None:
+        super().__init__(lines)
+        self.out_of_range = out_of_range
+
+
+def config_problems(cfg: ExperimentConfig) -> ConfigProblems:
+    """Every rule the config alone decides (``RANGE_RULES``, then ``CROSS_RULES``), each run once, as one list. The
+    only file read is ``algorithm.user_algorithms_file`` (imported so that the algorithm names can be checked)."""
+    problems: list[str] = []
+    out_of_range: set[str] = set()
+    for rule in RANGE_RULES:
+        found = rule.check(*(getattr(cfg, name) for name in rule.reads))
+        if found:
+            out_of_range.update(rule.reads)
+        problems += found
+    for rule in CROSS_RULES:
+        if not rule.after_ranges or out_of_range.isdisjoint(rule.reads):
+            problems += rule.check(*(getattr(cfg, name) for name in rule.reads))
+    return ConfigProblems(problems, frozenset(out_of_range))
+
+
+def check_values(cfg: ExperimentConfig) -> None:
+    """The config-only gate (``eval``'s; ``train`` runs ``plan.resolve``, which includes these rules):
+    :func:`config_problems`, every problem in one ``ConfigError``."""
+    problems = config_problems(cfg)
+    if problems:
+        raise ConfigError.of(problems)

@@ -1,22 +1,27 @@
 """What a training run needs besides the config: the model architecture (``ModelArch`` from the HF
 ``config.json``), the world size, the platform, the number of training steps and the user's reward files. Pure
-functions returning problem lines; ``plan.resolve`` collects them and ``megatron-dapo check`` reports the same lines.
+functions returning problem lines, each taking the config sections it reads; ``plan.plan_problems`` runs them once
+with the config's own rules (``rules.py``): ``plan.resolve`` raises them, ``megatron-dapo check`` reports them.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from megatron_dapo.config.rules import (
-    config_problems,
-    extra_function_spec,
-    lr_schedule_problems,
-    range_problems,
-    required_input_problems,
+from megatron_dapo.config.rules import extra_function_spec
+from megatron_dapo.config.schema import (
+    ActorConfig,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    PlacementConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
 )
-from megatron_dapo.config.schema import ConfigError, ExperimentConfig, ParallelConfig, RewardConfig
 from megatron_dapo.dtypes import dtype_bytes
-from megatron_dapo.models.families import ModelArch, layout_problems
+from megatron_dapo.models.families import ModelArch
 from megatron_dapo.platform import Platform, make_platform, select_platform_name
 from megatron_dapo.reward.custom import load_reward_function
 
@@ -24,10 +29,10 @@ DEFAULT_MIN_BATCHED_TOKENS = 8192
 MIB = 2**20
 
 
-def config_platform(cfg: ExperimentConfig) -> Platform:
+def config_platform(parallel: ParallelConfig) -> Platform:
     """The platform ``parallel.platform`` names, for its answers only (not set up: ``check`` asks a CUDA config's
     questions on a CPU machine); auto = this machine's (detected, not set up: nothing of megatron-core imported)."""
-    name = cfg.parallel.platform
+    name = parallel.platform
     return make_platform(select_platform_name(name) if name == "auto" else name)
 
 
@@ -148,10 +153,12 @@ def expert_layout_problems(
     return problems
 
 
-def batch_layout_problems(cfg: ExperimentConfig, dp_size: int) -> list[str]:
+def batch_layout_problems(
+    a: ActorConfig, r: RolloutConfig, d: DataConfig, p: ParallelConfig, dp_size: int
+) -> list[str]:
     """Mini-batches against the data-parallel size: each DP rank takes an equal share of every mini-batch, and the
     interleaved (VPP) schedule needs a multiple of PP micro-batches (not checkable with dynamic batch sizes)."""
-    a, n = cfg.actor, cfg.rollout.n
+    n = r.n
     mini_rows = a.ppo_mini_batch_size * n
     if mini_rows % dp_size:
         return [
@@ -159,7 +166,7 @@ def batch_layout_problems(cfg: ExperimentConfig, dp_size: int) -> list[str]:
             f"mini-batch is not divisible by the data-parallel size {dp_size} (world / (TP x PP)): each DP rank "
             "takes an equal share; change actor.ppo_mini_batch_size, rollout.n or the layout"
         ]
-    pp, vpp = cfg.parallel.pipeline_model_parallel_size, cfg.parallel.virtual_pipeline_model_parallel_size
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
     if vpp is None or a.use_dynamic_bsz:
         return []
     problems = []
@@ -168,7 +175,7 @@ def batch_layout_problems(cfg: ExperimentConfig, dp_size: int) -> list[str]:
         (
             "actor.log_prob_micro_batch_size_per_gpu",
             a.log_prob_micro_batch_size_per_gpu,
-            cfg.data.train_batch_size * n // dp_size,
+            d.train_batch_size * n // dp_size,
         ),
     ):
         m = -(-rows // mbs)
@@ -185,7 +192,8 @@ def batch_layout_problems(cfg: ExperimentConfig, dp_size: int) -> list[str]:
 
 
 def rollout_layout_problems(
-    cfg: ExperimentConfig,
+    r: RolloutConfig,
+    d: DataConfig,
     world_size: int,
     max_position_embeddings: int,
     arch: Optional[ModelArch] = None,
@@ -193,15 +201,16 @@ def rollout_layout_problems(
     platform: Optional[Platform] = None,
 ) -> list[str]:
     """Rollout TP against the world (and, given the arch, the heads / KV heads / FFN vLLM splits), and the
-    sequence budget against ``max_position_embeddings`` and ``rollout.max_num_batched_tokens``."""
-    tp = cfg.rollout.tensor_model_parallel_size
+    sequence budget against ``max_position_embeddings`` and ``rollout.max_num_batched_tokens``. ``platform``: the
+    one whose fused-MoE kernel the engine runs (None = this machine's)."""
+    tp = r.tensor_model_parallel_size
     problems = []
     if tp < 1 or world_size % tp:
         problems.append(
             f"rollout.tensor_model_parallel_size={tp} must be >= 1 and divide the world size {world_size}{world_desc}"
             f" (each group of {tp} consecutive ranks forms one vLLM replica); use a divisor of {world_size}"
         )
-    ep = cfg.rollout.expert_parallel_size
+    ep = r.expert_parallel_size
     if ep > 1 and ep != tp:
         problems.append(
             f"rollout.expert_parallel_size={ep} must be 1 or equal rollout.tensor_model_parallel_size={tp}: vLLM's "
@@ -224,10 +233,10 @@ def rollout_layout_problems(
                 f"rollout.tensor_model_parallel_size={tp} does not divide intermediate_size={ffn}; use a divisor"
             )
         if arch.is_moe:
-            problems += _rollout_expert_problems(tp, ep, arch, platform or config_platform(cfg))
+            problems += _rollout_expert_problems(tp, ep, arch, platform or config_platform(ParallelConfig()))
         elif ep > 1:
             problems.append(f"rollout.expert_parallel_size={ep} needs a mixture-of-experts model; set it to 1")
-    prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
+    prompt, response = d.max_prompt_length, d.max_response_length
     if prompt < 1 or response < 1:
         return problems + [f"data.max_prompt_length={prompt} and data.max_response_length={response} must both be >= 1"]
     budget = prompt + response
@@ -236,7 +245,7 @@ def rollout_layout_problems(
             f"data.max_prompt_length + data.max_response_length = {prompt} + {response} = {budget} exceeds"
             f" the model's max_position_embeddings={max_position_embeddings}; shorten one of them"
         )
-    batched = cfg.rollout.max_num_batched_tokens
+    batched = r.max_num_batched_tokens
     if batched is not None and batched < budget:
         problems.append(
             f"rollout.max_num_batched_tokens={batched} must be >= data.max_prompt_length + data.max_response_length"
@@ -278,20 +287,19 @@ def _rollout_expert_problems(tp: int, ep: int, arch: ModelArch, platform: Platfo
     return []
 
 
-def resolve_max_num_batched_tokens(cfg: ExperimentConfig, max_model_len: int) -> int:
+def resolve_max_num_batched_tokens(r: RolloutConfig, max_model_len: int) -> int:
     """``rollout.max_num_batched_tokens``, or (null) ``max(max_model_len, min(8192, max_num_seqs × max_model_len))``."""
-    return cfg.rollout.max_num_batched_tokens or max(
-        max_model_len, min(DEFAULT_MIN_BATCHED_TOKENS, cfg.rollout.max_num_seqs * max_model_len)
-    )
+    fill = min(DEFAULT_MIN_BATCHED_TOKENS, r.max_num_seqs * max_model_len)
+    return r.max_num_batched_tokens or max(max_model_len, fill)
 
 
 # ----------------------------------------------------------------------------------------------- reward functions
 
 
 def reward_function_problems(rw: RewardConfig) -> list[str]:
-    """The reward functions the config names: each ``reward.extra_functions`` entry well-formed with a finite
-    weight (:func:`~megatron_dapo.config.rules.extra_function_spec`), and every file importable and defining its
-    function (imported here, once per process, as the reward manager will)."""
+    """The reward functions the config names: every file importable and defining its function (imported here, once
+    per process, as the reward manager will). A malformed ``reward.extra_functions`` entry is not imported: the
+    reward section's range rule (``rules.reward_value_problems``) reports it."""
     specs: list[tuple[str, str, str]] = []  # (config key, path, name)
     problems: list[str] = []
     cf = rw.custom_function
@@ -299,8 +307,7 @@ def reward_function_problems(rw: RewardConfig) -> list[str]:
         specs.append(("reward.custom_function", cf.path, cf.name))
     for i, item in enumerate(rw.extra_functions):
         where = f"reward.extra_functions[{i}]"
-        spec, found = extra_function_spec(item, where)
-        problems += found
+        spec = extra_function_spec(item, where)[0]
         if spec is not None:
             specs.append((where, spec[0], spec[1]))
     for key, path, name in specs:
@@ -314,10 +321,10 @@ def reward_function_problems(rw: RewardConfig) -> list[str]:
 # ----------------------------------------------------------------------------------------------- weight sync
 
 
-def weight_sync_notes(cfg: ExperimentConfig, arch: ModelArch, padded_vocab: int) -> list[str]:
+def weight_sync_notes(m: ModelConfig, r: RolloutConfig, arch: ModelArch, padded_vocab: int) -> list[str]:
     """The sync puts a module larger than ``rollout.weight_sync_bucket_mb`` in a bucket of its own
     (``rollout/sync.py``): not an error, but the sync's peak is then that module, not the bucket size."""
-    param_bytes = dtype_bytes(cfg.model.params_dtype)
+    param_bytes = dtype_bytes(m.params_dtype)
     h = arch.hidden_size
     modules = {
         "the embedding (padded vocabulary x hidden)": padded_vocab * h,
@@ -329,12 +336,12 @@ def weight_sync_notes(cfg: ExperimentConfig, arch: ModelArch, padded_vocab: int)
         modules["the routed experts of one MoE layer"] = arch.num_experts * 3 * arch.moe_ffn_hidden_size * h
     name, numel = max(modules.items(), key=lambda kv: kv[1])
     size_mb = numel * param_bytes / MIB
-    bucket_mb = cfg.rollout.weight_sync_bucket_mb
+    bucket_mb = r.weight_sync_bucket_mb
     if size_mb <= bucket_mb:
         return []
     return [
         f"rollout.weight_sync_bucket_mb={bucket_mb} is smaller than the largest module, {name}: {size_mb:.0f} MiB in "
-        f"{cfg.model.params_dtype}; it is synced in a bucket of its own, so a weight sync holds up to "
+        f"{m.params_dtype}; it is synced in a bucket of its own, so a weight sync holds up to "
         f"{size_mb:.0f} MiB of full tensors at once"
     ]
 
@@ -342,18 +349,18 @@ def weight_sync_notes(cfg: ExperimentConfig, arch: ModelArch, padded_vocab: int)
 # ----------------------------------------------------------------------------------------------- the whole run
 
 
-def side_worlds(cfg: ExperimentConfig, world_size: int) -> tuple[int, int]:
+def side_worlds(t: TrainerConfig, pl: PlacementConfig, world_size: int) -> tuple[int, int]:
     """(ranks that train, ranks that generate): all of them both in sync mode; split by ``placement.rollout_ranks``
     in async mode (the last ranks generate)."""
-    if cfg.trainer.mode != "async":
+    if t.mode != "async":
         return world_size, world_size
-    return world_size - cfg.placement.rollout_ranks, cfg.placement.rollout_ranks
+    return world_size - pl.rollout_ranks, pl.rollout_ranks
 
 
-def placement_problems(cfg: ExperimentConfig, world_size: int) -> list[str]:
+def placement_problems(t: TrainerConfig, pl: PlacementConfig, world_size: int) -> list[str]:
     """trainer.mode=async: the placement leaves ranks to both sides."""
-    ranks = cfg.placement.rollout_ranks
-    if cfg.trainer.mode != "async" or 1 <= ranks < world_size:
+    ranks = pl.rollout_ranks
+    if t.mode != "async" or 1 <= ranks < world_size:
         return []
     return [
         f"placement.rollout_ranks={ranks} with a job of {world_size} ranks: async mode needs at least one rank on each "
@@ -361,49 +368,37 @@ def placement_problems(cfg: ExperimentConfig, world_size: int) -> list[str]:
     ]
 
 
-def run_problems(
-    cfg: ExperimentConfig, arch: ModelArch, world_size: int, platform: Platform, total_steps: Optional[int] = None
-) -> list[str]:
-    """Every problem of a training run, as a list: required inputs, the config's own rules (``rules.py``), the actor
-    and rollout layouts against the world size and the model, mini-batches against the data-parallel size, the
-    sequence budget, routing replay, the lr warm-up against the training steps, and the reward functions."""
-    problems = required_input_problems(cfg) + config_problems(cfg)
-    placement = placement_problems(cfg, world_size)
-    if range_problems(cfg) or placement:  # the layout arithmetic below assumes every value is in range
-        return problems + placement + reward_function_problems(cfg.reward)
-    train_world, rollout_world = side_worlds(cfg, world_size)
-    p = cfg.parallel
-    layout_found = parallel_layout_problems(
-        p,
-        train_world,
-        arch.num_layers,
-        arch.num_attention_heads,
-        arch.num_query_groups,
-        arch.ffn_hidden_size,
-        num_experts=arch.num_experts,
-        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+def layout_sizes_usable(p: ParallelConfig, a: ActorConfig, r: RolloutConfig, d: DataConfig) -> bool:
+    """The sizes the layout, batch and memory arithmetic divide by are in range (else those rules are skipped: the
+    range rules report the bad values)."""
+    positive = [
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        r.tensor_model_parallel_size,
+        r.n,
+        d.max_prompt_length,
+        d.max_response_length,
+        d.train_batch_size,
+        a.ppo_mini_batch_size,
+        a.ppo_micro_batch_size_per_gpu,
+        a.log_prob_micro_batch_size_per_gpu,
+        a.ppo_max_token_len_per_gpu,
+        a.ppo_epochs,
+        r.kv_cache_memory_mb,
+    ]
+    optional = [p.virtual_pipeline_model_parallel_size, d.gen_batch_size]
+    return (
+        all(v >= 1 for v in positive)
+        and all(v is None or v >= 1 for v in optional)
+        and 0 < r.gpu_memory_utilization <= 1
+        and d.train_batch_size % a.ppo_mini_batch_size == 0
     )
-    problems += layout_found
-    if not layout_found:
-        cp = max(1, p.context_parallel_size)
-        problems += batch_layout_problems(
-            cfg, train_world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * cp)
-        )
-    problems += rollout_layout_problems(cfg, rollout_world, arch.max_position_embeddings, arch, platform=platform)
-    problems += router_replay_problems(cfg, arch, platform)
-    # What megatron-core cannot shard or feed for this model (Qwen3.5's Gated DeltaNet: docs/qwen35.md).
-    problems += layout_problems(
-        arch, p.tensor_model_parallel_size, p.context_parallel_size, cfg.actor.use_remove_padding
-    )
-    if total_steps is not None and cfg.trainer.total_training_steps is None:  # else config_problems checked it
-        problems += lr_schedule_problems(cfg.actor.optim, total_steps)
-    return problems + reward_function_problems(cfg.reward)
 
 
-def router_replay_problems(cfg: ExperimentConfig, arch: ModelArch, platform: Platform) -> list[str]:
+def router_replay_problems(a: ActorConfig, arch: ModelArch, platform: Platform) -> list[str]:
     """``actor.router_replay=rollout`` replays the rollout's expert choices: it needs MoE layers to replay, and an
     engine that returns its routing (the platform says whether its vLLM can: ``Platform.routed_experts_problem``)."""
-    if cfg.actor.router_replay != "rollout":
+    if a.router_replay != "rollout":
         return []
     if not arch.is_moe:
         return [

@@ -26,8 +26,8 @@ Results: a scorer's result must be a finite number or a dict with a finite ``sco
 :mod:`megatron_dapo.reward.custom`); anything else (NaN, inf, None, a bool, a string, ...) is a failed call. The
 scores a :class:`RewardResult` carries are therefore always finite.
 
-The ``reward`` section is checked once, on construction, by :func:`megatron_dapo.config.rules.check_reward_config`
-(a ``RewardConfig`` can be built in code, without the loader's checks).
+The ``reward`` section is checked by the command's gate (``config/plan.resolve`` for ``train``, the config rules
+for ``eval``: ``rules.reward_value_problems`` and the overlong buffer against the response budget), not here.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from megatron_dapo.config import RewardConfig
-from megatron_dapo.config.rules import check_reward_config
 from megatron_dapo.reward import custom
 from megatron_dapo.reward.scoring import (
     MATH_DAPO_SOURCES,
@@ -102,7 +101,6 @@ class RewardManager:
         eos_token_id: int | Sequence[int] | None = None,
         hard_timeout_grace_s: float | None = None,
     ) -> None:
-        check_reward_config(config, max_response_length)
         self.tokenizer = tokenizer
         self.config = config
         self.max_response_length = int(max_response_length)

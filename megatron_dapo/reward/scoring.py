@@ -84,7 +84,7 @@ def route(data_sources: Sequence[str], has_custom_function: bool) -> list[str]:
 
 def custom_specs(config: RewardConfig) -> list[custom.RewardSpec]:
     """``[(path, name, weight), ...]`` of ``reward.custom_function`` and ``reward.extra_functions``, for a section
-    that passed :func:`megatron_dapo.config.rules.check_reward_config` (malformed entries were reported there)."""
+    that passed the config rules (malformed entries: :func:`megatron_dapo.config.rules.reward_value_problems`)."""
     specs: list[custom.RewardSpec] = []
     cf = config.custom_function
     if cf.path:

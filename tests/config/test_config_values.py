@@ -1,5 +1,6 @@
-"""Every value is range-checked when the config is read, before any process group, model or engine exists, and
-settings that cannot work together are rejected with a message that says how to fix them."""
+"""Every value is range-checked by the run's gate (``config/plan.resolve``), before any process group, model or engine
+exists, and settings that cannot work together are rejected with a message that says how to fix them; reading the
+config (``load_config``) only parses it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,28 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.config import ConfigError, load_config, validate_config
+from megatron_dapo.config import ConfigError, ExperimentConfig, config_problems, load_config, required_input_problems
+from megatron_dapo.config.plan import RunPlan, resolve
+from megatron_dapo.models.families import model_arch_from_hf
+from megatron_dapo.platform import make_platform
+from tests.config.test_run_validation import TINY_HF
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "tiny_cpu.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # tiny_cpu.yaml names its reward function relative to the repository root
+
+
+def gate(cfg: ExperimentConfig) -> RunPlan:
+    """train's gate for the tiny model on 2 CPU ranks."""
+    return resolve(cfg, model_arch_from_hf(TINY_HF), 2, make_platform("cpu"), probe_imports=False)
+
+
+def load_and_gate(path: Path, overrides: list[str]) -> RunPlan:
+    return gate(load_config(path, overrides))
 
 
 @pytest.mark.parametrize(
@@ -40,13 +60,13 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 )
 def test_out_of_range_values_are_rejected_naming_key_and_range(override, expected):
     with pytest.raises(ConfigError) as err:
-        load_config(CONFIG, [override])
+        load_and_gate(CONFIG, [override])
     assert expected in str(err.value)
 
 
 def test_all_problems_are_reported_at_once():
     with pytest.raises(ConfigError) as err:
-        load_config(CONFIG, ["actor.clip_ratio_low=1.5", "actor.ppo_mini_batch_size=-4", "rollout.n=0"])
+        load_and_gate(CONFIG, ["actor.clip_ratio_low=1.5", "actor.ppo_mini_batch_size=-4", "rollout.n=0"])
     assert str(err.value).startswith("3 config problems:")
     assert len(err.value.problems) == 3
     assert {p.split("=")[0] for p in err.value.problems} == {
@@ -59,16 +79,16 @@ def test_all_problems_are_reported_at_once():
 def test_multi_turn_needs_its_tools_and_combines_with_partial_rollout_and_async():
     on = ["rollout.multi_turn.enable=true"]
     with pytest.raises(ConfigError, match="needs rollout.multi_turn.tool_config_path"):
-        load_config(CONFIG, on)
+        load_and_gate(CONFIG, on)
     base = on + ["rollout.multi_turn.tool_config_path=tools.yaml"]
-    assert load_config(CONFIG, base + ["rollout.partial_rollout.enable=true"]).rollout.partial_rollout.enable
+    assert load_and_gate(CONFIG, base + ["rollout.partial_rollout.enable=true"]).partial is not None
     async_mode = ["trainer.mode=async", "placement.rollout_ranks=1"]
-    assert load_config(CONFIG, base + async_mode).trainer.mode == "async"
+    assert load_and_gate(CONFIG, base + async_mode).mode == "async"
 
 
 def test_greedy_rollout_with_dynamic_sampling_names_the_real_cause():
     with pytest.raises(ConfigError) as err:
-        load_config(CONFIG, ["rollout.temperature=0"])
+        load_and_gate(CONFIG, ["rollout.temperature=0"])
     text = str(err.value)
     assert "algorithm.filter_groups.enable=true with rollout.temperature=0" in text
     assert "set rollout.temperature > 0" in text
@@ -76,13 +96,13 @@ def test_greedy_rollout_with_dynamic_sampling_names_the_real_cause():
 
 def test_warmup_not_shorter_than_training_says_how_to_fix():
     with pytest.raises(ConfigError) as err:
-        load_config(CONFIG, ["trainer.total_training_steps=10", "actor.optim.lr_warmup_steps=10"])
+        load_and_gate(CONFIG, ["trainer.total_training_steps=10", "actor.optim.lr_warmup_steps=10"])
     text = str(err.value)
     assert "actor.optim.lr_warmup_steps=10" in text and "trainer.total_training_steps=10" in text
     assert "set actor.optim.lr_warmup_steps to at most 9" in text
     # the ratio form is checked the same way
     with pytest.raises(ConfigError, match="gives 10 warm-up steps"):
-        load_config(
+        load_and_gate(
             CONFIG,
             [
                 "trainer.total_training_steps=10",
@@ -96,16 +116,17 @@ def test_overlong_buffer_must_fit_in_the_response_budget():
     with pytest.raises(
         ConfigError, match="reward.overlong_buffer.len=8 must be shorter than data.max_response_length=4"
     ):
-        load_config(CONFIG, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=8"])
+        load_and_gate(CONFIG, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=8"])
 
 
 def test_shipped_configs_are_valid():
     for path in sorted(CONFIG.parent.glob("*.yaml")):
-        validate_config(load_config(path))
+        cfg = load_config(path)
+        assert required_input_problems(cfg.checkpoint, cfg.data) + config_problems(cfg) == [], path
 
 
 def test_required_run_inputs_are_reported_together():
     cfg = load_config(CONFIG, ["checkpoint.load_dir=null", "data.train_files=[]"])
     with pytest.raises(ConfigError) as err:
-        validate_config(cfg)
+        gate(cfg)
     assert "checkpoint.load_dir is required" in str(err.value) and "data.train_files is required" in str(err.value)

@@ -19,7 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_dapo.checkpointing.export import export_step
-from megatron_dapo.config import ConfigError, load_config, validate_config
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config.plan import resolve
+from megatron_dapo.models.families import model_arch_from_hf
+from megatron_dapo.platform import make_platform
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_cpu.yaml"
@@ -351,13 +354,20 @@ def test_exception_mid_run_saves_the_last_completed_step(demo, straight, tmp_pat
 
 
 def test_trainer_config_checks_name_the_field():
+    # train's gate (config/plan.resolve, run by training/startup.py before any process group)
+    def gate(overrides: list[str]) -> None:
+        hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
+              "vocab_size": 32, "max_position_embeddings": 64}  # fmt: skip
+        cfg = load_config(CONFIG, [*overrides, "reward.custom_function.path=null"])  # no reward file is imported
+        resolve(cfg, model_arch_from_hf(hf), 2, make_platform("cpu"), probe_imports=False)
+
     with pytest.raises(ConfigError, match="actor.ppo_mini_batch_size=5 must divide data.train_batch_size=16"):
-        load_config(CONFIG, ["actor.ppo_mini_batch_size=5"])
-    cfg = load_config(CONFIG, ["checkpoint.load_dir=null"])
+        gate(["actor.ppo_mini_batch_size=5"])
     with pytest.raises(ConfigError, match="checkpoint.load_dir is required"):
-        validate_config(cfg)
+        gate(["checkpoint.load_dir=null"])
     with pytest.raises(ConfigError, match="rollout.n >= 2"):
-        load_config(CONFIG, ["algorithm.filter_groups.enable=true", "rollout.n=1"])
+        gate(["algorithm.filter_groups.enable=true", "rollout.n=1"])
 
 
 def test_bad_data_row_fails_before_training_with_file_row_field(demo, tmp_path):

@@ -172,7 +172,7 @@ def test_model_that_fits_the_defaults_keeps_them(tmp_path, capsys, monkeypatch):
 )
 def test_fit_sequence_lengths(lengths, given, limit, want):
     cfg = load_config(None, [f"data.max_prompt_length={lengths[0]}", f"data.max_response_length={lengths[1]}"])
-    fit_sequence_lengths(cfg, limit, given)
+    fit_sequence_lengths(cfg.data, limit, given)
     assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == want
 
 

@@ -233,7 +233,7 @@ def test_rollout_tp_must_split_expert_ffn_for_the_engine():
             ).to_dict()
         )
         cfg = load_config(None, [f"rollout.tensor_model_parallel_size={rollout_tp}"])
-        return rollout_layout_problems(cfg, 4, 4096, arch)
+        return rollout_layout_problems(cfg.rollout, cfg.data, 4, 4096, arch)
 
     assert get_platform().vllm_moe_ffn_alignment == 32
     assert problems(1, 32) == problems(2, 64) == []

@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dapo.config import ConfigError, CustomFunctionConfig, OverlongBufferConfig, RewardConfig
-from megatron_dapo.config.rules import check_reward_config
+from megatron_dapo.config import (
+    ConfigError,
+    CustomFunctionConfig,
+    DataConfig,
+    ExperimentConfig,
+    OverlongBufferConfig,
+    RewardConfig,
+    check_values,
+)
 from megatron_dapo.reward.manager import RewardManager, merge_results, route_data_source
 from megatron_dapo.reward.scoring import outcome_row, route, scorer_label
 from megatron_dapo.reward.workers import FailureLog
@@ -131,32 +138,40 @@ def test_input_and_config_errors(tmp_path: Path) -> None:
         rm(ids, mask, ["math", "math"], ["1"], [{}, {}])
     with pytest.raises(ValueError, match=r"must both be \[B, T\]"):
         rm(ids, mask[:, :2], ["math", "math"], ["1", "2"])
+    # The reward section's rules run in the command's gate (config/rules.py), not in the manager.
     with pytest.raises(ConfigError, match=r"reward.extra_functions\[0\]: unknown keys \['wieght'\]"):
-        RewardManager(CharTokenizer(), RewardConfig(extra_functions=[{"path": "x.py", "wieght": 1}]), 8)
+        check_values(with_reward(RewardConfig(extra_functions=[{"path": "x.py", "wieght": 1}]), 8))
     with pytest.raises(ConfigError, match="overlong_buffer.len=16"):
-        RewardManager(CharTokenizer(), RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=16)), 8)
+        check_values(with_reward(RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=16)), 8))
     missing = CustomFunctionConfig(path=str(tmp_path / "nope.py"))
     with pytest.raises(FileNotFoundError, match="nope.py"):
         RewardManager(CharTokenizer(), RewardConfig(custom_function=missing), 8)
 
 
+def with_reward(reward: RewardConfig, max_response_length: int) -> ExperimentConfig:
+    return ExperimentConfig(reward=reward, data=DataConfig(max_response_length=max_response_length))
+
+
 def test_config_problems_are_raised_once_from_the_config_rules() -> None:
-    """The manager checks a ``RewardConfig`` built in code with ``config.rules.check_reward_config``: every problem
-    in one ``ConfigError``, before any file is imported (the extra function's file does not exist)."""
+    """A ``reward`` section is checked by the config rules (the command's gate; the manager checks nothing again):
+    every problem in one ``ConfigError``, before any file is imported (the extra function's file does not exist)."""
     cfg = RewardConfig(
         error_score=float("nan"),
         extra_functions=[{"path": "missing.py", "weight": float("inf")}, {"path": "missing.py", "weight": True}],
         overlong_buffer=OverlongBufferConfig(enable=True, len=16),
     )
     with pytest.raises(ConfigError) as err:
-        RewardManager(CharTokenizer(), cfg, 8)
-    assert err.value.problems == [
+        check_values(with_reward(cfg, 8))
+    assert err.value.problems[:3] == [
         "reward.error_score=nan: expected a finite number",
         "reward.extra_functions[0].weight=inf: expected a finite number",
         "reward.extra_functions[1].weight=True: expected a finite number",
-        "reward.overlong_buffer.len=16 must be in (0, data.max_response_length=8]",
     ]
-    assert check_reward_config(RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=8)), 8) is None
+    # a training run's buffer is the tail of the response budget: strictly shorter than it
+    overlong = "reward.overlong_buffer.len=16 must be shorter than data.max_response_length=8"
+    assert err.value.problems[3].startswith(overlong)
+    assert len(err.value.problems) == 4
+    assert check_values(with_reward(RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=7)), 8)) is None
 
 
 def test_scoring_rules_are_pure_functions() -> None:

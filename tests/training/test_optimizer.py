@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
-from megatron_dapo.config import ConfigError, OptimConfig, resolve_warmup_steps
+from megatron_dapo.config import OptimConfig, lr_schedule_problems, warmup_steps
 from tests.helpers import run_torchrun
 from tests.training.optimizer_worker import SCHEDULE_TOTAL
 
@@ -110,14 +111,17 @@ def test_lr_schedule_spot_values(ranks: list[dict]) -> None:
 
 
 def test_warmup_resolution_and_errors() -> None:
-    assert resolve_warmup_steps(OptimConfig(lr_warmup_steps=0, lr_warmup_steps_ratio=0.1), 25) == 2
-    assert resolve_warmup_steps(OptimConfig(lr_warmup_steps=5, lr_warmup_steps_ratio=0.1), 25) == 5
-    assert resolve_warmup_steps(OptimConfig(), 1) == 0
-    with pytest.raises(ConfigError, match="lr_warmup_steps=10.*shorter than the 10 training steps"):
-        resolve_warmup_steps(OptimConfig(lr_warmup_steps=10), 10)
-    with pytest.raises(ConfigError, match="lr_decay_style='step'"):
-        resolve_warmup_steps(OptimConfig(lr_decay_style="step"), 10)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="min_lr"):
-        resolve_warmup_steps(OptimConfig(lr=1e-3, min_lr=1e-2), 10)
-    with pytest.raises(ConfigError, match=">= 1"):
-        resolve_warmup_steps(OptimConfig(), 0)
+    # The schedule's rule runs in the gate (config/plan.resolve); the optimizer takes the warm-up as it is.
+    assert warmup_steps(OptimConfig(lr_warmup_steps=0, lr_warmup_steps_ratio=0.1), 25) == 2
+    assert warmup_steps(OptimConfig(lr_warmup_steps=5, lr_warmup_steps_ratio=0.1), 25) == 5
+    assert warmup_steps(OptimConfig(), 1) == 0
+    assert lr_schedule_problems(OptimConfig(lr_warmup_steps=0, lr_warmup_steps_ratio=0.1), 25) == []
+
+    def problem(optim: OptimConfig, steps: int) -> str:
+        return "\n".join(lr_schedule_problems(optim, steps))
+
+    too_long = problem(OptimConfig(lr_warmup_steps=10), 10)
+    assert re.search("lr_warmup_steps=10.*shorter than the 10 training steps", too_long)
+    assert "lr_decay_style='step'" in problem(OptimConfig(lr_decay_style="step"), 10)  # type: ignore[arg-type]
+    assert "min_lr" in problem(OptimConfig(lr=1e-3, min_lr=1e-2), 10)
+    assert ">= 1" in problem(OptimConfig(), 0)
