@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_dapo.batch import TrainBatch
-from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.config import DataConfig, TrainerConfig
 from megatron_dapo.config.plan import RunPlan
 from megatron_dapo.parallel import Placement, broadcast_object
 from megatron_dapo.reporting.loggers import RolloutDumper, turn_extras
@@ -72,19 +72,22 @@ class DataPosition:
 
 
 class RemoteRolloutPhase:
-    """The training ranks' rollout phase in async mode (module docstring)."""
+    """The training ranks' rollout phase in async mode (module docstring; a ``training/rollout_source.RolloutSource``).
+    Reads ``trainer.collective_timeout_s``, ``data.train_batch_size`` and the plan's staleness bound."""
 
     def __init__(
         self,
-        cfg: ExperimentConfig,
+        trainer: TrainerConfig,
+        data_cfg: DataConfig,
         plan: RunPlan,
         place: Placement,
         push_weights: Callable[[], Any],
         dumper: Optional[RolloutDumper] = None,
         is_main: bool = False,
     ) -> None:
-        self.cfg, self.plan, self.push_weights, self.dumper, self.is_main = cfg, plan, push_weights, dumper, is_main
-        timeout_s = cfg.trainer.collective_timeout_s
+        self.plan, self.push_weights, self.dumper, self.is_main = plan, push_weights, dumper, is_main
+        self.batch_size = data_cfg.train_batch_size
+        timeout_s = trainer.collective_timeout_s
         self.queue = StoreQueue(place.store, timeout_s)
         self.control = Control(place.store, timeout_s)
         self.state = RolloutState()
@@ -93,7 +96,11 @@ class RemoteRolloutPhase:
         self.dropped = 0  # groups dropped as too stale, over the run
         self.snapshots = 0
         self._stats: dict[str, float] = {}
-        self.epoch = 0
+        self._epoch = 0  # the rollout ranks' sampler's, as their statistics report it
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
 
     def checkpoint_states(self) -> dict[str, Any]:
         # rollout_state first: it is restored before data_state looks whether a snapshot came with the checkpoint.
@@ -151,7 +158,7 @@ class RemoteRolloutPhase:
         length left and the rollout side's statistics."""
         groups: list[dict] = []
         dropped = 0
-        while len(groups) < self.cfg.data.train_batch_size:
+        while len(groups) < self.batch_size:
             group = pickle.loads(self.queue.get())
             if version - group["min_version"] > self.plan.max_staleness:
                 dropped += 1
@@ -164,7 +171,7 @@ class RemoteRolloutPhase:
         and the rollout ranks' idle fraction."""
         delta = {k: float(stats.get(k, 0.0)) - self._stats.get(k, 0.0) for k in STAT_KEYS}
         self._stats = {k: float(stats.get(k, 0.0)) for k in STAT_KEYS}
-        self.epoch = int(stats.get("epoch", self.epoch))
+        self._epoch = int(stats.get("epoch", self._epoch))
         busy, idle = delta["busy_s"], delta["idle_s"]
         out = {
             "train/num_gen_batches": delta["rounds"],

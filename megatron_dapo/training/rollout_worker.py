@@ -28,11 +28,9 @@ from typing import Any
 
 from megatron_dapo.algo.dynamic_sampling import filter_groups
 from megatron_dapo.algo.registry import ADV_ESTIMATORS
-from megatron_dapo.config import ExperimentConfig, validate_config
-from megatron_dapo.config.plan import PartialPlan, resolve
-from megatron_dapo.data.tokens import load_tokenizer, token_ids
-from megatron_dapo.models.families import model_arch_from_hf
-from megatron_dapo.parallel import broadcast_object, init_distributed, placement, teardown
+from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.config.plan import PartialPlan
+from megatron_dapo.parallel import broadcast_object, placement, teardown
 from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.rollout.engine import RolloutEngine, freeze_heap_before_engine
 from megatron_dapo.rollout.multi_turn import MultiTurnRollout, build_generator
@@ -42,8 +40,7 @@ from megatron_dapo.rollout.types import SamplingSpec
 from megatron_dapo.training.failure import StopRequest
 from megatron_dapo.training.reward_stage import RolloutScorer, greedy_baselines, score_to_batch
 from megatron_dapo.training.rollout_phase import filter_metric, validation_metrics
-from megatron_dapo.training.rollout_sources import prompt_data, total_steps
-from megatron_dapo.weights.dist_format import hf_config_dir_of
+from megatron_dapo.training.startup import start_run
 
 log = logging.getLogger("megatron_dapo.rollout_worker")
 
@@ -55,27 +52,25 @@ class RolloutWorker:
 
     def __init__(self, cfg: ExperimentConfig) -> None:
         self.cfg = cfg
-        validate_config(cfg)
-        timeout_s = cfg.trainer.collective_timeout_s
-        self.info, self.platform = init_distributed(cfg.parallel, timeout_s, cfg.placement.rollout_ranks)
+        # The same start as the training ranks' (training/startup.py): this side's process group, the data, the plan.
+        run = start_run(cfg)
+        self.info, self.platform, self.plan, self.data = run.info, run.platform, run.plan, run.data
+        self.tokenizer = run.tokenizer
         self.place = placement()
-        hf_dir = cfg.model.hf_config_dir or str(hf_config_dir_of(cfg.checkpoint.load_dir))
-        arch = model_arch_from_hf(hf_dir)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_dir, hf_dir)
-        ids = token_ids(self.tokenizer)
-        self.data = prompt_data(cfg, self.tokenizer)
-        plan = resolve(cfg, arch, self.place.world_size, self.platform, total_steps(cfg, self.data.sampler))
-        self.plan = plan
+        timeout_s = cfg.trainer.collective_timeout_s
+        ids, budget = run.ids, cfg.data.max_response_length
         freeze_heap_before_engine()
-        self.engine = RolloutEngine(cfg, hf_dir, self.platform, pad_token_id=ids.pad, eos_token_ids=ids.eos, plan=plan)
-        reward = RewardManager(self.tokenizer, cfg.reward, cfg.data.max_response_length, list(ids.eos))
+        engine_ids = dict(pad_token_id=ids.pad, eos_token_ids=ids.eos)
+        self.engine = RolloutEngine(cfg, run.hf_dir, run.platform, **engine_ids, plan=run.plan)
+        reward = RewardManager(self.tokenizer, cfg.reward, budget, list(ids.eos))
         self.scorer = RolloutScorer(reward, self.info.world_size, self.info.rank)
-        segments = plan.partial or PartialPlan(cfg.data.max_response_length, 1)
-        self.generator = build_generator(cfg, self.engine, self.tokenizer)  # multi-turn: tools on replica leaders
+        segments = run.plan.partial or PartialPlan(budget, 1)
+        # multi-turn: tools on replica leaders
+        self.generator = build_generator(cfg.rollout.multi_turn, budget, self.engine, self.tokenizer)
         conversations = self.generator if isinstance(self.generator, MultiTurnRollout) else None
-        self.buffer = PartialRollout(self.engine, segments, cfg.data.max_response_length, conversations)
-        self.sampling = SamplingSpec.for_training(cfg, ids.eos)
-        self.val_sampling = SamplingSpec.for_validation(cfg, ids.eos)
+        self.buffer = PartialRollout(self.engine, segments, budget, conversations)
+        self.sampling = SamplingSpec.for_training(cfg.rollout, budget, ids.eos)
+        self.val_sampling = SamplingSpec.for_validation(cfg.rollout, budget, ids.eos)
         self.receiver = BridgeReceiver(self.place.bridge, self.engine)
         self.leader = self.info.rank == 0
         self.queue, self.control = StoreQueue(self.place.store, timeout_s), Control(self.place.store, timeout_s)
@@ -190,11 +185,11 @@ class RolloutWorker:
         items = [self.data.train[g.item] for g in done]
         tokenizer = self.tokenizer if self.cfg.trainer.rollout_data_dir else None
         rollout = groups_to_rollout(done, self.engine.pad_token_id)
-        batch, reward_metrics = score_to_batch(self.scorer, self.cfg, rollout, items, tokenizer)
+        batch, reward_metrics = score_to_batch(self.scorer, self.cfg.algorithm, rollout, items, tokenizer)
         if ADV_ESTIMATORS.needs(self.cfg.algorithm.adv_estimator).greedy_baseline:  # with this round's weights
             seed = self.stats["rounds"]
             batch.reward_baselines = greedy_baselines(
-                self.generator, self.scorer, self.cfg, rollout, items, self.sampling, seed
+                self.generator, self.scorer, self.cfg.algorithm, rollout, items, self.sampling, seed
             )
         n = self.cfg.rollout.n
         ids = [g.key for g in done for _ in range(n)]
@@ -219,7 +214,8 @@ class RolloutWorker:
     # ------------------------------------------------------------------------------------------- requests
 
     def _validate(self, version: int) -> None:
-        metrics = validation_metrics(self.generator, self.scorer, self.cfg, self.data.val, self.val_sampling)
+        algorithm = self.cfg.algorithm
+        metrics = validation_metrics(self.generator, self.scorer, algorithm, self.data.val, self.val_sampling)
         if self.leader:
             self.control.post(f"val/result/{version}", metrics)
 
