@@ -64,6 +64,9 @@ def arch_mismatches(a: ModelArch, b: ModelArch) -> list[str]:
         "moe_ffn_hidden_size",
         "moe_router_topk",
         "moe_layers",
+        "hf_prefix",  # a VLM's text model (model.language_model.) or a text-only checkpoint (model.)
+        "gated_delta_net",
+        "rotary_percent",
     )
     out = [f"family: {a.family.name} vs {b.family.name}"] if a.family.name != b.family.name else []
     out += [f"{f}: {getattr(a, f)} vs {getattr(b, f)}" for f in fields if getattr(a, f) != getattr(b, f)]

@@ -4,8 +4,9 @@ For every layout (``tp<T>-pp<P>-ep<E>[-sp]``; DP = world / (TP x PP)) each rank,
 (``tiny_hybrid_model``):
   1. builds the seeded HF model in fp32 (every norm, A_log and dt_bias perturbed so that a wrong offset or TP slice
      shows), and its logits on this DP rank's micro-batches;
-  2. builds the Megatron chunks with ``build_gpt_chunks``, loads the HF weights through the name map (the Qwen3.5
-     model is the VLM, so its names carry ``model.language_model.`` and its vision tower is left out);
+  2. builds the Megatron chunks with ``build_gpt_chunks`` and fills them by the HF-direct start
+     (``weights/loading.load_mcore_checkpoint`` on the HF directory the test saved with ``save_tiny_hybrid``: the
+     Qwen3.5 model is the VLM, its names carry ``model.language_model.`` and its vision tower is left out);
   3. runs ``forward_backward_func`` (forward only) over two micro-batches: a full one, and one whose rows end in
      padding (the training layout is left-aligned: prompt, response, then padding);
   4. records max|logits - HF| over the valid positions (last stage), and which global layers this rank built as
@@ -99,6 +100,11 @@ def tiny_hybrid_model(family: str, seed: int = HF_SEED):
     return model
 
 
+def save_tiny_hybrid(family: str, directory) -> None:
+    """``tiny_hybrid_model(family)`` as an HF checkpoint (config.json + safetensors) in ``directory``."""
+    tiny_hybrid_model(family).save_pretrained(directory)
+
+
 def make_micro_batches(dp_rank: int) -> list[dict[str, torch.Tensor]]:
     """Micro-batch 0: full rows; micro-batch 1: rows of ``VALID_LEN`` tokens then padding (id 0). Per DP rank."""
     g = torch.Generator().manual_seed(1234 + dp_rank)
@@ -125,7 +131,7 @@ def parse_layout(name: str) -> dict[str, Any]:
     return {"tp": int(tp), "pp": int(pp), "ep": int(ep), "etp": int(etp) if etp else None, "sp": sp is not None}
 
 
-def run_family(cfg, family: str) -> dict[str, Any]:
+def run_family(cfg, family: str, hf_dir: str) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
@@ -133,21 +139,18 @@ def run_family(cfg, family: str) -> dict[str, Any]:
 
     from megatron_dapo.models.builder import build_gpt_chunks, unwrap
     from megatron_dapo.models.families import model_arch_from_hf
-    from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size, unfuse_hf_experts
-    from megatron_dapo.weights.model_io import chunk_layer_offset, load_full_tensors
+    from megatron_dapo.weights.loading import load_mcore_checkpoint
+    from megatron_dapo.weights.model_io import chunk_layer_offset
 
     t0 = time.time()
-    hf = tiny_hybrid_model(family)
-    arch = model_arch_from_hf(hf.config.to_dict())
-    tp = ps.get_tensor_model_parallel_world_size()
-    padded = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
-    weights = unfuse_hf_experts({n: p.detach() for n, p in hf.named_parameters()})
+    hf = tiny_hybrid_model(family)  # the reference: the same seeded model the test saved to hf_dir
+    arch = model_arch_from_hf(hf_dir)
     mbs = make_micro_batches(ps.get_data_parallel_rank())
     with torch.no_grad():
         hf_logits = {mb["index"]: hf(input_ids=mb["ids"]).logits for mb in mbs}
 
     chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
-    load_full_tensors(chunks, arch, lambda m: hf_to_mcore(m, [weights[n] for n in m.hf], arch, padded))
+    loaded = load_mcore_checkpoint(chunks, arch, hf_dir)
     for chunk in chunks:
         chunk.eval()
     offset = chunk_layer_offset(
@@ -179,7 +182,7 @@ def run_family(cfg, family: str) -> dict[str, Any]:
             micro_batch_size=BATCH,
             forward_only=True,
         )
-    result: dict[str, Any] = {"logits": {}, "gdn_layers": gdn_layers}
+    result: dict[str, Any] = {"logits": {}, "gdn_layers": gdn_layers, "loaded": loaded["kind"]}
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for mb in mbs:
             i = mb["index"]
@@ -194,6 +197,7 @@ def main() -> None:
     parser.add_argument("--layouts", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--hf-root", required=True, help="<hf-root>/<family>: the saved tiny HF checkpoints")
     args = parser.parse_args()
 
     from megatron.core import parallel_state as ps
@@ -225,7 +229,9 @@ def main() -> None:
             "tp_rank": ps.get_tensor_model_parallel_rank(),
             "pp_rank": ps.get_pipeline_model_parallel_rank(),
             "ep_rank": ps.get_expert_model_parallel_rank(),
-            "families": {family: run_family(cfg, family) for family in args.families.split(",")},
+            "families": {
+                family: run_family(cfg, family, f"{args.hf_root}/{family}") for family in args.families.split(",")
+            },
         }
         destroy_model_parallel()
     write_rank_report(args.out, info.rank, report)

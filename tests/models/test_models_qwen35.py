@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import run_torchrun
-from tests.models.qwen35_worker import FAMILIES, tiny_hybrid_config, tiny_hybrid_model
+from tests.models.qwen35_worker import FAMILIES, save_tiny_hybrid, tiny_hybrid_config, tiny_hybrid_model
 
 WORKER = Path(__file__).with_name("qwen35_worker.py")
 # fp32 against fp32 with logits of magnitude ~3: the measured max |Δ| is below 1e-5 on every layout (the torch chunked
@@ -29,7 +29,10 @@ PORT = 29946  # this file's: 29946-29949
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("qwen35")
-    run_torchrun(WORKER, 2, ["--layouts", ",".join(LAYOUTS), "--out", str(out)], port=PORT, timeout=600)
+    for family in FAMILIES:
+        save_tiny_hybrid(family, out / "hf" / family)
+    args = ["--layouts", ",".join(LAYOUTS), "--out", str(out), "--hf-root", str(out / "hf")]
+    run_torchrun(WORKER, 2, args, port=PORT, timeout=600)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -51,6 +54,8 @@ def test_hybrid_logits_match_hf(reports, layout, family):
         got = entry["families"][family]
         stage = entry["pp_rank"]
         want = [i for i in range(stage * per_stage, (stage + 1) * per_stage) if arch.is_linear_layer(i)]
+        if got["loaded"] != "hf":
+            problems.append(f"rank {entry['rank']}: loaded from {got['loaded']}, expected the HF-direct start")
         if got["gdn_layers"] != want:
             problems.append(f"rank {entry['rank']}: Gated DeltaNet layers {got['gdn_layers']}, expected {want}")
         if stage == pp - 1:
@@ -213,3 +218,21 @@ def test_the_run_gate_names_the_refused_pieces():
     assert any("does not divide linear_num_key_heads=2" in p for p in tp4), tp4
     plain = plan_problems(load_config(TINY, []), arch, 2, cuda, probe_imports=False)
     assert not any("Gated DeltaNet" in p for p in plain), plain
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_saved_checkpoint_passes_the_converters_check(family, tmp_path):
+    """A saved checkpoint (transformers' own names: the VLM's ``model.language_model.*``, ``lm_head.weight``,
+    ``model.visual.*``; Qwen3-Next's per-expert tensors) passes the converter's strict header check: every mapped
+    tensor there with its shape, nothing else but the ignored vision tower; its config.json gives the same arch."""
+    from megatron_dapo.models.families import model_arch_from_hf, param_mappings
+    from megatron_dapo.weights.convert import check_hf_tensors
+    from megatron_dapo.weights.loading import arch_mismatches
+    from megatron_dapo.weights.safetensors_io import SafetensorsDir
+
+    save_tiny_hybrid(family, tmp_path)
+    arch = model_arch_from_hf(tmp_path)
+    assert arch_mismatches(arch, _arch(family)) == []
+    with SafetensorsDir(tmp_path) as reader:
+        check_hf_tensors(reader, arch, param_mappings(arch))
+        assert (family == "qwen3_5") == any(n.startswith("model.visual.") for n in reader.keys())
