@@ -12,6 +12,7 @@ from megatron_dapo.config.rules import config_problems
 from megatron_dapo.config.schema import (
     ConfigError,
     DistillationConfig,
+    DistillationInferenceConfig,
     DistillationLossConfig,
     DistillationTeacherConfig,
     ExperimentConfig,
@@ -127,16 +128,20 @@ def test_teacher_rules():
 
 
 def test_teacher_pool_rules():
-    from megatron_dapo.config.schema import DistillationInferenceConfig
+    def pool(teachers: dict, gpus: int) -> list[str]:
+        return distillation_problems(
+            DistillationConfig(enabled=True, teacher_models=teachers, n_gpus_per_node=gpus, nnodes=1)
+        )
 
     tp2 = DistillationInferenceConfig(tensor_model_parallel_size=2)
     one = {"t": _teacher(inference=tp2)}
-    assert distillation_problems(DistillationConfig(enabled=True, teacher_models=one, n_gpus_per_node=4, nnodes=1)) == []
-    (odd,) = distillation_problems(DistillationConfig(enabled=True, teacher_models=one, n_gpus_per_node=3, nnodes=1))
+    assert pool(one, 4) == []
+    (odd,) = pool(one, 3)
     assert "a replica's 2 devices (TP x DP x PP) must divide the teacher pool's 3" in odd
     two = {"a": _teacher("x", inference=tp2, num_replicas=1), "b": _teacher("y", num_replicas=1)}
-    (sum_bad,) = distillation_problems(DistillationConfig(enabled=True, teacher_models=two, n_gpus_per_node=4, nnodes=1))
+    (sum_bad,) = pool(two, 4)
     assert "sum to 3 devices, expected the teacher pool's 4" in sum_bad
+    assert pool(two, 3) == []
     bad_tp = {"t": _teacher(inference=DistillationInferenceConfig(tensor_model_parallel_size=0))}
     (tp0,) = distillation_problems(DistillationConfig(enabled=True, teacher_models=bad_tp))
     assert tp0 == "distillation.teacher_models.t.inference.tensor_model_parallel_size=0: expected an integer >= 1"
