@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dapo.config.load import from_dict
+from megatron_dapo.config.load import from_dict, to_dict
 from megatron_dapo.config.rules import config_problems
 from megatron_dapo.config.schema import (
     ConfigError,
@@ -55,6 +55,7 @@ def test_verl_section_loads_into_typed_teachers_and_passes_the_rules():
     assert d.teacher_models["geo_teacher"].load_dir == "/ckpt/qwen3-4b"
     assert d.distillation_loss.topk == 64 and d.distillation_loss.log_prob_min_clamp == -10.0
     assert distillation_problems(d) == []
+    assert from_dict(ExperimentConfig, to_dict(cfg)) == cfg  # the saved config reads back (checkpoints, logs)
     assert sorted(teachers_by_key(d)) == ["hiyouga/geometry3k", "openai/gsm8k"]
     assert teacher_for(teachers_by_key(d), "openai/gsm8k", d.teacher_key) == "openai/gsm8k"
     with pytest.raises(ValueError, match=r"data_source='other/set': no teacher for it.*openai/gsm8k"):
