@@ -115,10 +115,11 @@ def measure(args: argparse.Namespace, ep: int, engine, log) -> str:
     """One layout: the model built at expert-parallel size ``ep``, a warm-up sync, the baselines, each bucket size's
     fastest of ``--repeats`` syncs (log-probs checked after every sync); returns the summary line."""
     from megatron_dapo.rollout.sync import WeightSync
+    from megatron_dapo.rollout.weight_transfer.factory import sync_bucket_bytes
 
     cfg, arch, chunks = build_model(args, ep)
     t = time.perf_counter()
-    WeightSync(engine, arch, cfg).sync(chunks)
+    WeightSync(engine, arch, sync_bucket_bytes(cfg.rollout), "direct").sync(chunks)
     log(f"ep={ep} warm-up sync: {time.perf_counter() - t:.3f}s", flush=True)
     diff = slowest(logprob_max_diff(chunks, arch, engine))
     copy_s, clone_s, held_bytes = memcpy_baseline(chunks, arch, engine, args, ep)
@@ -126,7 +127,7 @@ def measure(args: argparse.Namespace, ep: int, engine, log) -> str:
     sizes = sorted({int(x) for x in args.buckets_mb.split(",")} | {default_mb})
     ratios, copy_ratios = {}, {}
     for mb in sizes:
-        sync = WeightSync(engine, arch, cfg, bucket_bytes=mb * 2**20)
+        sync = WeightSync(engine, arch, mb * 2**20, "direct")
         runs = []
         for _ in range(args.repeats):
             runs.append(sync.sync(chunks))
@@ -153,19 +154,21 @@ def measure_lora(args: argparse.Namespace, engine, log) -> str:
     """LoRA actor: fastest of ``--repeats`` full syncs (the base), adapter syncs and merge-fallback syncs, log-probs
     checked after each; returns the summary line."""
     from megatron_dapo.models.lora import apply_lora
-    from megatron_dapo.rollout.lora_sync import LoraAdapterSync
     from megatron_dapo.rollout.sync import WeightSync
+    from megatron_dapo.rollout.weight_transfer.factory import sync_bucket_bytes
+    from megatron_dapo.rollout.weight_transfer.lora_transport import LoraAdapterSync
 
     cfg, arch, chunks = build_model(args, 1)
     apply_lora(chunks, cfg.actor.lora)  # A xavier, B normal(0.2) (overrides): the adapters change the output
-    lora = LoraAdapterSync(engine, arch, cfg)
+    bucket = sync_bucket_bytes(cfg.rollout)
+    lora = LoraAdapterSync(engine, arch, cfg.actor.lora, bucket, "vllm_lora")
     t = time.perf_counter()
     lora.sync(chunks)  # the base once + the first adapter
     log(f"lora warm-up sync (base + adapter): {time.perf_counter() - t:.3f}s", flush=True)
     diff = slowest(logprob_max_diff(chunks, arch, engine))
     log(f"lora warm-up logprob_max_diff={diff:.2e}", flush=True)
-    full = WeightSync(engine, arch, cfg, direct=False)  # the base as LoraAdapterSync sends it (reload_weights)
-    merge = LoraAdapterSync(engine, arch, cfg, mode="merge")
+    full = WeightSync(engine, arch, bucket, "reload")  # the base as LoraAdapterSync sends it (reload_weights)
+    merge = LoraAdapterSync(engine, arch, cfg.actor.lora, bucket, "merge")
     best = {}
     # merge before adapter: after merged weights the adapter sync's first run pushes the base again (not timed)
     for name, sync in (("full", full), ("merge", merge), ("adapter", lora)):

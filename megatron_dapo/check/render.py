@@ -46,6 +46,7 @@ def plan_lines(
         f"{'on' if p.sequence_parallel else 'off'}; distributed optimizer "
         f"{'on' if p.use_distributed_optimizer else 'off'}",
         f"  rollout: TP {rtp} x DP {rdp} ({rdp} vLLM replica(s) of {rtp} rank(s))",
+        f"  weight sync: {plan.weight_transport} transport ({plan.weight_transport_reason})",
     ]
     micro, lp_micro = bt.micro_batches_per_mini_batch, bt.log_prob_micro_batches
     if a.use_dynamic_bsz:

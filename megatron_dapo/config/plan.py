@@ -57,6 +57,7 @@ __all__ = [
     "rollout_dtype",
     "rollout_plan",
     "uses_reference",
+    "weight_transport",
 ]
 
 
@@ -243,6 +244,8 @@ class RunPlan:
     params_dtype: str
     param_bytes: int
     rollout_bytes: int
+    weight_transport: str  # how the weight sync reaches the engines: "direct", "reload" or "lora_adapters"
+    weight_transport_reason: str  # why (check prints it; ``weight_transport``)
     notes: tuple[str, ...] = ()  # things worth knowing that are not problems (logged by the caller)
 
     @property
@@ -493,7 +496,26 @@ def build_plan(
         param_bytes=dtype_bytes(cfg.model.params_dtype, "model.params_dtype"),
         rollout_bytes=dtype_bytes(rollout_dtype(cfg.model, cfg.rollout), "rollout.dtype"),
         notes=tuple(_notes(cfg.model, cfg.rollout, p, cfg.actor, arch, padded_vocab)),
+        **dict(zip(("weight_transport", "weight_transport_reason"), weight_transport(cfg, arch, platform))),
     )
+
+
+def weight_transport(cfg: ExperimentConfig, arch: ModelArch, platform: Platform) -> tuple[str, str]:
+    """(transport, reason): how the weight sync delivers the actor's weights (``rollout/weight_transfer/``), decided
+    once from the config, the platform and the model. What only the live engine can tell (every tensor fits its vLLM
+    parameter, the engine runs vLLM's LoRA) the sync verifies at its first call, falling back to ``reload`` (or
+    merged LoRA weights) with a warning (``rollout/sync.WeightSync._choose_transport``)."""
+    rank, rtp, groups = cfg.actor.lora.rank, cfg.rollout.tensor_model_parallel_size, arch.num_query_groups
+    if cfg.trainer.mode == "async":
+        merged = f"; actor.lora.rank={rank}: adapters merged into each push (no adapter path)" if rank > 0 else ""
+        return "reload", f"trainer.mode=async: HF tensors over the bridge to the rollout ranks' engines{merged}"
+    if rank > 0:
+        return "lora_adapters", f"actor.lora.rank={rank}: the base once by reload, then the adapters into vLLM's LoRA"
+    if not platform.direct_weight_sync:
+        return "reload", f"the {platform.name} platform has not run the direct path (Platform.direct_weight_sync)"
+    if groups % rtp:
+        return "reload", f"{groups} query groups do not split over rollout TP {rtp} (vLLM replicates KV heads)"
+    return "direct", "colocated engine: each rank writes its rollout shard into the engine's layers"
 
 
 def _remove_padding(a: ActorConfig, p: ParallelConfig, impl: str) -> bool:

@@ -3,9 +3,10 @@
 Two channels (``parallel.Placement``):
 
 * the **bridge**, a gloo group of the first training rank (bridge rank 0) and every rollout rank, carries the weights:
-  ``BridgeSender`` is ``WeightSync``'s target on the training side (one header and one flat tensor per bucket of HF
-  tensors, already resharded and cast as for a colocated engine); ``BridgeReceiver`` loads them into the rollout
-  ranks' engines. Every rollout rank receives every bucket, as every colocated rank does (vLLM slices its TP shard);
+  ``BridgeSender`` is ``WeightSync``'s target on the training side, through the ``reload`` transport
+  (``rollout/weight_transfer/reload_transport.py``; one header and one flat tensor per bucket of HF tensors, already
+  resharded and cast as for a colocated engine); ``BridgeReceiver`` loads them into the rollout ranks' engines.
+  Every rollout rank receives every bucket, as every colocated rank does (vLLM slices its TP shard);
 * the job's **store** (torchrun's key-value store) carries the small things: ``StoreQueue``, the bounded queue of
   scored groups (one key per group, FIFO), and ``Control``, named JSON messages (the start, weight versions,
   validation and snapshot requests and their results, statistics, stop).
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import dtypes
-from megatron_dapo.rollout.sync import quiet_partial_reload_logs
+from megatron_dapo.rollout.weight_transfer.reload_transport import quiet_partial_reload_logs
 
 PREFIX = "async/"
 

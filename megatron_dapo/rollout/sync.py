@@ -6,15 +6,21 @@ Path of one bucket (collective over all ranks, identical plan on every rank):
      rollout TP) — or TP-gathered to the full Megatron tensor (``weights.model_io.gather_full_tensor``);
   2. with PP > 1 the owning stage packs the full tensors into one flat buffer and broadcasts it over each pipeline
      group, so every rank (every vLLM replica needs every layer) holds the bucket's full tensors;
-  3. a transport delivers them (one class each, chosen once, agreed by all ranks):
-     * ``DirectTransport`` (a colocated ``RolloutEngine`` whose every tensor maps onto a vLLM parameter, on a
-       platform where this path has run: ``Platform.direct_weight_sync``, CPU for now): each rank
-       cuts its rollout shard (a local re-layout, no communication) and writes it straight into the engine's layer
-       (``rollout/vllm_direct.py``), one vLLM layer at a time;
-     * ``ReloadTransport`` (any other target, e.g. the async bridge ``rollout.remote.BridgeSender``):
-       ``weights.layout.mcore_to_hf`` turns the full tensors into HF names + tensors (vocab unpadded, q/k/v and
-       gate/up split), cast to the engine dtype, and ``collective_rpc("reload_weights", weights_iterator=[...])``
-       loads them; each vLLM TP rank slices its own shard out of the full tensors.
+  3. a transport delivers them (``rollout/weight_transfer/``: the ``WeightTransport`` seam, one module and one class
+     each), the one the run planned (``RunPlan.weight_transport`` with its reason, ``config/plan.weight_transport``;
+     ``weight_transfer/factory.build_weight_sync`` builds the sync from it):
+     * ``direct`` (``weight_transfer/direct_transport.DirectTransport``; a colocated engine without LoRA on a
+       platform where this path has run: ``Platform.direct_weight_sync``, CPU for now): each rank cuts its rollout
+       shard (a local re-layout, no communication) and writes it straight into the engine's layer
+       (``rollout/vllm_direct.py``), one vLLM layer at a time. Whether every tensor fits its vLLM parameter only the
+       live engine tells: the first sync checks it and, where one does not, every rank takes ``reload`` (one
+       warning naming the tensor; ``direct_fallback`` in the metrics; ``WeightSync._choose_transport``);
+     * ``reload`` (``weight_transfer/reload_transport.ReloadTransport``; any target, e.g. the async bridge
+       ``rollout.remote.BridgeSender``): ``weights.layout.mcore_to_hf`` turns the full tensors into HF names +
+       tensors (vocab unpadded, q/k/v and gate/up split), cast to the engine dtype, and
+       ``collective_rpc("reload_weights", weights_iterator=[...])`` loads them; each vLLM TP rank slices its own
+       shard out of the full tensors.
+     A LoRA actor's sync (``weight_transfer/lora_transport.LoraAdapterSync``) wraps a ``WeightSync`` (``reload``).
 After the last bucket ``engine.after_weight_update()`` re-processes a tied ``lm_head`` and resets the prefix cache
 (cached prompt blocks were computed with the old weights).
 
@@ -66,106 +72,57 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron_dapo import dtypes
-from megatron_dapo.config import ExperimentConfig
-from megatron_dapo.models.families import EXPERT_PREFIX, ModelArch, ParamMapping, param_mappings
-from megatron_dapo.models.lora import lora_modules_present, merge_adapters, unmerge_adapters
+from megatron_dapo.models.families import ModelArch, param_mappings
 from megatron_dapo.parallel import control_group
-from megatron_dapo.platform import get_platform
 from megatron_dapo.rollout.expert_exchange import ExpertExchange, Source
-from megatron_dapo.rollout.vllm_direct import VllmDirectWriter, vllm_target
-from megatron_dapo.weights.layout import hf_shapes, mcore_to_hf
+from megatron_dapo.rollout.vllm_direct import VllmDirectWriter
+from megatron_dapo.rollout.weight_transfer.direct_transport import DirectTransport
+from megatron_dapo.rollout.weight_transfer.reload_transport import ReloadTransport, quiet_partial_reload_logs
+from megatron_dapo.rollout.weight_transfer.transport import SyncEntry, WeightTarget, WeightTransport
 from megatron_dapo.weights.model_io import LocalParam, gather_full_tensor, shard_group, unique_local_params
 from megatron_dapo.weights.safetensors_io import SafetensorsDir
 
 logger = logging.getLogger(__name__)
-
-# vLLM warns for every layer a partial reload did not touch; with buckets that is expected, and ``sync`` checks
-# completeness itself (every HF tensor sent exactly once).
-_RELOAD_LOGGERS = (
-    "vllm.model_executor.model_loader.reload.layerwise",
-    "vllm.model_executor.model_loader.reload.inplace",
-)
-
-
-@dataclass(frozen=True)
-class _Entry:
-    mapping: ParamMapping
-    stage: int  # pipeline rank that owns the parameter
-    shape: tuple[int, ...]  # full (TP-gathered) Megatron shape
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def module(self) -> str:
-        """The vLLM layer this tensor loads into: its Megatron module, except that all routed experts of a layer are
-        one vLLM layer (``FusedMoE``: ``w13_weight [E, 2I, H]``, ``w2_weight [E, H, I]``)."""
-        name = self.mapping.mcore
-        if self.mapping.is_expert:
-            return name[: name.index(EXPERT_PREFIX) + len("mlp.experts")]
-        return name.rpartition(".")[0]
 
 
 @dataclass(frozen=True)
 class _Bucket:
     stage: int
     dtype: torch.dtype
-    entries: tuple[_Entry, ...]
+    entries: tuple[SyncEntry, ...]
 
     @property
     def numel(self) -> int:
         return sum(e.numel for e in self.entries)
 
 
-class WeightTarget(Protocol):
-    """Where a sync's buckets of HF tensors go: the colocated ``RolloutEngine``, or ``rollout.remote.BridgeSender``
-    (trainer.mode=async) that carries them to the rollout ranks' engines."""
-
-    rollout_plan: Any  # the engine's RolloutPlan (its dtype)
-    platform: Any
-
-    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None: ...
-
-    def after_weight_update(self) -> None: ...
-
-
 class WeightSync:
     """Copies the actor's current weights into the colocated engine (or another ``WeightTarget``); see the module
     docstring.
 
-    ``bucket_bytes`` overrides ``rollout.weight_sync_bucket_mb`` (tests and the benchmark use tiny or odd sizes);
-    ``direct=False`` keeps to the reload transport (tests compare the two).
+    ``transport`` is ``RunPlan.weight_transport`` (``direct`` or ``reload``; ``weight_transfer/factory.py`` passes
+    it, tests name one to compare the two); ``bucket_bytes`` is ``rollout.weight_sync_bucket_mb`` in bytes (tests
+    and the benchmark use tiny or odd sizes). ``direct_fallback`` says the first sync found the planned direct
+    transport unfit for the live engine and took ``reload`` (``_choose_transport``).
     """
 
-    def __init__(
-        self,
-        engine: WeightTarget,
-        arch: ModelArch,
-        cfg: ExperimentConfig,
-        bucket_bytes: Optional[int] = None,
-        direct: bool = True,
-    ) -> None:
+    def __init__(self, engine: WeightTarget, arch: ModelArch, bucket_bytes: int, transport: str) -> None:
+        if transport not in ("direct", "reload"):
+            raise ValueError(f"WeightSync transport {transport!r}: expected 'direct' or 'reload'")
         self.engine = engine
-        self.allow_direct = direct
+        self.planned = transport
+        self.direct_fallback = False
         self.arch = arch
-        self.cfg = cfg
-        self.bucket_bytes = int(bucket_bytes if bucket_bytes is not None else cfg.rollout.weight_sync_bucket_mb * 2**20)
-        if self.bucket_bytes < 1:
-            raise ValueError(f"rollout.weight_sync_bucket_mb must be positive, got bucket size {self.bucket_bytes} B")
+        self.bucket_bytes = int(bucket_bytes)
         self.dtype = dtypes.from_config_name(engine.rollout_plan.dtype, "rollout.dtype")  # as the engine runs
         self._buckets: Optional[list[_Bucket]] = None
-        self._transport: Union[ReloadTransport, DirectTransport, None] = None
+        self._transport: Optional[WeightTransport] = None
         self._shards = _Shards(False, False, False)
         self._experts: Optional[ExpertExchange] = None  # EP > 1: routed experts from their owners
         # vLLM's expert parallelism in the colocated engine: the experts this rank's engine holds (None: all), and
@@ -180,50 +137,6 @@ class WeightSync:
         """This stage's parameters, each global tensor once (the tied output-layer copy is the embedding)."""
         return unique_local_params(chunks, self.arch)
 
-    def _plan(self, local: list[LocalParam]) -> list[_Bucket]:
-        """Buckets in the same order on every rank: every rank's parameter list is exchanged once as metadata (a
-        rank holds only its pipeline stage's layers and, for a MoE model, its expert-parallel rank's experts)."""
-        from megatron.core import parallel_state as ps  # heavy: megatron-core
-
-        pp_rank = ps.get_pipeline_model_parallel_rank()
-        mine = []
-        for lp in local:
-            shape = list(lp.param.shape)
-            shard_size, _ = shard_group(lp.mapping)
-            if lp.mapping.tp_dim is not None and shard_size > 1:
-                shape[lp.mapping.tp_dim] *= shard_size
-            mine.append((lp.mapping, pp_rank, tuple(shape), lp.param.dtype))
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        order = {m.mcore: i for i, m in enumerate(param_mappings(self.arch))}
-        # Global map order (layers ascending, a layer's experts together); stage ascending, so a tied model's
-        # output-layer copy on the last stage loses to stage 0's embedding, the tensor that is sent.
-        rows = sorted((row for rank_list in everyone for row in rank_list), key=lambda r: (order[r[0].mcore], r[1]))
-        entries, seen = [], set()
-        for mapping, stage, shape, dtype in rows:
-            if mapping.mcore not in seen:
-                seen.add(mapping.mcore)
-                entries.append(_Entry(mapping, stage, shape, dtype))
-
-        buckets: list[_Bucket] = []
-        current: list[_Entry] = []
-        current_bytes = 0
-        for module in _group_by_module(entries):
-            size = sum(e.numel for e in module) * module[0].dtype.itemsize
-            head = module[0]
-            if current and (
-                current_bytes + size > self.bucket_bytes
-                or head.stage != current[0].stage
-                or head.dtype != current[0].dtype
-            ):
-                buckets.append(_Bucket(current[0].stage, current[0].dtype, tuple(current)))
-                current, current_bytes = [], 0
-            current.extend(module)
-            current_bytes += size
-        if current:
-            buckets.append(_Bucket(current[0].stage, current[0].dtype, tuple(current)))
-        return buckets
-
     # ------------------------------------------------------------------------------------------------ sync
 
     @torch.no_grad()
@@ -236,7 +149,7 @@ class WeightSync:
         local = self._local_params(actor_chunks)
         by_name = {lp.mapping.mcore: lp for lp in local}
         if self._buckets is None:
-            self._buckets = self._plan(local)
+            self._buckets = plan_buckets(local, self.arch, self.bucket_bytes)
             self._engine_held = self._engine_held_experts()
             self._transport, self._shards = self._choose_transport()
             self._own_experts_only = self._engine_experts_are_own(local)
@@ -251,7 +164,7 @@ class WeightSync:
         t_gather = t_load = 0.0
         sent_bytes = 0
         sent: list[str] = []
-        quiet = _quiet_loggers(_RELOAD_LOGGERS) if len(self._buckets) > 1 else contextlib.nullcontext()
+        quiet = quiet_partial_reload_logs() if len(self._buckets) > 1 else contextlib.nullcontext()
         with quiet:
             for bucket in self._buckets:
                 t = time.perf_counter()
@@ -283,40 +196,62 @@ class WeightSync:
             "bytes": float(sent_bytes),
             "buckets": float(len(self._buckets)),
             "direct": float(isinstance(self._transport, DirectTransport)),
+            "direct_fallback": float(self.direct_fallback),
             "local_shards": float(self._shards.dense),
             "expert_shards": float(self._shards.experts),
             "expert_received_bytes": float(self._experts.received_bytes - received_before if self._experts else 0),
         }
 
-    def _choose_transport(self) -> tuple[Union[ReloadTransport, DirectTransport], _Shards]:
-        """The direct transport when the target is a colocated engine and every tensor fits its vLLM parameter
-        (agreed by all ranks), else the reload transport; and which tensors each rank sends from its own shard."""
+    def _choose_transport(self) -> tuple[WeightTransport, _Shards]:
+        """The planned transport (``RunPlan.weight_transport``) and which tensors each rank sends from its own shard.
+
+        ``reload`` needs no agreement and no shard of its own. ``direct`` is verified against what only the live
+        engine can tell: it reaches its model (``local_model``) and every tensor fits its vLLM parameter
+        (``VllmDirectWriter.unfit``). Where one rank's does not, every rank takes ``reload`` instead — always correct,
+        only slower, and nothing the config could change (vLLM's layer layout) — with one warning naming the tensor,
+        on the lowest such rank, and ``direct_fallback`` in the metrics. That fit and whether each rank's Megatron
+        shard is its rollout shard (TP and expert-TP sizes and ranks, the vocabulary padding) are layout facts of the
+        live groups: one all-reduce over the control group agrees on all of them."""
+        if self.planned == "reload":
+            return ReloadTransport(self.engine, self.arch, self.dtype), _Shards(False, False, False)
         from megatron.core import parallel_state as ps  # heavy: megatron-core
 
-        # A colocated engine, on a platform where the direct path has run (Platform.direct_weight_sync).
-        colocated = self.allow_direct and get_platform().direct_weight_sync and hasattr(self.engine, "local_model")
-        writer = VllmDirectWriter(self.engine, self.arch) if colocated else None
-        reasons = [r for e in self._entries() for r in [writer.unfit(e.mapping, e.shape)] if r] if writer else ["-"]
-        if reasons and writer is not None:
-            logger.info("weight sync: reload transport (%s)", reasons[0])
+        writer = VllmDirectWriter(self.engine, self.arch) if hasattr(self.engine, "local_model") else None
+        reason = self._unfit(writer)
         rtp = getattr(self.engine, "tp_size", 0)
         pp1 = ps.get_pipeline_model_parallel_world_size() == 1
+        rank, world = dist.get_rank(), dist.get_world_size()
         flags = torch.tensor(
             [
-                int(not reasons),
+                int(reason is None),
                 int(pp1 and ps.get_tensor_model_parallel_world_size() == rtp),
-                int(writer is not None and not reasons and self._vocab_shards_fit(writer)),
+                int(reason is None and self._vocab_shards_fit(writer)),
                 int(ps.get_tensor_model_parallel_rank() == getattr(self.engine, "tp_rank", -1)),
                 int(pp1 and ps.get_expert_tensor_parallel_world_size() == rtp and self._engine_held is None),
                 int(ps.get_expert_tensor_parallel_rank() == getattr(self.engine, "tp_rank", -1)),
+                rank if reason is not None else world,  # the lowest rank with a reason tells it
             ]
         )
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=control_group())
-        direct, dense, vocab, dense_rank, experts, expert_rank = (bool(f) for f in flags.tolist())
+        direct, dense, vocab, dense_rank, experts, expert_rank = (bool(f) for f in flags.tolist()[:6])
         if not direct:
+            self.direct_fallback = True
+            if int(flags[6]) == rank:
+                logger.warning("weight sync: planned direct, reload instead (rank %d: %s)", rank, reason)
             return ReloadTransport(self.engine, self.arch, self.dtype), _Shards(False, False, False)
         dense = dense and dense_rank
         return DirectTransport(writer, self.arch, self.dtype), _Shards(dense, dense and vocab, experts and expert_rank)
+
+    def _unfit(self, writer: Optional[VllmDirectWriter]) -> Optional[str]:
+        """Why this rank's engine cannot take the direct transport, naming the first tensor that does not fit its
+        vLLM parameter (None: it can)."""
+        if writer is None:
+            return f"{type(self.engine).__name__} has no local_model (not a colocated vLLM engine)"
+        for e in self._entries():
+            why = writer.unfit(e.mapping, e.shape)
+            if why:
+                return f"{e.mapping.mcore}: {why}"
+        return None
 
     def _engine_held_experts(self) -> Optional[frozenset[int]]:
         """The routed experts this rank's colocated engine holds under vLLM's expert parallelism (``rollout.
@@ -341,7 +276,7 @@ class WeightSync:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control_group())
         return bool(agreed.item())
 
-    def _skipped(self, entry: _Entry) -> bool:
+    def _skipped(self, entry: SyncEntry) -> bool:
         """A routed expert this rank does not send because its engine holds it elsewhere: not even taken where each
         rank's engine holds only its own experts; else taken (collectives stay symmetric) but not written by the
         direct transport (the reload transport sends it, and vLLM's loader skips it)."""
@@ -373,7 +308,7 @@ class WeightSync:
             writer.shard_has_vocab(e.mapping, e.shape[0] // tp) for e in self._entries() if e.mapping.kind == "vocab"
         )
 
-    def _entries(self) -> list[_Entry]:
+    def _entries(self) -> list[SyncEntry]:
         return [e for b in self._buckets or [] for e in b.entries]
 
     def _bucket_tensors(
@@ -428,6 +363,49 @@ class WeightSync:
         return [received.get(i) or self._own(by_name[e.mapping.mcore]) for i, e in enumerate(bucket.entries)]
 
 
+def plan_buckets(local: list[LocalParam], arch: ModelArch, bucket_bytes: int) -> list[_Bucket]:
+    """Buckets in the same order on every rank: every rank's parameter list is exchanged once as metadata (a
+    rank holds only its pipeline stage's layers and, for a MoE model, its expert-parallel rank's experts)."""
+    from megatron.core import parallel_state as ps  # heavy: megatron-core
+
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    mine = []
+    for lp in local:
+        shape = list(lp.param.shape)
+        shard_size, _ = shard_group(lp.mapping)
+        if lp.mapping.tp_dim is not None and shard_size > 1:
+            shape[lp.mapping.tp_dim] *= shard_size
+        mine.append((lp.mapping, pp_rank, tuple(shape), lp.param.dtype))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    order = {m.mcore: i for i, m in enumerate(param_mappings(arch))}
+    # Global map order (layers ascending, a layer's experts together); stage ascending, so a tied model's
+    # output-layer copy on the last stage loses to stage 0's embedding, the tensor that is sent.
+    rows = sorted((row for rank_list in everyone for row in rank_list), key=lambda r: (order[r[0].mcore], r[1]))
+    entries, seen = [], set()
+    for mapping, stage, shape, dtype in rows:
+        if mapping.mcore not in seen:
+            seen.add(mapping.mcore)
+            entries.append(SyncEntry(mapping, stage, shape, dtype))
+
+    buckets: list[_Bucket] = []
+    current: list[SyncEntry] = []
+    current_bytes = 0
+    for module in _group_by_module(entries):
+        size = sum(e.numel for e in module) * module[0].dtype.itemsize
+        head = module[0]
+        if current and (
+            current_bytes + size > bucket_bytes or head.stage != current[0].stage or head.dtype != current[0].dtype
+        ):
+            buckets.append(_Bucket(current[0].stage, current[0].dtype, tuple(current)))
+            current, current_bytes = [], 0
+        current.extend(module)
+        current_bytes += size
+    if current:
+        buckets.append(_Bucket(current[0].stage, current[0].dtype, tuple(current)))
+    return buckets
+
+
 @dataclass(frozen=True)
 class _Shards:
     """Which tensors each rank sends from its own shard, without a gather: dense ones when TP = rollout TP with
@@ -439,83 +417,9 @@ class _Shards:
     experts: bool
 
 
-class ReloadTransport:
-    """Full HF tensors through vLLM's layer-wise ``reload_weights`` (``WeightTarget.load_weights``): any target,
-    the async bridge included; vLLM's weight loaders cut each rank's shard."""
-
-    def __init__(self, target: WeightTarget, arch: ModelArch, dtype: torch.dtype) -> None:
-        self.target, self.arch, self.dtype = target, arch, dtype
-
-    def send(self, entries: Sequence[_Entry], tensors: list[Optional[Source]]) -> tuple[list[str], int]:
-        """``tensors[i]`` is None for a routed expert this rank's engine holds elsewhere (not sent)."""
-        hf: list[tuple[str, torch.Tensor]] = []
-        for entry, src in zip(entries, tensors):
-            if src is None:
-                continue
-            if src.is_shard:
-                raise RuntimeError(f"weight sync: the reload transport needs full tensors, got a shard of {entry}")
-            for name, tensor in zip(entry.mapping.hf, mcore_to_hf(entry.mapping, src.tensor, self.arch)):
-                hf.append((name, tensor.to(self.dtype)))
-        self.target.load_weights(hf)
-        return [n for n, _ in hf], sum(t.numel() * t.element_size() for _, t in hf)
-
-
-class DirectTransport:
-    """Each rank's rollout shard written straight into its colocated engine's layers (``rollout/vllm_direct.py``),
-    one vLLM layer at a time."""
-
-    def __init__(self, writer: VllmDirectWriter, arch: ModelArch, dtype: torch.dtype) -> None:
-        self.writer, self.arch, self.dtype = writer, arch, dtype
-
-    def holds(self, mapping: ParamMapping) -> bool:
-        """Whether this rank's engine holds ``mapping``'s tensor (not a routed expert on another rank under vLLM's
-        expert parallelism)."""
-        return not mapping.is_expert or self.writer.engine_expert(mapping) is not None
-
-    def send(self, entries: Sequence[_Entry], tensors: list[Optional[Source]]) -> tuple[list[str], int]:
-        """``tensors[i]`` is None, or ignored, for a routed expert this rank's engine does not hold."""
-        self.writer.engine.ensure_writable("load_weights")
-        names: list[str] = []
-        nbytes = 0
-        module: list[tuple[ParamMapping, torch.Tensor]] = []
-        for i, (entry, src) in enumerate(zip(entries, tensors)):
-            if self.holds(entry.mapping):
-                if not src.written:  # received straight into the engine (``ExpertExchange``)
-                    module.append((entry.mapping, self.writer.rollout_shard(entry.mapping, src.tensor, src.is_shard)))
-                names.extend(entry.mapping.hf)
-                nbytes += sum(_numel(s) for s in hf_shapes(entry.mapping, self.arch)) * self.dtype.itemsize
-            last = (
-                i + 1 == len(entries) or vllm_target(entries[i + 1].mapping).module != vllm_target(entry.mapping).module
-            )
-            if last and module:
-                self.writer.write_module(module)
-                module = []
-        return names, nbytes
-
-
-def merged_sync(weight_sync: WeightSync, actor_chunks: list) -> dict[str, float]:
-    """``weight_sync.sync`` of the actor with its LoRA adapters merged into the base weights (a target without LoRA
-    support: the async bridge), unmerged right after, also when the sync fails. A model without adapters syncs as
-    is. Collective over all ranks (merging gathers the adapters' other TP shard)."""
-    if not lora_modules_present(actor_chunks):
-        return weight_sync.sync(actor_chunks)
-    merge_adapters(actor_chunks)
-    try:
-        return weight_sync.sync(actor_chunks)
-    finally:
-        unmerge_adapters(actor_chunks)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _group_by_module(entries: list[_Entry]) -> Iterator[list[_Entry]]:
+def _group_by_module(entries: list[SyncEntry]) -> Iterator[list[SyncEntry]]:
     """Consecutive entries of the same Megatron module (one vLLM layer), which must share a reload call."""
-    group: list[_Entry] = []
+    group: list[SyncEntry] = []
     for e in entries:
         if group and (e.module != group[0].module or e.stage != group[0].stage):
             yield group
@@ -523,25 +427,6 @@ def _group_by_module(entries: list[_Entry]) -> Iterator[list[_Entry]]:
         group.append(e)
     if group:
         yield group
-
-
-@contextlib.contextmanager
-def _quiet_loggers(names: tuple[str, ...]):
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
-def quiet_partial_reload_logs():
-    """vLLM's per-layer warnings of a reload that sends part of the model (expected with buckets; the sender checks
-    that every tensor is sent once)."""
-    return _quiet_loggers(_RELOAD_LOGGERS)
 
 
 def hf_weight_buckets(names: Sequence[str], sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
@@ -574,7 +459,7 @@ def load_hf_weights_into_engine(engine: Any, hf_dir: Union[str, Path], dtype: An
         names = reader.keys()
         sizes = {n: reader.info(n).nbytes for n in names}
         buckets = hf_weight_buckets(names, sizes, max(1, bucket_mb) * 2**20)
-        with _quiet_loggers(_RELOAD_LOGGERS) if len(buckets) > 1 else contextlib.nullcontext():
+        with quiet_partial_reload_logs() if len(buckets) > 1 else contextlib.nullcontext():
             for bucket in buckets:
                 engine.load_weights([(n, reader.get(n).to(dtype)) for n in bucket])
     engine.after_weight_update()

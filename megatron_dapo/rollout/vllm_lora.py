@@ -1,6 +1,6 @@
 """The colocated engine's side of LoRA (docs/lora.md "Weight sync to vLLM"): vLLM's LoRA settings and the
 adapter loaded in memory into this rank's vLLM worker. ``RolloutEngine`` (``rollout/engine.py``) mixes in
-``VllmLoRAMixin``; ``rollout/lora_sync.py`` calls ``load_lora_adapter``.
+``VllmLoRAMixin``; ``rollout/weight_transfer/lora_transport.py`` calls ``load_lora_adapter``.
 
 vLLM 0.32 has no public API to register an adapter from tensors: ``_add_lora_in_worker`` does what its
 ``WorkerLoRAManager._load_adapter`` does for an adapter directory (``LoRAModel`` + ``PEFTHelper``), minus the disk,

@@ -137,6 +137,7 @@ def main() -> None:
     from megatron_dapo.rollout.engine import RolloutEngine, assign_prompts
     from megatron_dapo.rollout.recompute import megatron_sampled_log_probs
     from megatron_dapo.rollout.sync import WeightSync
+    from megatron_dapo.rollout.weight_transfer.factory import sync_bucket_bytes
     from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size
     from megatron_dapo.weights.model_io import load_full_tensors
 
@@ -214,9 +215,9 @@ def main() -> None:
         for n in m.hf
     )
     res["chunked_prefill"] = bool(engine.llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill)
-    sync = WeightSync(engine, arch, cfg)
+    sync = WeightSync(engine, arch, sync_bucket_bytes(cfg.rollout), "direct")
     # One Megatron module per reload_weights call, through the reload transport (``sync`` writes directly).
-    tiny_sync = WeightSync(engine, arch, cfg, bucket_bytes=1, direct=False)
+    tiny_sync = WeightSync(engine, arch, 1, "reload")
 
     g = torch.Generator().manual_seed(123)
     lengths = [3, 12, 5, 8, 1]

@@ -106,8 +106,9 @@ def main() -> None:
     from megatron_dapo.models.lora import adapters_enabled, apply_lora
     from megatron_dapo.parallel import init_distributed, init_model_parallel, teardown
     from megatron_dapo.rollout.engine import RolloutEngine
-    from megatron_dapo.rollout.lora_sync import LoraAdapterSync
     from megatron_dapo.rollout.recompute import megatron_sampled_log_probs
+    from megatron_dapo.rollout.weight_transfer.factory import sync_bucket_bytes
+    from megatron_dapo.rollout.weight_transfer.lora_transport import LoraAdapterSync
     from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size
     from megatron_dapo.weights.model_io import load_full_tensors
 
@@ -147,7 +148,7 @@ def main() -> None:
     engine = RolloutEngine(cfg, args.hf_dir, platform, pad_token_id=0, eos_token_ids=[1])
     res["engine_start_s"] = time.perf_counter() - t
     res["max_lora_rank"] = engine.llm.llm_engine.vllm_config.lora_config.max_lora_rank
-    sync = LoraAdapterSync(engine, arch, cfg)
+    sync = LoraAdapterSync(engine, arch, cfg.actor.lora, sync_bucket_bytes(cfg.rollout), "vllm_lora")
     base_calls = []
     base_sync = sync.base_sync.sync
     sync.base_sync.sync = lambda c: base_calls.append(1) or base_sync(c)  # count the full (base) syncs

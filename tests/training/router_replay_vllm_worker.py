@@ -104,7 +104,7 @@ def main() -> None:
     engine_cfg = copy.deepcopy(cfg)
     engine_cfg.actor.router_replay = "none"
     engine = RolloutEngine(engine_cfg, str(hf_dir), platform, pad_token_id=0, eos_token_ids=[1])
-    WeightSync(engine, arch, cfg).sync(chunks)
+    WeightSync(engine, arch, cfg.rollout.weight_sync_bucket_mb * 2**20, "direct").sync(chunks)
     assert sum(engine.llm.apply_model(install_capture)) == sum(arch.moe_layer_freq)
 
     g = torch.Generator().manual_seed(5)

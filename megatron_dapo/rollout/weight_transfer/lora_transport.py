@@ -1,7 +1,11 @@
-"""Weight sync for a LoRA actor (docs/lora.md "Weight sync to vLLM"): the base once, then the adapters only.
+"""The ``lora_adapters`` transport: a LoRA actor's weight sync (docs/lora.md "Weight sync to vLLM"), the base once,
+then the adapters only.
 
 ``LoraAdapterSync.sync`` has ``WeightSync.sync``'s contract (collective over all ranks, returns the same metric
-names). Two modes, chosen once at the first call and agreed by all ranks:
+names: an ``ActorWeightSync``). Two modes, from the run's plan (``weight_transfer/factory.build_weight_sync``:
+``vllm_lora`` where ``RunPlan.weight_transport`` is ``lora_adapters``, ``merge`` where it is ``reload``, the async
+bridge); at its first call ``vllm_lora`` verifies that every rank's engine runs vLLM's LoRA (a live-engine fact; a
+custom engine factory may build one without) and, where one does not, every rank merges instead (one warning):
 
 * ``vllm_lora`` (a colocated ``RolloutEngine`` built with LoRA, ``RolloutEngine.lora_enabled``): the first call pushes
   the base weights with an internal ``WeightSync`` through vLLM's ``reload_weights`` (``weights.model_io.
@@ -20,7 +24,7 @@ names). Two modes, chosen once at the first call and agreed by all ranks:
        share A, B split as the fused weight) and loads them into the engine **in memory** as a new LoRA adapter
        (``RolloutEngine.load_lora_adapter``: a new ``lora_int_id``, the previous one removed; nothing on disk).
 * ``merge`` (any other target: an engine without LoRA, the async bridge ``rollout.remote.BridgeSender``):
-  ``rollout.sync.merged_sync`` on every call: ``models.lora.merge_adapters`` → the full ``WeightSync.sync`` →
+  ``merged_sync`` on every call: ``models.lora.merge_adapters`` → the full ``WeightSync.sync`` →
   ``unmerge_adapters`` (the base weights come back up to floating-point rounding, ≤ 1e-8 in fp32: docs/lora.md).
 """
 
@@ -28,19 +32,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_dapo import dtypes
-from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.config.schema import LoRAConfig
 from megatron_dapo.models.families import ModelArch, ParamMapping, param_mappings
-from megatron_dapo.models.lora import is_adapter_param
+from megatron_dapo.models.lora import is_adapter_param, lora_modules_present, merge_adapters, unmerge_adapters
 from megatron_dapo.parallel import control_group
-from megatron_dapo.rollout.sync import WeightSync, WeightTarget, merged_sync
+from megatron_dapo.rollout.sync import WeightSync
+from megatron_dapo.rollout.weight_transfer.transport import WeightTarget, numel
 from megatron_dapo.weights.layout import tp_merge
 from megatron_dapo.weights.lora_hf import mcore_adapters_to_peft, peft_adapter_config
 from megatron_dapo.weights.model_io import global_named_parameters, shard_group
@@ -114,29 +118,24 @@ def gather_full_adapters(local: list[LocalAdapter]) -> dict[str, torch.Tensor]:
 
 
 class LoraAdapterSync:
-    """The actor's LoRA weights into the colocated engine (module docstring). ``bucket_bytes`` and ``direct`` go to
-    the internal ``WeightSync`` (the base, and everything in ``merge`` mode); ``mode`` forces a mode (benchmarks,
-    tests; ``vllm_lora`` needs an engine with LoRA). ``base_syncs`` counts the full syncs run, ``adapter_syncs``
-    the adapter loads."""
+    """The actor's LoRA weights into the colocated engine (module docstring). ``lora`` is ``actor.lora``;
+    ``bucket_bytes`` goes to the internal ``WeightSync`` (the base, and everything in ``merge`` mode, always through
+    ``reload``); ``mode`` is ``vllm_lora`` (``RunPlan.weight_transport`` ``lora_adapters``; needs an engine with
+    LoRA) or ``merge``. ``base_syncs`` counts the full syncs run, ``adapter_syncs`` the adapter loads."""
 
-    def __init__(
-        self,
-        engine: WeightTarget,
-        arch: ModelArch,
-        cfg: ExperimentConfig,
-        bucket_bytes: Optional[int] = None,
-        direct: bool = True,
-        mode: Optional[str] = None,
-    ) -> None:
-        if mode not in (None, "vllm_lora", "merge"):
-            raise ValueError(f"LoraAdapterSync mode {mode!r}: expected None (choose), 'vllm_lora' or 'merge'")
-        if cfg.actor.lora.rank <= 0:
+    def __init__(self, engine: WeightTarget, arch: ModelArch, lora: LoRAConfig, bucket_bytes: int, mode: str) -> None:
+        if mode not in ("vllm_lora", "merge"):
+            raise ValueError(f"LoraAdapterSync mode {mode!r}: expected 'vllm_lora' or 'merge'")
+        if lora.rank <= 0:
             raise ValueError("LoraAdapterSync needs actor.lora.rank > 0 (use WeightSync)")
-        self.engine, self.arch, self.cfg = engine, arch, cfg
-        self.base_sync = WeightSync(engine, arch, cfg, bucket_bytes=bucket_bytes, direct=direct)
-        self.peft_config = peft_adapter_config(arch, cfg.actor.lora, str(getattr(engine, "hf_dir", "")))
+        self.engine, self.arch = engine, arch
+        # The base goes through reload_weights: the direct transport's layer lookup does not see through vLLM's LoRA
+        # wrappers (on CPU it refuses them; elsewhere it would skip the layers' weight processing).
+        self.base_sync = WeightSync(engine, arch, bucket_bytes, "reload")
+        self.peft_config = peft_adapter_config(arch, lora, str(getattr(engine, "hf_dir", "")))
         self.dtype = dtypes.from_config_name(engine.rollout_plan.dtype, "rollout.dtype")
-        self.mode = mode  # "vllm_lora" | "merge"; None: chosen at the first sync (``_choose_mode``)
+        self.mode = mode  # "vllm_lora" | "merge"
+        self._verified = mode == "merge"  # vllm_lora: every engine's LoRA checked at the first sync
         self._base_state: Optional[tuple[int, int]] = None  # ``_engine_state()`` right after our base push
         self.base_syncs = 0
         self.adapter_syncs = 0
@@ -148,15 +147,17 @@ class LoraAdapterSync:
         sleep dropped the weights) and the base is pushed again."""
         return int(getattr(self.engine, "weight_updates", 0)), int(getattr(self.engine, "weights_discarded", 0))
 
-    def _choose_mode(self) -> str:
-        """``vllm_lora`` when every rank's target is an engine with vLLM LoRA, else ``merge`` (all ranks agree)."""
+    def _verify_mode(self) -> str:
+        """``vllm_lora`` when every rank's target is an engine with vLLM LoRA (all ranks agree), else ``merge`` with one
+        warning: the plan assumed the engine the trainer builds, a custom engine factory may build one without."""
         ok = torch.tensor([int(bool(getattr(self.engine, "lora_enabled", False)))])
         if dist.is_initialized():
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=control_group())
-        mode = "vllm_lora" if ok.item() else "merge"
-        if mode == "merge":
-            logger.info("LoRA weight sync: the target has no vLLM LoRA; merging the adapters into every full sync")
-        return mode
+        if ok.item():
+            return "vllm_lora"
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.warning("LoRA weight sync: planned lora_adapters, but an engine has no vLLM LoRA; merging instead")
+        return "merge"
 
     @torch.no_grad()
     def sync(self, actor_chunks: list) -> dict[str, float]:
@@ -164,15 +165,11 @@ class LoraAdapterSync:
         Collective over all ranks. Returns ``WeightSync.sync``'s metrics plus ``perf/lora_sync_bytes`` (the
         adapter tensors loaded, bytes) and ``lora/base_synced`` (1 when this call pushed the base)."""
         t0 = time.perf_counter()
-        if self.mode is None:
-            self.mode = self._choose_mode()
-        if self.mode == "vllm_lora":
-            # The base goes once through reload_weights: the direct transport's layer lookup does not see through
-            # vLLM's LoRA wrappers (on CPU it refuses them; elsewhere it would skip the layers' weight processing).
-            self.base_sync.allow_direct = False
+        if not self._verified:
+            self.mode, self._verified = self._verify_mode(), True
         if self.mode == "merge":
             return self._merged_sync(actor_chunks, t0)
-        metrics = {k: 0.0 for k in ("bytes", "buckets", "direct", "local_shards", "expert_shards")}
+        metrics = {k: 0.0 for k in ("bytes", "buckets", "direct", "direct_fallback", "local_shards", "expert_shards")}
         metrics["expert_received_bytes"] = 0.0
         base_synced = 0.0
         if self._base_state != self._engine_state():  # first call, or the engine's weights changed since
@@ -225,7 +222,7 @@ class LoraAdapterSync:
         device = self.engine.platform.device()
         out = dict(mine)
         for owner, dtype, entries in self._owners:
-            sizes = [_numel(shape) for _, shape in entries]
+            sizes = [numel(shape) for _, shape in entries]
             if dist.get_rank() == owner:
                 flat = torch.cat([mine[n].reshape(-1).to(device) for n, _ in entries])
             else:
@@ -255,15 +252,14 @@ class LoraAdapterSync:
         ]
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def make_weight_sync(engine: Any, arch: ModelArch, cfg: ExperimentConfig, **kwargs: Any) -> Any:
-    """``LoraAdapterSync`` for a LoRA actor (``actor.lora.rank > 0``), else ``WeightSync``."""
-    if cfg.actor.lora.rank > 0:
-        return LoraAdapterSync(engine, arch, cfg, **kwargs)
-    return WeightSync(engine, arch, cfg, **kwargs)
+def merged_sync(weight_sync: WeightSync, actor_chunks: list) -> dict[str, float]:
+    """``weight_sync.sync`` of the actor with its LoRA adapters merged into the base weights (a target without LoRA
+    support: the async bridge), unmerged right after, also when the sync fails. A model without adapters syncs as
+    is. Collective over all ranks (merging gathers the adapters' other TP shard)."""
+    if not lora_modules_present(actor_chunks):
+        return weight_sync.sync(actor_chunks)
+    merge_adapters(actor_chunks)
+    try:
+        return weight_sync.sync(actor_chunks)
+    finally:
+        unmerge_adapters(actor_chunks)
