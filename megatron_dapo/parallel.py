@@ -12,6 +12,7 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import liveness
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.platform import Platform, get_platform, init_platform
 
@@ -94,13 +95,11 @@ def init_distributed(
         info = _init_disaggregated(platform, info, rollout_ranks, timeout_s)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
+        store = attempt_store(info, timeout)
         dist.init_process_group(
-            backend=platform.dist_backend,
-            store=attempt_store(info, timeout),
-            rank=info.rank,
-            world_size=info.world_size,
-            timeout=timeout,
+            backend=platform.dist_backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
         )
+        liveness.start(store, info.rank, info.world_size, "training")
     # A mixed default group ("cpu:gloo,cuda:nccl") takes CPU tensors already.
     if _CONTROL_GROUP is None and "gloo" not in str(dist.get_backend()):
         _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -140,6 +139,9 @@ def _init_disaggregated(platform: Platform, info: DistInfo, rollout_ranks: int, 
         bridge_rank = 0 if role == "train" else info.rank - train_ranks + 1
         bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), bridge_rank, rollout_ranks + 1, timeout)
     _PLACEMENT = Placement(role, info.rank, info.world_size, train_ranks, rollout_ranks, store, bridge)
+    alive = liveness.start(store, info.rank, info.world_size, "training" if role == "train" else "rollout")
+    if role == "rollout":
+        alive.announce_place(f"rollout rank {side.rank} of {side.world_size}")
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(side.rank), str(side.world_size)
     return side
 
@@ -175,6 +177,19 @@ def init_model_parallel(parallel: ParallelConfig, seed: int = 1, timeout_s: floa
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     get_platform().seed(seed)
+    alive = liveness.current()
+    if alive is not None:
+        alive.announce_place(_place(parallel_state))
+
+
+def _place(ps: Any) -> str:
+    """This rank's place, as a user finds it in the layout: "TP 0, PP 1, DP 0" (CP and EP when they are > 1)."""
+    parts = [("TP", ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())]
+    parts.append(("PP", ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()))
+    parts.append(("CP", ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()))
+    parts.append(("DP", ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()))
+    parts.append(("EP", ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()))
+    return ", ".join(f"{name} {r}" for name, r, size in parts if size > 1 or name in ("TP", "PP", "DP"))
 
 
 def destroy_model_parallel() -> None:

@@ -20,7 +20,8 @@ verl's packed THD layout), replaced by the identity since every tensor here is g
 
 Each case varies the loss mode (every registered name and alias), the two uses (``use_policy_gradient``), with and
 without task rewards, ``loss_max_clamp`` and ``log_prob_min_clamp`` on and off, the four aggregation modes with the
-global token and sequence counts of a larger batch, and the clip ratios (``None`` falls back to ``clip_ratio``).
+global token and sequence counts of a larger batch, the clip ratios (``None`` falls back to ``clip_ratio``) and, in
+every fifth case, the rollout's truncated IS weights.
 Inputs are rounded to 4 decimals (the test rebuilds bit-identical float32 tensors); outputs keep 9 significant
 digits.
 """
@@ -198,6 +199,10 @@ def make_cases(rng: np.random.Generator) -> list[dict[str, Any]]:
                     s["loss_max_clamp"] = None
                 cases.append({"name": f"forward_kl_topk_pg{int(pg)}_clamp{int(clamps)}_{index_shift}",
                               "settings": s, "inputs": topk_inputs(rng, index)})  # fmt: skip
+    for index, case in enumerate(cases):
+        if index % 5 == 4:  # truncated IS weights of the rollout: both policy losses weight their tokens with them
+            shape = np.asarray(case["inputs"]["response_mask"]).shape
+            case["inputs"]["rollout_is_weights"] = rounded(np.minimum(rng.lognormal(0.0, 0.5, size=shape), 2.0))
     return cases
 
 
@@ -228,6 +233,8 @@ def _data(v: dict[str, Any], inputs: dict[str, Any], s: dict[str, Any]) -> Any:
               "advantages": f32(inputs["advantages"])}  # fmt: skip
     if "teacher_log_probs" in inputs:
         fields["teacher_logprobs"] = f32(inputs["teacher_log_probs"]).unsqueeze(-1)
+    if "rollout_is_weights" in inputs:
+        fields["rollout_is_weights"] = f32(inputs["rollout_is_weights"])
     data = v["TensorDict"](fields, batch_size=[mask.shape[0]])
     v["tu"].assign_non_tensor(
         data, dp_size=1, batch_num_tokens=int(mask.sum()) + s["extra_tokens"],

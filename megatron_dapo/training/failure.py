@@ -11,10 +11,13 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from pathlib import Path
 from typing import Optional
 
 import psutil
 import torch.distributed as dist
+
+from megatron_dapo import liveness
 
 log = logging.getLogger("megatron_dapo.failure")
 
@@ -40,9 +43,10 @@ def _store() -> Optional[dist.Store]:
         return None
 
 
-def record_failure(rank: int, exc: BaseException) -> str:
-    """Register this rank's failure; returns the first failure of the run (this one when it came first)."""
-    message = f"rank {rank}: {type(exc).__name__}: {exc}"
+def record_failure(rank: int, exc: BaseException, cause: Optional[str] = None) -> str:
+    """Register this rank's failure (``cause``: what this rank found behind it, e.g. ``dead_peer_report``'s line);
+    returns the first failure of the run (this one when it came first)."""
+    message = cause or f"rank {rank}: {type(exc).__name__}: {exc}"
     store = _store()
     if store is None:
         return message
@@ -51,6 +55,32 @@ def record_failure(rank: int, exc: BaseException) -> str:
         return first.decode() if isinstance(first, bytes) else str(first)
     except Exception:  # noqa: BLE001 - the store itself may be gone with the launcher
         return message
+
+
+def dead_peer_report(checkpoint_dir: str) -> Optional[str]:
+    """When this rank's failure is a consequence of a peer's death (``liveness.Liveness.dead_peers``): the line a
+    user reads first, naming the dead rank, its role and place, how it ended as far as is known, and how to resume;
+    None when every peer is alive."""
+    alive = liveness.current()
+    dead = alive.dead_peers() if alive is not None else []
+    if not dead:
+        return None
+    who = "; ".join(f"rank {d.rank} ({d.role}{', ' + d.place if d.place else ''}) died: {d.how}" for d in dead)
+    return (
+        f"{who}, without reporting an error (a signal such as SIGKILL, the out-of-memory killer, or a crash in native"
+        f" code). {resume_hint(checkpoint_dir)}"
+    )
+
+
+def resume_hint(checkpoint_dir: str) -> str:
+    """How to go on from the newest published checkpoint under ``checkpoint_dir`` (its ``latest``)."""
+    latest = Path(checkpoint_dir) / "latest"
+    step = latest.read_text().strip() if latest.is_file() else None
+    again = "run the same command again (trainer.resume_mode=auto)"
+    restart = "or launch with MAX_RESTARTS=N (launch/run_node.sh) to restart on its own"
+    if step is None:
+        return f"No checkpoint was published yet: {again} starts over, {restart}."
+    return f"To resume from {Path(checkpoint_dir) / step}: {again}, {restart}."
 
 
 def all_ranks_in_handler(world_size: int, timeout_s: float) -> bool:

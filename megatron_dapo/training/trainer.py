@@ -42,7 +42,7 @@ from megatron_dapo.rollout.remote import BridgeSender
 from megatron_dapo.rollout.weight_transfer.factory import build_weight_sync
 from megatron_dapo.training.advantage_stage import batch_advantages
 from megatron_dapo.training.async_phase import RemoteRolloutPhase
-from megatron_dapo.training.failure import PeerFailure, StopRequest, record_failure
+from megatron_dapo.training.failure import PeerFailure, StopRequest, dead_peer_report, record_failure
 from megatron_dapo.training.logprob_stage import batch_log_probs, build_reference
 from megatron_dapo.training.reward_stage import RolloutScorer
 from megatron_dapo.training.rollout_phase import RolloutPhase
@@ -397,8 +397,16 @@ def run_training(cfg: ExperimentConfig) -> dict[str, float]:
     except ConfigError:
         raise  # the same on every rank: the command line prints it once (cli.py)
     except BaseException as exc:
-        first = record_failure(rank, exc)
+        # A peer that died without a word (SIGKILL, OOM killer) leaves only a broken collective here: name it first.
+        death = None if isinstance(exc, KeyboardInterrupt) else dead_peer_report(
+            cfg.checkpoint.save_dir or str(Path(cfg.trainer.output_dir) / "checkpoints")
+        )
+        first = record_failure(rank, exc, cause=death)
         own = f"{type(exc).__name__}: {exc}"
+        if death is not None and first == death:
+            log.error("%s", death)
+            log.error("rank %d stops: %s", rank, own)
+            raise PeerFailure(death) from exc
         if first.startswith(f"rank {rank}: ") or first.split(": ", 1)[-1] == own:  # this rank's, or the same error
             log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
             raise

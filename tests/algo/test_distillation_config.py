@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dapo.config.load import from_dict
+from megatron_dapo.config.load import from_dict, to_dict
 from megatron_dapo.config.rules import config_problems
 from megatron_dapo.config.schema import (
     ConfigError,
     DistillationConfig,
+    DistillationInferenceConfig,
     DistillationLossConfig,
     DistillationTeacherConfig,
     ExperimentConfig,
@@ -54,6 +55,7 @@ def test_verl_section_loads_into_typed_teachers_and_passes_the_rules():
     assert d.teacher_models["geo_teacher"].load_dir == "/ckpt/qwen3-4b"
     assert d.distillation_loss.topk == 64 and d.distillation_loss.log_prob_min_clamp == -10.0
     assert distillation_problems(d) == []
+    assert from_dict(ExperimentConfig, to_dict(cfg)) == cfg  # the saved config reads back (checkpoints, logs)
     assert sorted(teachers_by_key(d)) == ["hiyouga/geometry3k", "openai/gsm8k"]
     assert teacher_for(teachers_by_key(d), "openai/gsm8k", d.teacher_key) == "openai/gsm8k"
     with pytest.raises(ValueError, match=r"data_source='other/set': no teacher for it.*openai/gsm8k"):
@@ -127,16 +129,20 @@ def test_teacher_rules():
 
 
 def test_teacher_pool_rules():
-    from megatron_dapo.config.schema import DistillationInferenceConfig
+    def pool(teachers: dict, gpus: int) -> list[str]:
+        return distillation_problems(
+            DistillationConfig(enabled=True, teacher_models=teachers, n_gpus_per_node=gpus, nnodes=1)
+        )
 
     tp2 = DistillationInferenceConfig(tensor_model_parallel_size=2)
     one = {"t": _teacher(inference=tp2)}
-    assert distillation_problems(DistillationConfig(enabled=True, teacher_models=one, n_gpus_per_node=4, nnodes=1)) == []
-    (odd,) = distillation_problems(DistillationConfig(enabled=True, teacher_models=one, n_gpus_per_node=3, nnodes=1))
+    assert pool(one, 4) == []
+    (odd,) = pool(one, 3)
     assert "a replica's 2 devices (TP x DP x PP) must divide the teacher pool's 3" in odd
     two = {"a": _teacher("x", inference=tp2, num_replicas=1), "b": _teacher("y", num_replicas=1)}
-    (sum_bad,) = distillation_problems(DistillationConfig(enabled=True, teacher_models=two, n_gpus_per_node=4, nnodes=1))
+    (sum_bad,) = pool(two, 4)
     assert "sum to 3 devices, expected the teacher pool's 4" in sum_bad
+    assert pool(two, 3) == []
     bad_tp = {"t": _teacher(inference=DistillationInferenceConfig(tensor_model_parallel_size=0))}
     (tp0,) = distillation_problems(DistillationConfig(enabled=True, teacher_models=bad_tp))
     assert tp0 == "distillation.teacher_models.t.inference.tensor_model_parallel_size=0: expected an integer >= 1"

@@ -59,6 +59,7 @@ def _ours(case: dict) -> dict:
         float(mask.sum()) + s["extra_tokens"], float((mask.sum(-1) > 0).sum()) + s["extra_seqs"], s["loss_scale_factor"]
     )
     old = f32(inputs["old_log_probs"])
+    is_weights = f32(inputs["rollout_is_weights"]) if "rollout_is_weights" in inputs else None
     out = {}
     for which in ("distill", "total"):
         leaves = _leaves(inputs)
@@ -69,10 +70,10 @@ def _ours(case: dict) -> dict:
             teacher_topk_log_probs=f32(inputs["teacher_topk_log_probs"]) if "student_logits" in inputs else None,
             teacher_topk_ids=torch.tensor(inputs["teacher_topk_ids"]) if "student_logits" in inputs else None,
         )  # fmt: skip
-        loss, metrics = distillation_loss(batch, s["loss_agg_mode"], norm, old_log_probs=old)
+        loss, metrics = distillation_loss(batch, s["loss_agg_mode"], norm, old_log_probs=old, is_weights=is_weights)
         if which == "total":
             terms = compute_policy_loss_terms(
-                leaves["student_log_probs"], old, f32(inputs["advantages"]), *ACTOR_CLIP, CLIP_RATIO_C
+                leaves["student_log_probs"], old, f32(inputs["advantages"]), *ACTOR_CLIP, CLIP_RATIO_C, is_weights
             )
             task = agg_loss(terms["pg_losses"], mask, s["loss_agg_mode"], norm.token_count, norm.seq_count,
                             norm.max_response_length)  # fmt: skip
@@ -129,6 +130,8 @@ def test_golden_covers_every_loss_mode_use_clamp_and_aggregation():
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     }  # fmt: skip
     assert {s["use_task_rewards"] for s in settings} == {False, True}
+    weighted = [c["settings"] for c in GOLDEN["cases"] if "rollout_is_weights" in c["inputs"]]
+    assert {(s["use_policy_gradient"], s["loss_mode"] == "forward_kl_topk") for s in weighted} >= {(True, False)}
     assert len(GOLDEN["cases"]) == 32
 
 

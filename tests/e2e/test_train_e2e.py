@@ -405,8 +405,12 @@ def test_a_killed_rank_restarts_the_job_which_finishes_from_its_newest_checkpoin
         )
     )
     assert mark.exists(), out[-4000:]  # rank 1 was killed
+    # What the user reads first is the dead rank, its role and place, and how to resume: no gloo text before it.
+    first_error = next(line for line in out.splitlines() if "error" in line.lower() or "died" in line)
+    assert "rank 1 (training, TP 0, PP 0, DP 1) died: its process (pid " in first_error, out[-4000:]
+    assert f"To resume from {run / 'checkpoints' / 'global_step_2'}: run the same command again" in first_error
     rank0_log = (run / "logs" / "rank0.log").read_text()  # both attempts append to it
-    assert "rank 0 failed" in rank0_log and "resumed from" in rank0_log  # the first attempt failed, the second resumed
+    assert "rank 0 stops: RuntimeError" in rank0_log and "resumed from" in rank0_log  # attempt 1 failed, 2 resumed
     resumed = rank0_log.split("resumed from", 1)[1].split("\n", 1)[0]
     assert resumed.endswith("global_step_2 at step 2"), rank0_log[-3000:]
     steps = [r["step"] for r in read_metrics(run) if "actor/pg_loss" in r]
