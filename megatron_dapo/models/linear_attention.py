@@ -42,6 +42,26 @@ class ZeroCenteredHeadRMSNorm(ZeroCenteredRMSNorm):
         self.weight.sequence_parallel = False
 
 
+class GatedDeltaNetOutNorm(ZeroCenteredHeadRMSNorm):
+    """The Gated DeltaNet's output norm. Its weight is replicated over TP while each rank normalises only its value
+    heads, so its gradient is a sum over the TP ranks; megatron-core 0.16.1's ``finalize_model_grads`` reduces only
+    sequence-parallel weights and the q/k norms (by name), not this one. The weight therefore enters the forward
+    through ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward): every rank gets the
+    whole gradient, as an unsplit layer would."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(config, hidden_size, eps)
+        # heavy: megatron-core, once the platform has patched it
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        self._tp_copy = copy_to_tensor_model_parallel_region
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self._tp_copy(self.weight).float())).to(x.dtype)
+
+
 def linear_attention_config_kwargs(arch: ModelArch) -> dict:
     """``TransformerConfig`` fields of a hybrid ``arch`` (none for other models). The layer pattern is passed as a
     list (1 = Gated DeltaNet), so HF ``layer_types`` of any shape carry over, and a layer count that is not a
@@ -102,7 +122,7 @@ def _hybrid_layer(arch: ModelArch, spec, layer: int):
     sub.self_attention = ModuleSpec(
         module=GatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(
-            in_proj=ColumnParallelLinear, out_norm=ZeroCenteredHeadRMSNorm, out_proj=RowParallelLinear
+            in_proj=ColumnParallelLinear, out_norm=GatedDeltaNetOutNorm, out_proj=RowParallelLinear
         ),
     )
     # Checkpoint keys as the TE spec writes them (its in_proj fuses the input norm: megatron-core's hybrid spec).

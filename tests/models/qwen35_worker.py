@@ -3,14 +3,15 @@
 For every layout (``tp<T>-pp<P>-ep<E>[-sp]``; DP = world / (TP x PP)) each rank, for each tiny family model
 (``tiny_hybrid_model``):
   1. builds the seeded HF model in fp32 (every norm, A_log and dt_bias perturbed so that a wrong offset or TP slice
-     shows), and its logits on this DP rank's micro-batches;
+     shows): its logits on this DP rank's micro-batches, and a float64 copy's gradients of mean_DP(mean_mb(NLL));
   2. builds the Megatron chunks with ``build_gpt_chunks`` and fills them by the HF-direct start
      (``weights/loading.load_mcore_checkpoint`` on the HF directory the test saved with ``save_tiny_hybrid``: the
      Qwen3.5 model is the VLM, its names carry ``model.language_model.`` and its vision tower is left out);
-  3. runs ``forward_backward_func`` (forward only) over two micro-batches: a full one, and one whose rows end in
-     padding (the training layout is left-aligned: prompt, response, then padding);
-  4. records max|logits - HF| over the valid positions (last stage), and which global layers this rank built as
-     Gated DeltaNet.
+  3. wraps them for training and runs ``forward_backward_func`` over two micro-batches (a full one, and one whose
+     rows end in padding: the training layout is left-aligned, prompt, response, then padding) with a mean token
+     NLL, then ``finalize_model_grads``;
+  4. records max|logits - HF| over the valid positions (last stage), every local gradient's relative error against
+     the float64 one (max-abs and Frobenius), and which global layers this rank built as Gated DeltaNet.
 Writes ``<out>/rank<r>.json``; ``test_models_qwen35.py`` asserts.
 """
 
@@ -111,6 +112,7 @@ def make_micro_batches(dp_rank: int) -> list[dict[str, torch.Tensor]]:
     out = []
     for index in range(2):
         ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+        targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         valid = torch.ones(BATCH, SEQ, dtype=torch.bool)
         if index == 1:
             for row, n in enumerate(VALID_LEN):
@@ -118,7 +120,9 @@ def make_micro_batches(dp_rank: int) -> list[dict[str, torch.Tensor]]:
             ids = torch.where(valid, ids, torch.zeros_like(ids))
         causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)
         pos = torch.arange(SEQ).expand(BATCH, SEQ)
-        out.append({"index": index, "ids": ids, "valid": valid, "pos": pos, "mask": causal[None, None]})
+        out.append(
+            {"index": index, "ids": ids, "targets": targets, "valid": valid, "pos": pos, "mask": causal[None, None]}
+        )
     return out
 
 
@@ -131,58 +135,121 @@ def parse_layout(name: str) -> dict[str, Any]:
     return {"tp": int(tp), "pp": int(pp), "ep": int(ep), "etp": int(etp) if etp else None, "sp": sp is not None}
 
 
-def run_family(cfg, family: str, hf_dir: str) -> dict[str, Any]:
-    from megatron.core import parallel_state as ps
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of ``targets`` over the valid positions."""
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return -(logp * valid).sum() / valid.sum()
+
+
+def hf_references(family: str, dp_rank: int, dp_size: int) -> tuple[dict, dict]:
+    """HF fp32 logits of this DP rank's micro-batches, and the float64 gradients (text model, experts unfused) of
+    mean_DP(mean_mb(token NLL)): what megatron-core's schedule and DDP make of the per-micro-batch losses."""
+    from megatron_dapo.weights.layout import unfuse_hf_experts
+
+    hf = tiny_hybrid_model(family)  # the same seeded model the test saved to the HF directory
+    with torch.no_grad():
+        logits = {mb["index"]: hf(input_ids=mb["ids"]).logits for mb in make_micro_batches(dp_rank)}
+    hf64 = hf.double()
+    total = 0.0
+    for d in range(dp_size):
+        mbs = make_micro_batches(d)
+        for mb in mbs:
+            out = hf64(input_ids=mb["ids"]).logits
+            total = total + token_loss(out, mb["targets"], mb["valid"]) / (len(mbs) * dp_size)
+    total.backward()
+    grads = unfuse_hf_experts({n: p.grad.detach() for n, p in hf64.named_parameters() if p.grad is not None})
+    return logits, grads
+
+
+def megatron_step(cfg, arch, hf_dir: str, mbs: list) -> tuple[list, dict, str]:
+    """Build the chunks, fill them by the HF-direct start, run one forward/backward over ``mbs`` and reduce the
+    gradients: (DDP-wrapped chunks, the logits of each micro-batch on the last stage, what was loaded)."""
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megatron_dapo.models.builder import build_gpt_chunks, unwrap
-    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
     from megatron_dapo.weights.loading import load_mcore_checkpoint
-    from megatron_dapo.weights.model_io import chunk_layer_offset
-
-    t0 = time.time()
-    hf = tiny_hybrid_model(family)  # the reference: the same seeded model the test saved to hf_dir
-    arch = model_arch_from_hf(hf_dir)
-    mbs = make_micro_batches(ps.get_data_parallel_rank())
-    with torch.no_grad():
-        hf_logits = {mb["index"]: hf(input_ids=mb["ids"]).logits for mb in mbs}
 
     chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
     loaded = load_mcore_checkpoint(chunks, arch, hf_dir)
-    for chunk in chunks:
-        chunk.eval()
-    offset = chunk_layer_offset(
-        arch, ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(), None, 0
-    )
-    gdn_layers = [
-        offset + i
-        for i, layer in enumerate(unwrap(chunks[0]).decoder.layers)
-        if isinstance(layer.self_attention, GatedDeltaNet)
-    ]
+    model = wrap_for_training(chunks, cfg.parallel)
+    for chunk in model:
+        chunk.zero_grad_buffer()
     captured: dict[int, torch.Tensor] = {}
 
     def loss_func(mb: dict, output: torch.Tensor):
         full = gather_from_tensor_model_parallel_region(output)[..., :VOCAB]
         captured[mb["index"]] = full.detach().clone()
-        return full.sum() * 0.0, {}
+        loss = token_loss(full, mb["targets"], mb["valid"])
+        return loss, {"loss": loss.detach().clone()}
 
     def forward_step(data_iterator, model_chunk):
         mb = next(data_iterator)
         return model_chunk(mb["ids"], mb["pos"], mb["mask"]), partial(loss_func, mb)
 
-    with torch.no_grad():
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(mbs),
-            model=chunks,
-            num_microbatches=len(mbs),
-            seq_length=SEQ,
-            micro_batch_size=BATCH,
-            forward_only=True,
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(mbs),
+        model=model,
+        num_microbatches=len(mbs),
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+        forward_only=False,
+    )
+    finalize_model_grads(model)
+    return model, captured, loaded["kind"]
+
+
+def grad_report(model: list, arch, grads: dict, padded: int) -> list[dict]:
+    """Every local parameter's gradient against the HF float64 one, mapped and sliced as the weight is (the GDN
+    output norm's offset is a constant: its gradient maps as is)."""
+    from megatron_dapo.weights.layout import hf_to_mcore, tp_shard
+    from megatron_dapo.weights.model_io import local_param_table, shard_group
+
+    out = []
+    for lp in local_param_table(model, arch):
+        m = lp.mapping
+        hf = [grads[n] for n in m.hf]
+        ref_full = hf[0] if m.kind == "norm_offset" else hf_to_mcore(m, hf, arch, padded)
+        size, rank = shard_group(m)
+        ref = tp_shard(ref_full, m.kind, m.tp_dim, size, rank, m.sections)
+        got = lp.param.main_grad.double()
+        out.append(
+            {
+                "mcore": m.mcore,
+                "rel_err": ((got - ref).abs().max() / ref_full.abs().max().clamp(min=1e-30)).item(),
+                "rel_err_norm": ((got - ref).norm() / ref.norm().clamp(min=1e-30)).item(),
+                "ref_absmax": ref_full.abs().max().item(),
+            }
         )
-    result: dict[str, Any] = {"logits": {}, "gdn_layers": gdn_layers, "loaded": loaded["kind"]}
+    return out
+
+
+def run_family(cfg, family: str, hf_dir: str) -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from megatron_dapo.models.builder import unwrap
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.weights.layout import padded_vocab_size
+    from megatron_dapo.weights.model_io import chunk_layer_offset
+
+    t0 = time.time()
+    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    arch = model_arch_from_hf(hf_dir)
+    hf_logits, hf_grads = hf_references(family, dp_rank, dp_size)
+    mbs = make_micro_batches(dp_rank)
+    model, captured, loaded = megatron_step(cfg, arch, hf_dir, mbs)
+    pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    offset = chunk_layer_offset(arch, pp_size, pp_rank, None, 0)
+    layers = unwrap(model[0]).decoder.layers
+    gdn_layers = [offset + i for i, layer in enumerate(layers) if isinstance(layer.self_attention, GatedDeltaNet)]
+    padded = padded_vocab_size(
+        arch.vocab_size, cfg.model.make_vocab_size_divisible_by, ps.get_tensor_model_parallel_world_size()
+    )
+    result: dict[str, Any] = {"logits": {}, "gdn_layers": gdn_layers, "loaded": loaded, "dp_size": dp_size}
+    result["grads"] = grad_report(model, arch, hf_grads, padded)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for mb in mbs:
             i = mb["index"]

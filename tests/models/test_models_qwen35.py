@@ -1,14 +1,17 @@
 """Qwen3.5 / Qwen3-Next hybrids (Gated DeltaNet + gated attention, docs/qwen35.md) vs HF transformers.
 
-``qwen35_worker.py`` records logits against transformers' fp32 forward for the layouts below in one torchrun launch of
-two processes (TP 1 with DP 2, TP 2 + SP, PP 2, EP 2, EP 2 inside TP 2); the tests assert. Without processes: the HF
-config → ``ModelArch`` / ``TransformerConfig`` mapping, the name map against the HF models' own parameters, the
-layout transforms against HF's own in-projection split, and the layouts megatron-core cannot run (refused, named).
+``qwen35_worker.py`` records logits against transformers' fp32 forward and every local gradient against its float64
+backward, for the layouts below in one torchrun launch of two processes (TP 1 with DP 2, TP 2 + SP, PP 2, EP 2, EP 2
+inside TP 2), the weights read by the HF-direct start from transformers' own saved checkpoints; the tests assert.
+Without processes: the HF config → ``ModelArch`` / ``TransformerConfig`` mapping, the name map against the HF models'
+own parameters, the layout transforms against HF's own in-projection split, and the layouts megatron-core cannot run
+(refused, named).
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,10 @@ WORKER = Path(__file__).with_name("qwen35_worker.py")
 # delta rule solves its triangular system by substitution, transformers' with solve_triangular); a wrong map, TP
 # slice, norm offset or layer pattern moves them by > 1e-2.
 LOGITS_ATOL = 1e-4
+# Gradients: Megatron in fp32 against transformers in float64. Measured relative errors (Frobenius over the shard, and
+# max-abs over the tensor's max) reach 1e-4 on the GDN's A_log / dt_bias (two values per shard, a long fp32 chain);
+# a missing TP reduction or a wrong slice is > 1e-1 (the GDN output norm's TP sum was: 0.6 to 1.1).
+GRAD_RTOL = 3e-4
 LAYOUTS = ("tp1-pp1-ep1", "tp2-pp1-ep1-sp", "tp1-pp2-ep1", "tp1-pp1-ep2", "tp2-pp1-ep2-etp1-sp")
 PORT = 29946  # this file's: 29946-29949
 
@@ -44,7 +51,9 @@ def _arch(family: str):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_hybrid_logits_match_hf(reports, layout, family):
+def test_hybrid_logits_and_grads_match_hf(reports, layout, family):
+    from megatron_dapo.models.families import param_mappings
+
     arch = _arch(family)
     pp = 2 if "-pp2-" in layout else 1
     per_stage = arch.num_layers // pp
@@ -58,12 +67,22 @@ def test_hybrid_logits_match_hf(reports, layout, family):
             problems.append(f"rank {entry['rank']}: loaded from {got['loaded']}, expected the HF-direct start")
         if got["gdn_layers"] != want:
             problems.append(f"rank {entry['rank']}: Gated DeltaNet layers {got['gdn_layers']}, expected {want}")
+        for g in got["grads"]:
+            if not (g["ref_absmax"] > 0 and g["rel_err_norm"] <= GRAD_RTOL and g["rel_err"] <= GRAD_RTOL):
+                problems.append(f"rank {entry['rank']} {g['mcore']}: grad {g}")
         if stage == pp - 1:
             for mb in ("0", "1"):
                 lg = got["logits"].get(mb)
                 if lg is None or not (lg["max_abs"] <= LOGITS_ATOL and lg["ref_absmax"] > 1.0):
                     problems.append(f"rank {entry['rank']} micro-batch {mb}: logits {lg}")
-    assert not problems, "\n".join(problems)
+    # Every mapped tensor compared, on each rank holding (a slice of) it: 2 / PP ranks, an expert's on 2 / (PP x EP).
+    ep = 2 if "-ep2" in layout else 1
+    counts = Counter(g["mcore"] for rank in reports for g in rank["layouts"][layout]["families"][family]["grads"])
+    for m in param_mappings(arch):
+        want = 2 // (pp * ep) if m.is_expert else 2 // pp
+        if counts.pop(m.mcore, 0) != want:
+            problems.append(f"{m.mcore}: compared on the wrong number of ranks (expected {want})")
+    assert not counts and not problems, "\n".join(problems[:30] + sorted(counts)[:5])
 
 
 def test_hybrid_arch_and_config_mapping():
