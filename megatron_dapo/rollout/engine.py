@@ -255,7 +255,8 @@ def vllm_llm_kwargs(
     # Routing replay: vLLM returns the experts it routed each token to (where it cannot, resolve refused the run).
     kwargs.update(engine_routing_kwargs(actor))
     # The colocated actor's adapters run in vLLM's LoRA layers (RolloutEngine.load_lora_adapter); trainer.mode=async
-    # sends merged weights over the bridge (rollout.sync.merged_sync), so its rollout engines need no LoRA layers.
+    # sends merged weights over the bridge (rollout/weight_transfer/lora_transport.merged_sync), so its rollout
+    # engines need no LoRA layers.
     if actor.lora.rank > 0 and mode == "sync":
         kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(actor.lora.rank), max_loras=1)
     return kwargs
