@@ -4,7 +4,9 @@ of the rollout ranks (``training/rollout_worker.py``), with the interface of the
 * ``prepare_engine`` pushes the actor's weights of a version to the rollout ranks (once per version), over the
   bridge (``rollout/remote.py``); the rollout ranks apply them between two segments;
 * ``collect`` takes scored groups from the queue until the batch is full, dropping (and counting) every group that
-  would be trained more than ``async.max_staleness`` versions after its oldest token was generated;
+  would be trained more than ``async.max_staleness`` versions after its oldest token was generated; dynamic sampling
+  is counted per trained batch on the rollout ranks, whose filler groups or exhausted message it turns into what
+  ``algorithm.filter_groups.on_exhausted`` does in a synchronous step;
 * ``validate`` asks the rollout ranks to validate the current weights and waits for the result;
 * ``before_save`` asks them for a snapshot of everything not trained yet — the data position, the responses in
   flight and the scored groups in the queue — which the checkpoint holds as its ``rollout_state`` component and
@@ -15,6 +17,7 @@ Only the first training rank talks to the store; the others receive what it read
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 from collections.abc import Callable
@@ -33,8 +36,12 @@ from megatron_dapo.rollout.multi_turn import tool_metrics
 from megatron_dapo.rollout.remote import Control, StoreQueue
 from megatron_dapo.rollout.types import Conversation, response_from_dict
 
+log = logging.getLogger("megatron_dapo.trainer")
+
 # The rollout side's cumulative statistics (Control "stats"), reported per step as differences.
-STAT_KEYS = ("rounds", "groups_generated", "groups_kept", "busy_s", "idle_s")
+STAT_KEYS = ("busy_s", "idle_s")
+# The rollout side's dynamic-sampling totals (algo/sampling_window.TrainedBatchWindow.totals), sent with every payload.
+SAMPLING_KEYS = ("gen_batches", "generated", "kept")
 
 
 class RolloutState:
@@ -96,6 +103,7 @@ class RemoteRolloutPhase:
         self.dropped = 0  # groups dropped as too stale, over the run
         self.snapshots = 0
         self._stats: dict[str, float] = {}
+        self._totals: dict[str, int] = {}  # the rollout ranks' dynamic-sampling totals at the last batch's end
         self._epoch = 0  # the rollout ranks' sampler's, as their statistics report it
 
     @property
@@ -131,58 +139,82 @@ class RemoteRolloutPhase:
     # ------------------------------------------------------------------------------------------- groups
 
     def collect(self, step: int, weights_step: int, timings: dict) -> Optional[tuple[TrainBatch, dict]]:
-        """``data.train_batch_size`` scored groups from the queue, none staler than ``async.max_staleness``."""
+        """``data.train_batch_size`` scored groups from the queue, none staler than ``async.max_staleness``.
+
+        Dynamic sampling is counted per trained batch on the rollout ranks (``training/rollout_worker.py``). When
+        it is exhausted, ``on_exhausted=train`` has filled the batch with dropped groups: their loss mask is zero
+        (``train/partial_batch`` is 1), as in a synchronous step; ``stop`` returns None; ``error`` raises.
+        """
         self.prepare_engine(weights_step, timings)
         with timed("gen", timings):  # on the training side, "generation" is the wait for the rollout ranks
             payloads = broadcast_object(self._take(weights_step) if self.is_main else None)
-        groups, dropped, queued, stats = payloads
+        groups, dropped, queued, stats, last = payloads
+        if "exhausted" in last:  # on_exhausted=stop or error: the rollout ranks' message instead of filler
+            if last["error"]:
+                raise RuntimeError(last["exhausted"])
+            return None
         self.dropped += dropped
         batch = TrainBatch.concat([g["batch"] for g in groups])
         batch.group_ids = [(0, g["key"]) for g in groups for _ in range(len(g["batch"]))]
-        batch.filler = torch.zeros(len(batch), dtype=torch.bool)
-        metrics = reduce_metrics([g["reward_metrics"] for g in groups])
-        metrics.update(self._stat_metrics(stats, len(groups)))
+        batch.filler = torch.tensor([bool(g.get("filler")) for g in groups for _ in range(len(g["batch"]))])
+        batch.loss_mask[batch.filler] = 0
+        kept = [g for g in groups if not g.get("filler")]
+        metrics = reduce_metrics([g["reward_metrics"] for g in kept])
+        metrics.update(self._stat_metrics(stats, last["totals"]))
         metrics["async/dropped_stale_groups"] = float(self.dropped)
         metrics["async/queue_groups"] = float(queued)
-        metrics["train/partial_batch"] = 0.0
-        responses = [response_from_dict(r) for g in groups for r in g["group"]["responses"]]
+        metrics["train/partial_batch"] = float(bool(batch.filler.any()))
+        responses = [response_from_dict(r) for g in kept for r in g["group"]["responses"]]
         metrics.update(tool_metrics([r.info() for r in responses if isinstance(r, Conversation)]))
+        if self.is_main and metrics["train/partial_batch"]:
+            log.warning(
+                "step %d: dynamic sampling exhausted after %d generation batches with %d of %d prompts kept; "
+                "training on those (algorithm.filter_groups.on_exhausted=train)%s",
+                step,
+                int(metrics["train/num_gen_batches"]),
+                int(metrics["train/num_prompts_kept"]),
+                self.batch_size,
+                "" if bool(batch.loss_mask.any()) else ": none, so the update is skipped",
+            )
         if self.dumper is not None and batch.prompt_text is not None:
             uids = [f"g{key}" for _, key in batch.group_ids]
             rewards = batch.seq_rewards.tolist()
             self.dumper.dump(step, batch.prompt_text, batch.response_text, rewards, uids, turn_extras(batch))
         return batch, metrics
 
-    def _take(self, version: int) -> tuple[list[dict], int, int, dict]:
-        """On the first training rank: groups from the queue until the batch is full; the dropped count, the queue
-        length left and the rollout side's statistics."""
+    def _take(self, version: int) -> tuple[list[dict], int, int, dict, dict]:
+        """On the first training rank: groups from the queue until the batch is full or an exhausted message comes;
+        the dropped count, the queue length left, the rollout side's statistics and the last payload taken."""
         groups: list[dict] = []
         dropped = 0
         while len(groups) < self.batch_size:
-            group = pickle.loads(self.queue.get())
-            if version - group["min_version"] > self.plan.max_staleness:
+            last = pickle.loads(self.queue.get())
+            if "exhausted" in last:
+                break
+            if version - last["min_version"] > self.plan.max_staleness:
                 dropped += 1
                 continue
-            groups.append(group)
-        return groups, dropped, self.queue.length(), self.control.read("stats") or {}
+            groups.append(last)
+        end = {k: v for k, v in last.items() if k in ("totals", "exhausted", "error")}  # what is read of it
+        return groups, dropped, self.queue.length(), self.control.read("stats") or {}, end
 
-    def _stat_metrics(self, stats: dict, kept: int) -> dict[str, float]:
-        """This step's share of the rollout side's counters: rounds, groups generated and kept (dynamic sampling),
-        and the rollout ranks' idle fraction."""
+    def _stat_metrics(self, stats: dict, totals: dict[str, int]) -> dict[str, float]:
+        """This batch's dynamic sampling (the rollout ranks' totals since the last batch's end: generation batches,
+        groups generated and kept, under the synchronous names) and the rollout ranks' idle fraction."""
         delta = {k: float(stats.get(k, 0.0)) - self._stats.get(k, 0.0) for k in STAT_KEYS}
         self._stats = {k: float(stats.get(k, 0.0)) for k in STAT_KEYS}
         self._epoch = int(stats.get("epoch", self._epoch))
+        gen_batches, generated, kept = (float(totals[k] - self._totals.get(k, 0)) for k in SAMPLING_KEYS)
+        self._totals = dict(totals)
         busy, idle = delta["busy_s"], delta["idle_s"]
-        out = {
-            "train/num_gen_batches": delta["rounds"],
-            "train/num_prompts_generated": delta["groups_generated"],
-            "train/num_prompts_kept": float(kept),
+        return {
+            "train/num_gen_batches": gen_batches,
+            "train/num_prompts_generated": generated,
+            "train/num_prompts_kept": kept,
+            "train/kept_prompt_ratio": kept / generated if generated else 0.0,
             "async/rollout_idle_frac": idle / (busy + idle) if busy + idle > 0 else 0.0,
             "rollout/partial/buffered_responses": float(stats.get("buffered_responses", 0.0)),
         }
-        if delta["groups_generated"]:  # groups scored by the rollout ranks since the last step
-            out["train/kept_prompt_ratio"] = delta["groups_kept"] / delta["groups_generated"]
-        return out
 
     # ------------------------------------------------------------------------------------------- requests
 

@@ -7,6 +7,11 @@ a new generation batch of prompts. Groups that are done are scored here (once, o
 filtered by dynamic sampling, and put on the queue one by one. Between two rounds the ranks take a weight push, a
 validation request, a snapshot request or the stop.
 
+Dynamic sampling is counted per trained batch, as in a synchronous step (``algo/sampling_window.py``): the groups
+scored since the last ``train_batch_size`` queued ones, in generation batches of ``gen_batch_size`` groups. When
+they reach ``algorithm.filter_groups.max_num_gen_batches`` without filling the batch, ``on_exhausted=train`` queues
+dropped groups as its filler and ``stop`` / ``error`` queue a message (the training ranks stop or raise).
+
 Staleness gate (AReaL's rule). With weights of version ``v`` (the trainer has made ``v`` updates), a new group starts
 (gets its first segment) only while the groups put on the queue since the start plus the started ones in flight
 stay below ``(v - v_start + max_staleness + 1) x train_batch_size``, and the queue holds fewer than
@@ -26,8 +31,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from megatron_dapo.algo.dynamic_sampling import filter_groups
 from megatron_dapo.algo.registry import ADV_ESTIMATORS
+from megatron_dapo.algo.sampling_window import TrainedBatchWindow, gen_batch_budget
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import PartialPlan
 from megatron_dapo.parallel import broadcast_object, placement, teardown
@@ -76,7 +81,10 @@ class RolloutWorker:
         self.queue, self.control = StoreQueue(self.place.store, timeout_s), Control(self.place.store, timeout_s)
         self.version = self.start_version = -1
         self.put_groups = 0
-        self.stats = {"rounds": 0, "groups_generated": 0, "groups_kept": 0, "busy_s": 0.0, "idle_s": 0.0}
+        self.stats = {"rounds": 0, "busy_s": 0.0, "idle_s": 0.0}
+        fg, gen_batch_size = cfg.algorithm.filter_groups, self.data.sampler.batch_size
+        cap = gen_batch_budget(fg.max_num_gen_batches, len(self.data.train), gen_batch_size)
+        self.window = TrainedBatchWindow(cfg.data.train_batch_size, cfg.rollout.n, gen_batch_size, fg.enable, cap)
         self.served: dict[str, Any] = {"val": None, "snap": None}
         self.stop_request = StopRequest()
 
@@ -181,7 +189,8 @@ class RolloutWorker:
             )
 
     def _queue_groups(self, done: list[Group]) -> None:
-        """Score the done groups (every rollout rank), keep the informative ones, queue them (the first rank)."""
+        """Score the done groups (every rollout rank), keep the informative ones, queue them (the first rank), and
+        count them in the trained batch's window (``algo/sampling_window.py``: dynamic sampling per trained batch)."""
         items = [self.data.train[g.item] for g in done]
         tokenizer = self.tokenizer if self.cfg.trainer.rollout_data_dir else None
         rollout = groups_to_rollout(done, self.engine.pad_token_id)
@@ -192,24 +201,36 @@ class RolloutWorker:
                 self.generator, self.scorer, self.cfg.algorithm, rollout, items, self.sampling, seed
             )
         n = self.cfg.rollout.n
-        ids = [g.key for g in done for _ in range(n)]
-        fg = self.cfg.algorithm.filter_groups
-        keep = filter_groups(filter_metric(batch, fg.metric), ids).tolist() if fg.enable else [True] * len(ids)
-        self.stats["groups_generated"] += len(done)
+        metric = filter_metric(batch, self.cfg.algorithm.filter_groups.metric)
         for i, group in enumerate(done):
-            if not keep[i * n]:
-                continue
-            self.stats["groups_kept"] += 1
-            self.put_groups += 1
-            if self.leader:
-                payload = {
-                    "key": group.key,
-                    "batch": batch.select(range(i * n, (i + 1) * n)),
-                    "group": asdict(group),
-                    "min_version": min(v for r in group.responses for v in r.versions),
-                    "reward_metrics": reward_metrics,
-                }
-                self.queue.put(pickle.dumps(payload))
+            rows = batch.select(range(i * n, (i + 1) * n))
+            min_version = min(v for r in group.responses for v in r.versions)
+            if self.window.add(rows, (group.key, min_version), metric[i * n : (i + 1) * n]):
+                payload = {"key": group.key, "batch": rows, "min_version": min_version}
+                self._put({**payload, "group": asdict(group), "reward_metrics": reward_metrics})
+            if self.window.exhausted:
+                self._exhausted()
+
+    def _exhausted(self) -> None:
+        """The window used ``algorithm.filter_groups.max_num_gen_batches`` without filling its batch. On
+        ``on_exhausted=train`` it is filled up with dropped groups, which the training ranks keep out of the loss
+        (the synchronous step's filler); on ``stop`` and ``error`` the training ranks get the message instead."""
+        fg = self.cfg.algorithm.filter_groups
+        if fg.on_exhausted != "train":
+            self._put({"exhausted": self.window.close(), "error": fg.on_exhausted == "error"})
+            return
+        filler, ids = self.window.take_filler()
+        n = self.cfg.rollout.n
+        for i in range(0, len(ids), n):
+            key, min_version = ids[i]
+            self._put({"key": key, "batch": filler.select(range(i, i + n)), "min_version": min_version, "filler": True})
+
+    def _put(self, payload: dict[str, Any]) -> None:
+        """Queue a group or a message (the first rank) with the window's run totals: the training ranks' metrics of a
+        batch are the differences between its last payload's totals and the previous batch's."""
+        self.put_groups += "key" in payload
+        if self.leader:
+            self.queue.put(pickle.dumps({**payload, "totals": dict(self.window.totals)}))
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -224,7 +245,8 @@ class RolloutWorker:
         scored again after a resume)."""
         if not self.leader:
             return
-        queued = [pickle.loads(p)["group"] for p in self.queue.waiting()]
+        payloads = [pickle.loads(p) for p in self.queue.waiting()]
+        queued = [p["group"] for p in payloads if "group" in p]  # not the filler (dropped groups) nor messages
         state = {"sampler": self.data.sampler.state_dict(), "buffer": self.buffer.state_dict(), "queued": queued}
         self.control.post(f"snap/result/{request}", state)
 
