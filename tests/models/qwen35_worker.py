@@ -33,7 +33,7 @@ BATCH = 2
 HF_SEED = 0
 # Valid lengths of the padded micro-batch's rows (the rest is padding at the end).
 VALID_LEN = (7, 10)
-FAMILIES = ("qwen3_5", "qwen3_next")
+FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
 # Shared sizes: 4 attention heads in 2 query groups, head_dim 16 (a quarter rotated), 2 key / 4 value GDN heads.
 _COMMON = {
@@ -57,14 +57,20 @@ _COMMON = {
 def tiny_hybrid_config(family: str):
     """qwen3_5: the dense VLM (Qwen3_5ForConditionalGeneration), 6 layers at full_attention_interval 4 (layers
     0-2, 4, 5 linear, 3 full: not a multiple of the interval). qwen3_next: MoE (4 experts, top-2, a gated shared
-    expert; layer 0 dense), 6 layers at interval 2 (layers 1, 3, 5 full), in_proj grouped per key head."""
+    expert; layer 0 dense), 6 layers at interval 2 (layers 1, 3, 5 full), in_proj grouped per key head.
+    qwen3_5_moe: the MoE VLM (every layer MoE: 4 experts, top-2, gated shared expert), 6 layers at interval 3."""
     # heavy: transformers
-    from transformers import Qwen3_5Config, Qwen3NextConfig
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig, Qwen3NextConfig
 
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
     if family == "qwen3_5":
         text = dict(_COMMON, num_hidden_layers=6, full_attention_interval=4, tie_word_embeddings=False)
-        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
         return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    if family == "qwen3_5_moe":
+        text = dict(_COMMON, num_hidden_layers=6, full_attention_interval=3, tie_word_embeddings=False)
+        del text["intermediate_size"]
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+        return Qwen3_5MoeConfig(text_config=dict(text, router_aux_loss_coef=0.0), vision_config=vision)
     if family == "qwen3_next":
         return Qwen3NextConfig(
             **_COMMON,
@@ -86,11 +92,16 @@ def tiny_hybrid_model(family: str, seed: int = HF_SEED):
     """The HF model of ``tiny_hybrid_config(family)``, seeded, fp32, eager; norms (zero-centred: around 0; the GDN
     output norm: around 1), A_log and dt_bias perturbed."""
     # heavy: transformers
-    from transformers import Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM
 
     torch.manual_seed(seed)
     config = tiny_hybrid_config(family)
-    cls = Qwen3_5ForConditionalGeneration if family == "qwen3_5" else Qwen3NextForCausalLM
+    classes = {
+        "qwen3_5": Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
+        "qwen3_next": Qwen3NextForCausalLM,
+    }
+    cls = classes[family]
     model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
     model.config._experts_implementation = "eager"
     g = torch.Generator().manual_seed(seed + 1)
