@@ -16,6 +16,7 @@ import torch
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingAccumulator
 from megatron_dapo.algo.registry import ADV_ESTIMATORS
+from megatron_dapo.algo.sampling_window import gen_batch_budget
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import AlgorithmConfig, DataConfig, RolloutConfig
 from megatron_dapo.handoff.offload import MemoryHandoff
@@ -119,7 +120,7 @@ class RolloutPhase:
         """
         data, fg = self.data, self.algorithm.filter_groups
         acc = DynamicSamplingAccumulator(self.batch_size, self.n, enable=fg.enable)
-        budget = fg.max_num_gen_batches or -(-len(data.train) // data.sampler.batch_size)
+        budget = gen_batch_budget(fg.max_num_gen_batches, len(data.train), data.sampler.batch_size)
         reward_metrics = []
         self.prepare_engine(weights_step, timings)
         while not acc.is_full() and not acc.is_exhausted(budget):
