@@ -480,7 +480,8 @@ def build_plan(
         total_steps=steps,
         warmup_steps=warmup_steps(cfg.actor.optim, steps) if steps is not None else None,
         transformer_impl=impl,
-        use_remove_padding=_remove_padding(cfg.actor, p, impl),
+        # Gated DeltaNet layers take no packed sequences (families.layout_problems refuses true; auto is off).
+        use_remove_padding=_remove_padding(cfg.actor, p, impl) and arch.gated_delta_net is None,
         explicit_causal_mask=platform.causal_mask_needed and impl == "local" and cfg.model.attention_backend == "local",
         handoff=handoff,
         uses_reference=uses_reference(cfg.actor, cfg.algorithm),

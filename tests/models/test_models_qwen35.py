@@ -255,3 +255,17 @@ def test_saved_checkpoint_passes_the_converters_check(family, tmp_path):
     with SafetensorsDir(tmp_path) as reader:
         check_hf_tensors(reader, arch, param_mappings(arch))
         assert (family != "qwen3_next") == any(n.startswith("model.visual.") for n in reader.keys())
+
+
+def test_packed_sequences_stay_off_by_default():
+    """``actor.use_remove_padding`` unset turns packed sequences on where the attention takes them (TransformerEngine
+    on CUDA), but not for a Gated DeltaNet model."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.config.plan import resolve
+    from megatron_dapo.platform import make_platform
+    from tests.config.test_run_validation import TINY
+
+    cfg = load_config(TINY, ["model.transformer_impl=transformer_engine"])
+    cuda = make_platform("cuda")
+    assert resolve(cfg, model_arch_from_plain(), 2, cuda, probe_imports=False).use_remove_padding is True
+    assert resolve(cfg, _arch("qwen3_5"), 2, cuda, probe_imports=False).use_remove_padding is False
