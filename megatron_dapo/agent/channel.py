@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import multiprocessing
 import signal
 import threading
 import time
@@ -14,8 +13,8 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_dapo.agent.tools import ToolResult, ToolSpec
-from megatron_dapo.agent.worker import worker_main
+from megatron_dapo.agent.tools import ToolResult
+from megatron_dapo.agent.zygote import Zygote
 
 __all__ = ["Child", "Instance", "Request", "Stats", "fail", "resolve", "spawn_child", "stop_child"]
 
@@ -77,33 +76,19 @@ class Child:
         return f"exit code {code}"
 
 
-def spawn_child(
-    slot: int,
-    specs: list[ToolSpec],
-    limits: tuple[float, int, Optional[int], int],
-    start_timeout_s: float,
-) -> Child:
-    """A started worker with its tools built, or ``RuntimeError`` saying why not. ``forkserver`` where available,
-    else ``spawn``; never ``fork``, since the trainer holds threads. ``limits``: the worker's ``timeout_s``,
-    concurrency, ``memory_mb`` and ``max_reply_chars``."""
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-    ours, theirs = ctx.Pipe()
-    plain = [(s.class_name, s.config, s.schema) for s in specs]  # no tools-module classes in the args
-    process = ctx.Process(target=worker_main, args=(theirs, plain, *limits), name=f"tool-worker-{slot}", daemon=True)
-    process.start()
-    theirs.close()
+def spawn_child(slot: int, zygote: Zygote, start_timeout_s: float) -> Child:
+    """A started worker, forked by ``zygote``, with its tools built; or ``RuntimeError`` saying why not."""
+    process, conn = zygote.fork(start_timeout_s)
     message: Any = None
     with contextlib.suppress(EOFError, OSError):
-        if ours.poll(start_timeout_s):
-            message = ours.recv()
+        if conn.poll(start_timeout_s):
+            message = conn.recv()
     if isinstance(message, tuple) and message[0] == "ready":
-        return Child(process, ours, slot)
+        return Child(process, conn, slot)
     process.join(1.0)
-    if process.is_alive():
-        process.kill()
-        process.join(5.0)
-    ours.close()
+    process.kill()
+    process.join(5.0)
+    conn.close()
     if isinstance(message, tuple) and message[0] == "init_error":
         raise RuntimeError(f"the tools could not be built: {message[1]}")
     if message is None and process.exitcode is not None and process.exitcode >= 0:

@@ -4,38 +4,46 @@ the other samples' calls.
 Tools are user code and can fail in any way: raise, hang (in Python, in C code holding the GIL, or by blocking an
 async tool's event loop), exit (``sys.exit``, ``os._exit``), exhaust memory, crash the interpreter. In threads of the
 trainer, ``os._exit`` or an OOM kill would end the run and a hung synchronous tool would leak a thread forever. So
-the tools run in ``workers`` child processes (``agent/worker.py``; ``agent/channel.py`` starts and stops them), and:
+the tools run in ``workers`` child processes (``agent/worker.py``), forked from a template process that has imported
+them (``agent/zygote.py``: a replacement costs milliseconds), and:
 
 * **each sample's tool instance is pinned to one worker** (the one with the fewest instances when it is created), so
-  a hang or a crash kills one worker and fails only the calls that were running on it;
+  a hang or a crash costs one worker and the calls that had begun on it, nothing else;
 * every request returns a ``concurrent.futures.Future`` at once (thread-safe, never blocks the caller); each worker
-  has a sender thread that starts it when needed (a replacement included) and sends it at most
-  ``ceil(max_concurrency / workers)`` calls at a time, in order, and a reader thread that resolves the futures;
+  slot has a sender thread that starts a worker when needed (a replacement included) and sends it at most
+  ``ceil(max_concurrency / workers)`` calls at a time, in order; each worker has a reader thread that resolves the
+  futures;
 * a call's future never holds an exception: every failure is a ``ToolResult`` whose text starts with ``error: ``,
   with status ``error`` (the tool raised, ``sys.exit`` and ``MemoryError`` included), ``timeout``,
   ``unknown_tool``, ``bad_call`` or ``crashed`` (its worker died during the call: ``os._exit``, a segfault, the OOM
-  killer; or it was killed because another call on it hung);
-* the worker answers a call that runs past ``timeout_s`` as timed out. A watchdog thread kills a worker when a
-  request it began is not answered within ``timeout_s + grace_s`` (a tool stuck in C code holding the GIL, an async
-  tool blocking the event loop): that call ends then, as ``timeout``. A synchronous tool answered as timed out whose
-  thread still runs at ``timeout_s + grace_s`` retires its worker: it gets no new requests and is killed once the
-  calls it holds are answered (its thread cannot be stopped otherwise);
-* requests a killed or dead worker had not begun (queued behind a call that blocked its loop) are sent again to its
-  replacement (``pool.MAX_RESENDS`` times at most); the instances that lived in it are created again there, from their ``tools_kwargs``, before
-  their next call (their state is what ``create`` makes of them, as after a resume). A release of a lost instance
-  does nothing. Parallel calls of one instance that straddle a retirement may reach two workers;
+  killer; or it was killed because another call that had begun on it hung);
+* **bounds.** The worker answers a call that runs past ``timeout_s`` as timed out (a synchronous tool runs in a
+  thread, an async one under ``asyncio.timeout``). When it cannot (a tool stuck in C code holding the GIL, an async
+  tool blocking the event loop), a watchdog thread kills it ``timeout_s + grace_s`` after the call began, and the
+  call ends then, as ``timeout``. ``grace_s`` (0.5 s by default) is the worker's slack to answer on its own;
+* **a blocked loop stalls nobody else.** A request that has not begun ``stall_s`` (0.5 s) after it was sent means
+  the worker's event loop is blocked: the watchdog takes back the requests that wait there (the worker's reader
+  thread confirms which had not begun, so none runs twice), retires the worker (no new requests) and sends them to a
+  fresh worker in its slot. A retired worker is stopped once the calls it holds are answered, or killed at their
+  bound. A synchronous call answered as timed out whose thread still runs at ``timeout_s + grace_s`` retires its
+  worker too (its thread cannot be stopped otherwise);
+* **lost instances are made again.** Requests a dead or killed worker had not begun go to its replacement
+  (``pool.MAX_RESENDS`` times at most). The instances that lived in a lost or retired worker are created again in
+  the slot's new worker, from their ``tools_kwargs``, just before their next call (their state is what ``create``
+  makes of it, as after a resume); a failed re-creation is that call's ``error:``. A release of a lost instance does
+  nothing. Parallel calls of one instance that straddle a retirement may reach two workers;
 * ``memory_mb`` caps each worker's address space (``RLIMIT_AS``), so that a tool that allocates too much gets a
   ``MemoryError`` (an ``error`` result) rather than the OOM killer's visit. The cap covers the whole worker: about
   50 MiB for the interpreter, plus the thread stacks of its concurrent synchronous calls (8 MiB each by default);
 * an answer longer than ``max_reply_chars`` keeps its first and last halves (``agent/worker.py``);
 * ``tool/*`` metrics are counted in the trainer's process (``tool/crashes``: workers that died or were killed,
-  ``tool/resent``: requests sent again), so they survive the workers.
+  ``tool/resent``: requests sent to another worker), so they survive the workers; the first worker lost is logged.
 
-The workers import only light modules (:mod:`megatron_dapo.agent.tools`, the tools' own modules; no torch) — plus, as
-any ``spawn``/``forkserver`` child, the main module of the trainer's process, which must therefore be import-safe
-(work under ``if __name__ == "__main__"``) and light at the top (the ``megatron-dapo`` CLI is). They ignore SIGINT
-(Ctrl-C is the trainer's to handle; it closes the host). They are daemon processes, so a tool cannot start
-``multiprocessing`` children of its own (``subprocess`` works, as the built-in ``python`` tool does).
+The template and the workers import only light modules (:mod:`megatron_dapo.agent.tools`, the tools' own modules; no
+torch) — plus, as any ``spawn``/``forkserver`` child, the main module of the trainer's process, which must therefore
+be import-safe (work under ``if __name__ == "__main__"``) and light at the top (the ``megatron-dapo`` CLI is). They
+ignore SIGINT (Ctrl-C is the trainer's to handle; it closes the host). A tool cannot start ``multiprocessing``
+children of its own (``subprocess`` works, as the built-in ``python`` tool does).
 """
 
 from __future__ import annotations
@@ -73,18 +81,19 @@ class ToolHost:
         specs: list[ToolSpec],
         timeout_s: float = 30.0,
         max_concurrency: int = 16,
-        grace_s: float = 1.0,
+        grace_s: float = 0.5,
         memory_mb: Optional[int] = None,
         start_timeout_s: float = 120.0,
         workers: int = 4,
         max_reply_chars: int = 2**20,
+        stall_s: float = 0.5,
     ) -> None:
         self.specs, self.timeout_s, self.grace_s = list(specs), float(timeout_s), float(grace_s)
         self.max_concurrency, self.memory_mb, self.start_timeout_s = int(max_concurrency), memory_mb, start_timeout_s
         self.workers = max(1, int(workers))
         self.per_worker = max(1, math.ceil(self.max_concurrency / self.workers))  # calls in flight on one worker
         limits = (self.timeout_s, self.per_worker, memory_mb, int(max_reply_chars))
-        self._pool = WorkerPool(self.specs, self.workers, limits, self.grace_s, start_timeout_s)
+        self._pool = WorkerPool(self.specs, self.workers, limits, self.grace_s, start_timeout_s, float(stall_s))
         self._lock, self._queues, self._stats = self._pool.lock, self._pool.queues, self._pool.stats
         self._instances: dict[str, Instance] = {}
         self._load = [0] * self.workers  # instances pinned to each slot
@@ -134,6 +143,7 @@ class ToolHost:
         self._pool.stopped.set()
         for child in children:
             stop_child(child, self.grace_s)
+        self._pool.close_template()
         for request in unanswered:
             fail(self._stats, request, "crashed", "the tool host was closed")
 

@@ -4,6 +4,7 @@ a worker is killed, retired or replaced). The pool and the host share one lock a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -12,6 +13,7 @@ from typing import Any, Optional
 
 from megatron_dapo.agent.channel import Child, Request, Stats, fail, resolve, spawn_child, stop_child
 from megatron_dapo.agent.tools import ToolSpec
+from megatron_dapo.agent.zygote import Zygote
 
 __all__ = ["WorkerPool"]
 
@@ -34,8 +36,10 @@ class WorkerPool:
         limits: tuple[float, int, Optional[int], int],
         grace_s: float,
         start_timeout_s: float,
+        stall_s: float,
     ) -> None:
         self.specs, self.limits, self.grace_s, self.start_timeout_s = specs, limits, grace_s, start_timeout_s
+        self.stall_s = stall_s
         self.timeout_s = limits[0]
         self.lock = threading.Condition()
         self.queues: list[deque[Request]] = [deque() for _ in range(workers)]
@@ -45,7 +49,28 @@ class WorkerPool:
         self.closed, self.stopped = False, threading.Event()
         self.stats = Stats()
         self._spawn_locks = [threading.Lock() for _ in range(workers)]
+        self._zygote: Optional[Zygote] = None  # forks the workers (agent/zygote.py)
+        self._zygote_lock = threading.Lock()
         self._ever_started, self._warned = False, False
+
+    def _template(self) -> Zygote:
+        """The zygote that forks the workers, started (again, if it died) when needed."""
+        with self._zygote_lock:
+            if self.closed:
+                raise RuntimeError("ToolHost is closed")
+            if self._zygote is None or not self._zygote.alive():
+                if self._zygote is not None:
+                    self._zygote.close()
+                plain = [(s.class_name, s.config, s.schema) for s in self.specs]  # no tools-module classes in args
+                self._zygote = Zygote(plain, self.limits, self.start_timeout_s)
+            return self._zygote
+
+    def close_template(self) -> None:
+        """After ``close()`` and the workers' stop: the zygote exits."""
+        with self._zygote_lock:
+            zygote, self._zygote = self._zygote, None
+        if zygote is not None:
+            zygote.close()
 
     def close(self) -> tuple[list[Child], list[Request]]:
         """Under the lock: closed; every worker detached; the workers and the requests to fail."""
@@ -66,7 +91,7 @@ class WorkerPool:
                 if self.children[slot] is not None:
                     return self.children[slot]
             try:
-                child = spawn_child(slot, self.specs, self.limits, self.start_timeout_s)
+                child = spawn_child(slot, self._template(), self.start_timeout_s)
             except RuntimeError as exc:
                 with self.lock:  # a worker that never started is a config error; a later one fails its slot
                     if not self._ever_started:
@@ -108,6 +133,12 @@ class WorkerPool:
         child.conn.close()
 
     def _on_message(self, child: Child, message: Any) -> None:
+        if message[0] == "withdrawn":  # requests taken back from a blocked worker: to its replacement
+            with self.lock:
+                taken = [child.pending.pop(i) for i in message[1] if i in child.pending]
+                child.calls -= sum(r.op == "call" for r in taken)
+            self._settle(taken, set(), "", confirmed=True)
+            return
         if message[0] in ("started", "finished"):  # a request began; a timed-out synchronous call's thread ended
             with self.lock:
                 request = child.pending.get(message[1])
@@ -142,14 +173,14 @@ class WorkerPool:
         self.lock.notify_all()
         return pending
 
-    def _settle(self, pending: list[Request], overdue: set[int], note: str) -> None:
-        """The requests of a worker that died or was killed: those it never began go to its replacement (at most
-        ``MAX_RESENDS`` times);
-        the overdue ones time out; the others crash (``note`` names the ``{op}``)."""
-        again = [r for r in pending if not r.started and r.resends < MAX_RESENDS and not self.closed]
+    def _settle(self, pending: list[Request], overdue: set[int], note: str, confirmed: bool = False) -> None:
+        """The requests of a worker that died, was killed or gave them back (``confirmed``: it said they never
+        began): those it never began go to its replacement (after a death, ``MAX_RESENDS`` times at most); the
+        overdue ones time out; the others crash (``note`` names the ``{op}``)."""
+        again = [r for r in pending if not r.started and (confirmed or r.resends < MAX_RESENDS) and not self.closed]
         with self.lock:
             for request in reversed(again):
-                request.resends += 1
+                request.resends += not confirmed
                 self.queues[request.instance.slot].appendleft(request)
             self.stats.add("resent", len(again))
             self.lock.notify_all()
@@ -164,34 +195,51 @@ class WorkerPool:
                 fail(self.stats, request, "crashed", note.format(op=request.op))
 
     def watch(self) -> None:
-        """Kill a worker when a request it began is overdue; retire one whose timed-out thread runs on past its
-        deadline; stop a retired one once its requests are answered (module docstring)."""
-        tick = max(0.01, min(0.1, self.grace_s / 4))
+        """Kill a worker when a request it began is overdue; take the requests that wait behind a blocked loop back
+        from it and retire it; retire one whose timed-out thread runs on past its deadline; stop a retired one once
+        its requests are answered (``agent/host.py``'s docstring)."""
+        tick = max(0.01, min(0.05, self.grace_s / 4, self.stall_s / 4))
         while not self.stopped.wait(tick):
-            now, killed, stopped = time.monotonic(), [], []
+            now, killed, stopped, stalled = time.monotonic(), [], [], []
             with self.lock:
                 for child in [c for c in [*self.children, *self.retired] if c is not None]:
-                    overdue = {i for i, r in child.pending.items() if r.deadline < now}
-                    # a request never begun long after it was sent: the worker is stuck outside any call
-                    late = now - 2 * self.grace_s
-                    stuck = any(not r.started and r.sent + r.budget_s < late for r in child.pending.values())
-                    if overdue or stuck:
-                        killed.append((child, overdue, self.detach(child)))
+                    action, ids = self._verdict(child, now)
+                    if action == "kill":
+                        killed.append((child, ids, self.detach(child)))
                         self.stats.add("crashes")
-                    elif child.retired and not child.pending:
+                    elif action == "stop":
                         self.detach(child)
                         stopped.append(child)
-                    elif not child.retired and any(d < now for d in child.lingering.values()):
+                    elif action in ("stall", "retire"):
                         child.retired = True  # its slot starts a fresh worker on the next request
                         self.children[child.slot] = None
                         self.retired.append(child)
                         self.lock.notify_all()
+                        stalled += [(child, ids)] if action == "stall" else []
             for child in stopped:
                 stop_child(child, 0.0, ask=False)
+            for child, ids in stalled:
+                with child.send_lock, contextlib.suppress(OSError, ValueError):
+                    child.conn.send(("withdraw", sorted(ids)))
             for child, overdue, pending in killed:
                 child.process.kill()
                 self._log_loss(f"a tool call hung past {self.timeout_s + self.grace_s:g} s; its worker was killed")
                 self._settle(pending, overdue, "the tool worker was killed during the {op} (another call on it hung)")
+
+    def _verdict(self, child: Child, now: float) -> tuple[str, set[int]]:
+        """Under the lock: what the watchdog does with ``child`` now, and the requests concerned."""
+        overdue = {i for i, r in child.pending.items() if r.deadline < now}
+        late = now - 2 * self.grace_s  # a request never begun long after it was sent: stuck outside any call
+        if overdue or any(not r.started and r.sent + r.budget_s < late for r in child.pending.values()):
+            return "kill", overdue
+        if child.retired:
+            return ("stop" if not child.pending else ""), set()
+        waiting = {i for i, r in child.pending.items() if not r.started}
+        if any(child.pending[i].sent < now - self.stall_s for i in waiting):
+            return "stall", waiting
+        if any(d < now for d in child.lingering.values()):
+            return "retire", set()
+        return "", set()
 
     def _log_loss(self, what: str) -> None:
         """The first worker lost is logged; later ones are counted (``tool/crashed``, ``tool/timeout``) only."""

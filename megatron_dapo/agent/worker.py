@@ -8,6 +8,8 @@ bounded by ``timeout_s`` (``agent/tools.ToolRunner``). What it tells the parent,
   blocks the loop) is sent again to the replacement worker if this one is killed; one that started is lost with it;
 * ``(req_id, reply, lingering)``: ``lingering`` when a synchronous method of the request still runs in its thread
   (the call was answered as timed out); ``("finished", req_id)`` when that thread ends;
+* ``("withdrawn", req_ids)``, answering the parent's ``("withdraw", req_ids)`` from the reader thread (the loop may
+  be blocked): which of them had not begun; those never will here (the parent sends them to another worker);
 * a call may carry ``recreate`` kwargs: its instance was lost with an earlier worker, so the worker creates it first
   (verl's ``tools_kwargs``), then runs the call, in the same task.
 
@@ -92,6 +94,8 @@ class _Server:
         self.lock = threading.Lock()
         self.running: Counter = Counter()  # request -> synchronous tool methods running for it
         self.answered: set[int] = set()  # requests answered while one of their methods still ran
+        self.begun: set[int] = set()  # requests whose task began (told to the parent)
+        self.withdrawn: set[int] = set()  # requests the parent took back before they began
         self.runner: Any = None
 
     def build(self, specs: list, max_concurrency: int) -> None:
@@ -127,6 +131,9 @@ class _Server:
                 if message is None or message[0] == "stop":
                     loop.call_soon_threadsafe(on_message, None)
                     return
+                if message[0] == "withdraw":  # answered here, not by the loop, which may be blocked
+                    self.withdraw(message[1])
+                    continue
                 loop.call_soon_threadsafe(on_message, message)
 
         threading.Thread(target=read, name="tool-worker-requests", daemon=True).start()
@@ -135,6 +142,9 @@ class _Server:
     async def handle(self, req_id: int, op: str, instance_id: str, payload: Any) -> None:
         _REQUEST.set(req_id)  # this task's own context; tool threads inherit it (asyncio.to_thread copies it)
         with self.lock:
+            if req_id in self.withdrawn:  # the parent sent it to another worker
+                return
+            self.begun.add(req_id)
             self._send(("started", req_id))
         try:
             if op == "call":
@@ -179,6 +189,14 @@ class _Server:
             if errors and op == "create":
                 break
         return errors
+
+    def withdraw(self, req_ids: list[int]) -> None:
+        """The parent takes back requests that have not begun (this worker's loop is blocked): those that have not,
+        never will here; the parent learns which."""
+        with self.lock:
+            taken = [i for i in req_ids if i not in self.begun]
+            self.withdrawn.update(taken)
+            self._send(("withdrawn", taken))
 
     def enter(self, req_id: Optional[int]) -> None:
         with self.lock:

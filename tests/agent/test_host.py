@@ -225,16 +225,19 @@ def test_a_tool_that_exits_costs_its_worker_only_and_its_instances_are_created_a
 def test_an_async_tool_blocking_its_loop_ends_at_timeout_plus_grace_and_costs_only_its_call(tmp_path):
     """The user's case: an async tool that blocks its worker's event loop (``time.sleep`` in ``async def``). It is
     answered as timed out at ``timeout_s + grace_s`` (its worker killed); the calls of the other workers go on
-    meanwhile; a call queued behind it on the same worker, which never began, is sent to the replacement worker
-    (its instance created again there) and answers; and the blocked sample's next call answers too."""
-    timeout_s, grace_s = 1.0, 0.5
-    with ToolHost(specs(tmp_path), timeout_s=timeout_s, grace_s=grace_s, workers=2) as host:
+    meanwhile; a call queued behind it on the same worker, which never began, is taken back after ``stall_s`` and
+    answered by a fresh worker (its instance created again there) long before the blocked call ends; and the
+    blocked sample's next call answers too."""
+    timeout_s, grace_s = 2.0, 0.5
+    with ToolHost(specs(tmp_path), timeout_s=timeout_s, grace_s=grace_s, workers=2, stall_s=0.2) as host:
         assert [host.create(f"s{i}", secret_kwargs(i)).result(timeout=30) for i in range(4)] == [None] * 4
         pids = [probe(host, f"s{i}")[0] for i in range(4)]
         assert pids[0] == pids[2] != pids[1] == pids[3]  # s0, s2 on one worker; s1, s3 on the other
         sent = time.monotonic()
         hung = host.call("s0", ToolCall("alookup", {"block": 60}))
         behind = host.call("s2", ToolCall("alookup", {"x": 10}))  # same worker, after the blocking call
+        assert (behind.result(timeout=30).status, behind.result().text) == ("ok", "12")
+        assert not hung.done()  # answered elsewhere while the loop it was sent to is still blocked
         others = []  # the other worker answers call after call while s0's worker is blocked
         while not hung.done():
             others.append(host.call("s1", ToolCall("alookup", {"x": len(others)})).result(timeout=30))
@@ -246,7 +249,6 @@ def test_an_async_tool_blocking_its_loop_ends_at_timeout_plus_grace_and_costs_on
         )
         assert 1.0 <= elapsed / (timeout_s + grace_s) < 2.0  # bounded by timeout + grace, not by the 60 s sleep
         assert len(others) >= 2 and [r.text for r in others] == [str(1 + k) for k in range(len(others))]
-        assert (behind.result(timeout=30).status, behind.result().text) == ("ok", "12")
         assert host.call("s0", ToolCall("alookup", {"x": 5})).result(timeout=30).text == "5"
         assert probe(host, "s0")[0] not in pids and probe(host, "s1")[0] == pids[1]
         assert counts(host) == expect(calls=len(others) + 9, timeouts=1, crashes=1, resent=1)
@@ -276,13 +278,13 @@ def test_a_huge_answer_keeps_its_first_and_last_characters(tmp_path):
 
 def test_a_timed_out_sync_tool_that_spins_on_retires_its_worker(tmp_path):
     """A synchronous call answered as timed out whose thread still runs at ``timeout_s + grace_s`` retires its worker:
-    the call running beside it on that worker finishes there, then the worker is stopped (not a crash); the
-    sample's next call reaches a fresh worker, its instance created again."""
+    a call beside it on that worker is answered meanwhile; the retired worker, which holds no request, is stopped
+    (not a crash); the sample's next call reaches a fresh worker, its instance created again."""
     with ToolHost(specs(tmp_path), timeout_s=0.3, grace_s=0.4, workers=1, max_concurrency=2) as host:
         host.create("m", secret_kwargs(4)).result(timeout=30)
         pid = probe(host, "m")[0]
         started = tmp_path / "started"
-        beside = host.call("m", ToolCall("secret", {"x": 1, "sleep": 0.25, "started": str(started)}))
+        beside = host.call("m", ToolCall("secret", {"x": 1, "sleep": 0.1, "started": str(started)}))
         wait_until(started.exists, "the call beside runs")
         spin = misbehave(host, "spin").result(timeout=30)
         assert (spin.status, spin.text) == ("timeout", "error: misbehave timed out after 0.3 s")

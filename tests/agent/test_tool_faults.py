@@ -73,7 +73,13 @@ def test_mixed_faults_fail_only_their_own_calls(tmp_path):
         results = converse(host, plan)
         metrics = host.metrics()
     statuses = [[r.status for r in row] for row in results]
-    assert statuses == [[EXPECTED[f] for f in row] for row in plan]
+    wrong = [
+        (i, k, fault, result.status, result.text[:200])
+        for i, row in enumerate(results)
+        for k, (fault, result) in enumerate(zip(plan[i], row))
+        if result.status != EXPECTED[fault]
+    ]
+    assert statuses == [[EXPECTED[f] for f in row] for row in plan], wrong
     for i, row in enumerate(results):
         for k, (fault, result) in enumerate(zip(plan[i], row)):
             digit = str(boxes[i]["ab"[k % 2]])
