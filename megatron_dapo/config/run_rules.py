@@ -110,7 +110,7 @@ def expert_layout_problems(
     p = parallel
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
     if not isinstance(ep, int) or ep < 1 or (etp is not None and (not isinstance(etp, int) or etp < 1)):
-        return []  # range_problems reports these
+        return []  # the range rules report these (rules.RANGE_RULES)
     if not num_experts:
         problems = []
         if ep != 1:
