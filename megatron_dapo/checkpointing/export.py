@@ -60,6 +60,7 @@ from megatron_dapo.config import (
     ModelConfig,
     RewardConfig,
     RolloutConfig,
+    check_values,
     from_dict,
     load_config,
     to_dict,
@@ -126,7 +127,9 @@ def training_step_dir(checkpoint: Path, step: Optional[int]) -> Optional[Path]:
 def _run_config(step_dir: Optional[Path], config_path: Optional[PathLike]) -> Optional[ExperimentConfig]:
     """The run's config: ``config_path``, else the one saved with ``step_dir``, else None."""
     if config_path is not None:
-        return load_config(config_path)
+        cfg = load_config(config_path)
+        check_values(cfg)  # export's gate: the config's own rules, once (load_config only parses)
+        return cfg
     if step_dir is not None and (step_dir / CONFIG_FILE).is_file():
         return from_dict(ExperimentConfig, yaml.safe_load((step_dir / CONFIG_FILE).read_text()) or {})
     return None
