@@ -11,7 +11,9 @@ For every layout (``tp<T>-pp<P>-ep<E>[-sp]``; DP = world / (TP x PP)) each rank,
      rows end in padding: the training layout is left-aligned, prompt, response, then padding) with a mean token
      NLL, then ``finalize_model_grads``;
   4. records max|logits - HF| over the valid positions (last stage), every local gradient's relative error against
-     the float64 one (max-abs and Frobenius), and which global layers this rank built as Gated DeltaNet.
+     the float64 one (max-abs and Frobenius), and which global layers this rank built as Gated DeltaNet;
+  5. with ``--ckpt-root``: the ``--save-at`` layout saves its chunks with megatron-core's ``dist_checkpointing``, and
+     each later layout loads that checkpoint into fresh chunks (resharded) and compares every parameter.
 Writes ``<out>/rank<r>.json``; ``test_models_qwen35.py`` asserts.
 """
 
@@ -21,7 +23,8 @@ import argparse
 import re
 import time
 from functools import partial
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
@@ -237,7 +240,31 @@ def grad_report(model: list, arch, grads: dict, padded: int) -> list[dict]:
     return out
 
 
-def run_family(cfg, family: str, hf_dir: str) -> dict[str, Any]:
+def checkpoint_round_trip(cfg, arch, model: list, ckpt_dir: str, save: bool) -> Optional[dict[str, Any]]:
+    """``save``: write this layout's chunks with megatron-core's ``dist_checkpointing`` (per-layer keys, the GDN's
+    in_proj and conv1d in pieces: its own ``sharded_state_dict``). Else, when a checkpoint is there: build fresh chunks
+    in this layout, load it (``weights/loading.load_model_chunks``) and compare every parameter with ``model``'s."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_dapo.models.builder import build_gpt_chunks, unwrap
+    from megatron_dapo.weights.dist_format import model_sharded_state_dict
+    from megatron_dapo.weights.loading import load_model_chunks
+
+    if save:
+        Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(model_sharded_state_dict([unwrap(c) for c in model]), ckpt_dir)
+        return None
+    if not Path(ckpt_dir).is_dir():
+        return None
+    fresh = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
+    load_model_chunks(fresh, ckpt_dir)
+    want = dict(unwrap(model[0]).named_parameters())
+    got = dict(unwrap(fresh[0]).named_parameters())
+    diff = max((got[n] - want[n]).abs().max().item() for n in want)
+    return {"params": len(got), "same_names": sorted(got) == sorted(want), "max_abs_diff": diff}
+
+
+def run_family(cfg, family: str, hf_dir: str, ckpt_dir: str = "", save: bool = False) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
@@ -261,6 +288,8 @@ def run_family(cfg, family: str, hf_dir: str) -> dict[str, Any]:
     )
     result: dict[str, Any] = {"logits": {}, "gdn_layers": gdn_layers, "loaded": loaded, "dp_size": dp_size}
     result["grads"] = grad_report(model, arch, hf_grads, padded)
+    if ckpt_dir:
+        result["reload"] = checkpoint_round_trip(cfg, arch, model, ckpt_dir, save)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for mb in mbs:
             i = mb["index"]
@@ -276,6 +305,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--hf-root", required=True, help="<hf-root>/<family>: the saved tiny HF checkpoints")
+    parser.add_argument("--ckpt-root", default="", help="<ckpt-root>/<family>: the Megatron checkpoint round trip")
+    parser.add_argument(
+        "--save-at", default="", help="the layout that saves the Megatron checkpoint (the later ones load it)"
+    )
     args = parser.parse_args()
 
     from megatron.core import parallel_state as ps
@@ -308,7 +341,14 @@ def main() -> None:
             "pp_rank": ps.get_pipeline_model_parallel_rank(),
             "ep_rank": ps.get_expert_model_parallel_rank(),
             "families": {
-                family: run_family(cfg, family, f"{args.hf_root}/{family}") for family in args.families.split(",")
+                family: run_family(
+                    cfg,
+                    family,
+                    f"{args.hf_root}/{family}",
+                    f"{args.ckpt_root}/{family}" if args.ckpt_root else "",
+                    save=name == args.save_at,
+                )
+                for family in args.families.split(",")
             },
         }
         destroy_model_parallel()

@@ -2,7 +2,8 @@
 
 ``qwen35_worker.py`` records logits against transformers' fp32 forward and every local gradient against its float64
 backward, for the layouts below in one torchrun launch of two processes (TP 1 with DP 2, TP 2 + SP, PP 2, EP 2, EP 2
-inside TP 2), the weights read by the HF-direct start from transformers' own saved checkpoints; the tests assert.
+inside TP 2), the weights read by the HF-direct start from transformers' own saved checkpoints, and a Megatron
+checkpoint saved at TP 2 + SP and loaded back in the later layouts; the tests assert.
 Without processes: the HF config → ``ModelArch`` / ``TransformerConfig`` mapping, the name map against the HF models'
 own parameters, the layout transforms against HF's own in-projection split, and the layouts megatron-core cannot run
 (refused, named).
@@ -33,14 +34,23 @@ LAYOUTS = ("tp1-pp1-ep1", "tp2-pp1-ep1-sp", "tp1-pp2-ep1", "tp1-pp1-ep2", "tp2-p
 PORT = 29946  # this file's: 29946-29949
 
 
+SAVE_AT = "tp2-pp1-ep1-sp"  # saves the Megatron checkpoint; the later layouts load it resharded
+
+
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> list[dict]:
+def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("qwen35")
     for family in FAMILIES:
         save_tiny_hybrid(family, out / "hf" / family)
     args = ["--layouts", ",".join(LAYOUTS), "--out", str(out), "--hf-root", str(out / "hf")]
+    args += ["--ckpt-root", str(out / "ckpt"), "--save-at", SAVE_AT]
     run_torchrun(WORKER, 2, args, port=PORT, timeout=600)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reports(run_dir) -> list[dict]:
+    return [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def _arch(family: str):
@@ -83,6 +93,27 @@ def test_hybrid_logits_and_grads_match_hf(reports, layout, family):
         if counts.pop(m.mcore, 0) != want:
             problems.append(f"{m.mcore}: compared on the wrong number of ranks (expected {want})")
     assert not counts and not problems, "\n".join(problems[:30] + sorted(counts)[:5])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megatron_checkpoint_round_trip(run_dir, reports, family):
+    """Saved by megatron-core's ``dist_checkpointing`` at TP 2 + SP and loaded at PP 2, EP 2 and EP 2 in TP 2: every
+    parameter back exactly. The keys are the TransformerEngine spec's, per layer (a hybrid block is non-homogeneous):
+    a GDN layer's input norm as ``in_proj.layer_norm_weight``, its in_proj and conv1d in megatron-core's pieces."""
+    from megatron_dapo.weights.dist_reader import DistCheckpointReader
+
+    later = LAYOUTS[LAYOUTS.index(SAVE_AT) + 1 :]
+    for rank in reports:
+        for layout in later:
+            got = rank["layouts"][layout]["families"][family]["reload"]
+            assert got is not None and got["same_names"] and got["max_abs_diff"] == 0.0, (layout, got)
+    keys = set(DistCheckpointReader(run_dir / "ckpt" / family).keys())
+    gdn = "decoder.layers.0.self_attention."
+    pieces = {f"in_proj.weight.{p}" for p in ("query", "key", "value", "z", "beta", "alpha")}
+    pieces |= {f"conv1d.weight.{p}" for p in ("query", "key", "value")} | {"in_proj.layer_norm_weight"}
+    assert {gdn + p for p in pieces} <= keys, sorted(k for k in keys if k.startswith(gdn))
+    full = f"decoder.layers.{_arch(family).linear_attention_freq.index(0)}.self_attention.linear_qkv.weight"
+    assert full in keys
 
 
 def test_hybrid_arch_and_config_mapping():
