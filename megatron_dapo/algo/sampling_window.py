@@ -84,10 +84,13 @@ class TrainedBatchWindow:
     def exhausted(self) -> bool:
         return self.acc.is_exhausted(self.budget)
 
-    def take_filler(self) -> tuple[Batch, list[Hashable]]:
+    def take_filler(self) -> Optional[tuple[Batch, list[Hashable]]]:
         """An exhausted window's filler: the dropped groups that fill the batch up (``take_partial``'s), their rows
-        and a group id per row. The next window opens."""
+        and a group id per row; the next window opens. None, the window left as it is, when it dropped no group
+        (every group kept and still too few: ``max_num_gen_batches x gen_batch_size < train_batch_size``)."""
         self._check_exhausted()
+        if self.acc.num_prompts_kept == self.acc.num_prompts_generated:
+            return None
         batch, ids, filler = self.acc.take_partial()
         rows = filler.nonzero().flatten().tolist()
         self._open()

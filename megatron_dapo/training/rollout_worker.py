@@ -214,12 +214,14 @@ class RolloutWorker:
     def _exhausted(self) -> None:
         """The window used ``algorithm.filter_groups.max_num_gen_batches`` without filling its batch. On
         ``on_exhausted=train`` it is filled up with dropped groups, which the training ranks keep out of the loss
-        (the synchronous step's filler); on ``stop`` and ``error`` the training ranks get the message instead."""
+        (the synchronous step's filler); on ``stop`` and ``error`` the training ranks get the message instead, and
+        they raise it also when ``train`` has nothing to fill with (every group kept, too few generated)."""
         fg = self.cfg.algorithm.filter_groups
-        if fg.on_exhausted != "train":
-            self._put({"exhausted": self.window.close(), "error": fg.on_exhausted == "error"})
+        filled = self.window.take_filler() if fg.on_exhausted == "train" else None
+        if filled is None:
+            self._put({"exhausted": self.window.close(), "error": fg.on_exhausted != "stop"})
             return
-        filler, ids = self.window.take_filler()
+        filler, ids = filled
         n = self.cfg.rollout.n
         for i in range(0, len(ids), n):
             key, min_version = ids[i]

@@ -81,3 +81,11 @@ def test_the_budget_must_be_positive():
 def test_a_budget_of_zero_is_one_pass_over_the_prompts():
     assert gen_batch_budget(4, 100, 8) == 4
     assert gen_batch_budget(0, 100, 8) == 13 and gen_batch_budget(0, 96, 8) == 12
+
+
+def test_a_window_that_dropped_nothing_has_no_filler():
+    # every group kept and still too few: one generation batch of one group for a batch of two
+    w = TrainedBatchWindow(train_batch_size=2, n=2, gen_batch_size=1, enable=True, max_num_gen_batches=1)
+    _add(w, "a", MIXED)
+    assert w.exhausted and w.take_filler() is None
+    assert w.close().startswith("dynamic sampling kept 1 of 1 generated prompts (2 trajectories) after 1 generation")
