@@ -360,6 +360,18 @@ class CustomFunctionConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A discriminative reward model (docs/reward_model.md): an HF ``*ForSequenceClassification`` (num_labels=1) run
+    frozen on the training ranks, at the actor's tensor-parallel size (one pipeline stage); each response's reward
+    gains ``weight x`` its score. Off while ``load_dir`` is unset."""
+
+    load_dir: Optional[str] = None  # the HF classifier's directory or its `megatron-dapo convert hf-to-mcore` output
+    weight: float = 1.0  # its score's weight against the rule-based reward
+    max_length: int = 4096  # prompt + response tokens scored at most; a longer row loses the start of its prompt
+    micro_batch_size: int = 4  # rows per forward pass on each data-parallel rank
+
+
+@dataclass
 class RewardConfig:
     custom_function: CustomFunctionConfig = field(default_factory=CustomFunctionConfig)
     extra_functions: list[dict] = field(default_factory=list)  # [{path, name, weight}] combined with weights
@@ -373,6 +385,7 @@ class RewardConfig:
     # generating (verl's async reward). Needs num_workers >= 1; a whole-response rollout only (not partial rollout
     # or trainer.mode=async, which score the groups a round completes). Rewards are the same either way.
     overlap_generation: bool = True
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 @dataclass

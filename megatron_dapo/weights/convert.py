@@ -20,10 +20,11 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Optional, Union
 
 import torch
@@ -38,6 +39,7 @@ from megatron_dapo.models.families import (
     param_mappings,
     to_te_name,
 )
+from megatron_dapo.rm.score_head import ScoreHeadSpec, body_mappings, reward_head
 from megatron_dapo.weights.atomic import fresh_dir, publish_dir
 from megatron_dapo.weights.checkpoint_errors import CheckpointError
 from megatron_dapo.weights.dist_format import (
@@ -139,15 +141,19 @@ def copy_hf_side_files(src_dir: PathLike, dst_dir: PathLike) -> list[str]:
 
 
 def check_hf_tensors(
-    reader: SafetensorsDir, arch: ModelArch, mappings: Sequence[ParamMapping], unexpected_ok: bool = False
+    reader: SafetensorsDir,
+    arch: ModelArch,
+    mappings: Sequence[ParamMapping],
+    unexpected_ok: bool = False,
+    extra: Mapping[str, tuple[int, ...]] = MappingProxyType({}),
 ) -> None:
-    """Every HF tensor of ``mappings`` present with the shape ``arch`` gives it and, unless ``unexpected_ok``,
-    nothing else; from the headers alone. The error lists all problems: missing names (with the files searched),
-    then shape mismatches, each with the file that holds the tensor.
+    """Every HF tensor of ``mappings`` (and of ``extra``: name → shape, a reward model's score head) present with
+    the shape ``arch`` gives it and, unless ``unexpected_ok``, nothing else; from the headers alone. The error lists
+    all problems: missing names (with the files searched), then shape mismatches, each with the file that holds it.
 
     The converter and the loader's HF-direct start (``weights/loading.py``) both check with this, before any data
     is read, so a wrong checkpoint is reported the same way by both."""
-    expected: dict[str, tuple[int, ...]] = {}
+    expected: dict[str, tuple[int, ...]] = dict(extra)
     for m in mappings:
         for name, shape in zip(m.hf, hf_shapes(m, arch)):
             expected[name] = tuple(shape)
@@ -207,7 +213,11 @@ def read_row_stacked(reader: SafetensorsDir, names: Sequence[str], shape: tuple[
 
 
 def _plan_hf_to_mcore(
-    reader: SafetensorsDir, arch: ModelArch, padded_vocab: int, out_dtype: Optional[torch.dtype]
+    reader: SafetensorsDir,
+    arch: ModelArch,
+    padded_vocab: int,
+    out_dtype: Optional[torch.dtype],
+    mappings: Sequence[ParamMapping],
 ) -> list[TensorPlan]:
     """One ``TensorPlan`` per Megatron tensor, from the HF headers alone; each reads and transforms its HF tensors
     only when the writer asks for it (row-stacked layouts straight into the Megatron tensor: ``read_row_stacked``)."""
@@ -222,7 +232,7 @@ def _plan_hf_to_mcore(
         return read
 
     plans = []
-    for m in param_mappings(arch):
+    for m in mappings:
         key, index, count = checkpoint_key(m, arch)
         dtype = out_dtype or reader.info(m.hf[0]).dtype
         shape = mcore_full_shape(m, arch, padded_vocab)
@@ -265,6 +275,16 @@ def _write_release_checkpoint(out: Path, hf_dir: Path, plans: Sequence[TensorPla
     )
 
 
+def _score_head_plan(reader: SafetensorsDir, head: ScoreHeadSpec, out_dtype: Optional[torch.dtype]) -> TensorPlan:
+    """A reward model's score head (``rm/score_head.py``): copied as it is, replicated, under ``head.mcore``."""
+
+    def read() -> torch.Tensor:
+        t = reader.get(head.hf)
+        return t if out_dtype is None else t.to(out_dtype)
+
+    return TensorPlan(head.mcore, out_dtype or reader.info(head.hf).dtype, head.shape, read)
+
+
 def convert_hf_to_mcore(
     hf_dir: PathLike,
     save_dir: PathLike,
@@ -284,9 +304,14 @@ def convert_hf_to_mcore(
     if dtype is not None and dtype not in dtypes.CONFIG_NAMES:
         raise CheckpointError(f"dtype={dtype!r}: expected one of {sorted(dtypes.CONFIG_NAMES)}")
     padded = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, 1)
+    out_dtype = dtypes.from_config_name(dtype) if dtype else None
+    head = reward_head(arch)  # a *ForSequenceClassification checkpoint: decoder + score head, no LM head
+    mappings = param_mappings(arch) if head is None else body_mappings(arch)
     with SafetensorsDir(hf_dir) as reader:
-        check_hf_tensors(reader, arch, param_mappings(arch))
-        plans = _plan_hf_to_mcore(reader, arch, padded, dtypes.from_config_name(dtype) if dtype else None)
+        check_hf_tensors(reader, arch, mappings, extra={head.hf: head.shape} if head else {})
+        plans = _plan_hf_to_mcore(reader, arch, padded, out_dtype, mappings)
+        if head is not None:
+            plans.append(_score_head_plan(reader, head, out_dtype))
         with _staged_output(save_dir, overwrite, inputs=[hf_dir]) as tmp:
             _write_release_checkpoint(tmp, hf_dir, plans)
     nbytes = sum(tensor_nbytes(p.dtype, p.shape) for p in plans)

@@ -1,0 +1,62 @@
+"""The megatron-core reward model (``megatron_dapo/rm/``) scores as HF's ``*ForSequenceClassification`` does, fp32.
+
+``reward_model_worker.py`` runs, in one 2-process torchrun, TP 1 (DP 2: the scorer deals rows over the ranks and
+gathers) with the sdpa attention backend and TP 2 with megatron-core's own attention and an explicit causal mask, for
+qwen2 (tied embeddings), qwen3 (qk-norm) and llama (llama3 rope), loading both the HF directory and its
+``convert_hf_to_mcore`` conversion. Sequences of different lengths, one ending in the pad id (HF scores the token
+before it); HF's reference is each sequence alone, and HF itself must give the same in right- and left-padded
+batches.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_torchrun
+from tests.models.reward_model_worker import FAMILIES, SEQUENCES
+
+WORKER = Path(__file__).with_name("reward_model_worker.py")
+PORT = 29933  # this file's
+SCORE_ATOL = 1e-4
+LAYOUTS = {"tp1": (1, 2), "tp2-local": (2, 1)}  # layout -> (TP, DP) on 2 processes
+HIDDEN, VOCAB = 64, 100
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("reward_model")
+    run_torchrun(WORKER, 2, ["--layouts", ",".join(LAYOUTS), "--out", out], port=PORT, timeout=600)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_scores_equal_hf_sequence_classification(reports, layout):
+    tp, dp = LAYOUTS[layout]
+    worst = 0.0
+    for rank, report in enumerate(reports):
+        entry = report["layouts"][layout]
+        assert (entry["tp"], entry["dp"]) == (tp, dp), f"rank {rank}: built {entry}"
+        for family in FAMILIES:
+            f = entry["families"][family]
+            ref = f["hf"]["alone"]
+            assert len(ref) == len(SEQUENCES) and len(set(ref)) == len(ref), f"{family}: degenerate HF scores {ref}"
+            assert max(abs(x) for x in ref) > 1.0, f"{family}: HF scores too small to compare at {SCORE_ATOL}: {ref}"
+            for padded in ("right", "left"):  # the reference itself is padding-invariant
+                assert max(abs(a - b) for a, b in zip(f["hf"][padded], ref)) <= SCORE_ATOL, (family, padded)
+            for source, got in f["ours"].items():
+                diff = max(abs(a - b) for a, b in zip(got, ref))
+                worst = max(worst, diff)
+                assert len(got) == len(ref) and diff <= SCORE_ATOL, (
+                    f"rank {rank} {layout} {family} from {source}: scores {got}, HF {ref}, max |diff| {diff:.3g}"
+                )
+            # Frozen, with a [1, hidden] head and no vocabulary-sized LM head: the parameters are HF's (which has
+            # none) plus this rank's vocabulary padding rows (128 x TP padded rows, split over TP), split over TP.
+            assert f["trainable"] == 0 and f["head_shape"] == [1, HIDDEN], (family, f["head_shape"])
+            if tp == 1:
+                assert f["params"] == f["hf_params"] + (128 - VOCAB) * HIDDEN, (family, f["params"], f["hf_params"])
+            else:
+                assert f["params"] < f["hf_params"], (family, f["params"], f["hf_params"])
+    print(f"{layout}: max |score - HF| = {worst:.3g}")
