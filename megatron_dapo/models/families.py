@@ -560,13 +560,28 @@ def to_te_name(name: str, arch: Optional[ModelArch] = None) -> str:
     """Local-spec parameter name → the TransformerEngine spec's name for the same tensor.
 
     In an MoE layer the pre-MLP norm stays a module of its own (no ``linear_fc1`` to fuse into), also in the TE spec:
-    pass ``arch`` so that such names keep ``pre_mlp_layernorm.weight``."""
+    pass ``arch`` so that such names keep ``pre_mlp_layernorm.weight``. A Gated DeltaNet layer's input norm fuses
+    into its ``in_proj`` (megatron-core's hybrid TE spec): ``self_attention.in_proj.layer_norm_weight``."""
+    layer = _layer_of(name)
+    if arch is not None and layer is not None and arch.is_linear_layer(layer) and name.endswith(_GDN_NORM[0]):
+        return name[: -len(_GDN_NORM[0])] + _GDN_NORM[1]
     for local, te in TE_NAME_ALIASES.items():
         if name.endswith(local):
             if arch is not None and arch.is_moe and local.startswith("pre_mlp") and _moe_layer_of(name, arch):
                 return name
             return name[: -len(local)] + te
     return name
+
+
+# A Gated DeltaNet layer's input norm: (local spec, TE spec) names.
+_GDN_NORM = ("input_layernorm.weight", "self_attention.in_proj.layer_norm_weight")
+
+
+def _layer_of(name: str) -> Optional[int]:
+    prefix = "decoder.layers."
+    if not name.startswith(prefix):
+        return None
+    return int(name[len(prefix) :].split(".", 1)[0])
 
 
 def _moe_layer_of(name: str, arch: ModelArch) -> bool:
@@ -588,6 +603,8 @@ def from_te_name(name: str) -> str:
     if grouped:
         head, linear, j = grouped.groups()
         return f"{head}local_experts.{j}.{linear}.weight"
+    if name.endswith(_GDN_NORM[1]):
+        return name[: -len(_GDN_NORM[1])] + _GDN_NORM[0]
     for local, te in TE_NAME_ALIASES.items():
         if name.endswith(te):
             return name[: -len(te)] + local

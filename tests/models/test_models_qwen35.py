@@ -119,7 +119,7 @@ def test_megatron_checkpoint_round_trip(run_dir, reports, family):
 def test_hybrid_arch_and_config_mapping():
     from megatron_dapo.config import ParallelConfig
     from megatron_dapo.models.builder import moe_config_kwargs
-    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.models.families import from_te_name, model_arch_from_hf, to_te_name
     from megatron_dapo.models.linear_attention import linear_attention_config_kwargs
 
     q35 = _arch("qwen3_5")
@@ -139,6 +139,11 @@ def test_hybrid_arch_and_config_mapping():
     assert (kw["linear_num_key_heads"], kw["linear_num_value_heads"], kw["linear_value_head_dim"]) == (2, 4, 8)
     assert kw["layernorm_zero_centered_gamma"] is True and kw["attention_output_gate"] is True
     assert q35.gated_delta_net.in_proj_sections == (32, 32, 32, 32, 4, 4)
+    # Checkpoint (TE spec) names: a GDN layer's input norm fuses into in_proj, a full-attention layer's into linear_qkv.
+    gdn_norm, attn_norm = "decoder.layers.0.input_layernorm.weight", "decoder.layers.3.input_layernorm.weight"
+    assert to_te_name(gdn_norm, q35) == "decoder.layers.0.self_attention.in_proj.layer_norm_weight"
+    assert to_te_name(attn_norm, q35) == "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
+    assert from_te_name(to_te_name(gdn_norm, q35)) == gdn_norm and from_te_name(to_te_name(attn_norm, q35)) == attn_norm
 
     nxt = _arch("qwen3_next")
     assert nxt.hf_prefix == "model." and nxt.gated_delta_net.grouped_in_proj
