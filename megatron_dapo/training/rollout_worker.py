@@ -201,11 +201,13 @@ class RolloutWorker:
                 self.generator, self.scorer, self.cfg.algorithm, rollout, items, self.sampling, seed
             )
         n = self.cfg.rollout.n
-        metric = filter_metric(batch, self.cfg.algorithm.filter_groups.metric)
+        fg = self.cfg.algorithm.filter_groups
+        metric = filter_metric(batch, fg.metric) if fg.enable else None
         for i, group in enumerate(done):
             rows = batch.select(range(i * n, (i + 1) * n))
             min_version = min(v for r in group.responses for v in r.versions)
-            if self.window.add(rows, (group.key, min_version), metric[i * n : (i + 1) * n]):
+            values = metric[i * n : (i + 1) * n] if metric is not None else None
+            if self.window.add(rows, (group.key, min_version), values):
                 payload = {"key": group.key, "batch": rows, "min_version": min_version}
                 self._put({**payload, "group": asdict(group), "reward_metrics": reward_metrics})
             if self.window.exhausted:
