@@ -244,6 +244,12 @@ class DynamicSamplingAccumulator:
             raise RuntimeError("take_partial() before anything was generated")
         kept = self._groups[: self.train_batch_size]
         missing = self.train_batch_size - len(kept)
+        if missing and not self._dropped:  # every group kept and still too few: nothing to fill with
+            raise RuntimeError(
+                f"dynamic sampling kept all {len(kept)} groups it generated, fewer than the {self.train_batch_size} a "
+                "batch needs, and dropped none to fill it with (algorithm.filter_groups.max_num_gen_batches x "
+                "data.gen_batch_size < data.train_batch_size?)"
+            )
         filler = [self._dropped[i % len(self._dropped)] for i in range(missing)] if missing else []
         out, ids = self._assemble(kept + filler)
         filler_rows = sum(len(rows) for _, rows in filler)

@@ -371,6 +371,12 @@ def _batch_and_sampling_problems(a: ActorConfig, d: DataConfig, r: RolloutConfig
             f"algorithm.filter_groups.enable=true needs rollout.n >= 2 (got {r.n}): a group of one is never filtered; "
             "raise rollout.n or disable algorithm.filter_groups.enable"
         )
+    if fg.enable and 0 < fg.max_num_gen_batches and fg.max_num_gen_batches * d.gen_batch_size < d.train_batch_size:
+        problems.append(
+            f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} generation batches of "
+            f"data.gen_batch_size={d.gen_batch_size} prompts can never fill data.train_batch_size={d.train_batch_size}"
+            " even when every group is kept; raise either, or set max_num_gen_batches=0 (one pass over the prompts)"
+        )
     if fg.enable and r.temperature == 0:
         problems.append(
             "algorithm.filter_groups.enable=true with rollout.temperature=0: greedy sampling gives all rollout.n "

@@ -188,6 +188,13 @@ def test_take_partial_with_nothing_kept_is_all_filler_and_reuses_groups():
     assert len(ids) == 6
 
 
+def test_take_partial_with_every_group_kept_and_too_few_names_the_cause():
+    acc = DynamicSamplingAccumulator(train_batch_size=3, n=2)
+    acc.add({"x": torch.tensor([1.0, 2.0])}, ["a", "a"], [1.0, 0.0])  # kept: nothing was dropped to fill with
+    with pytest.raises(RuntimeError, match=r"kept all 1 groups .* fewer than the 3 a batch needs"):
+        acc.take_partial()
+
+
 def test_is_exhausted_is_never_true_for_an_unlimited_budget_or_a_full_batch():
     acc = DynamicSamplingAccumulator(train_batch_size=1, n=2)
     acc.add({"x": torch.tensor([1.0, 2.0])}, ["a", "a"], [1.0, 1.0])

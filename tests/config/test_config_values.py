@@ -94,6 +94,13 @@ def test_greedy_rollout_with_dynamic_sampling_names_the_real_cause():
     assert "set rollout.temperature > 0" in text
 
 
+def test_a_generation_budget_that_can_never_fill_a_batch_is_refused():
+    with pytest.raises(ConfigError) as err:  # 2 x 6 prompts < 16, even with every group kept
+        load_and_gate(CONFIG, ["algorithm.filter_groups.max_num_gen_batches=2", "data.gen_batch_size=6"])
+    assert "max_num_gen_batches=2 generation batches of data.gen_batch_size=6 prompts can never fill" in str(err.value)
+    assert load_and_gate(CONFIG, ["algorithm.filter_groups.max_num_gen_batches=2", "data.gen_batch_size=8"])
+
+
 def test_warmup_not_shorter_than_training_says_how_to_fix():
     with pytest.raises(ConfigError) as err:
         load_and_gate(CONFIG, ["trainer.total_training_steps=10", "actor.optim.lr_warmup_steps=10"])
