@@ -40,7 +40,7 @@ log = logging.getLogger("megatron_dapo.trainer")
 
 # The rollout side's cumulative statistics (Control "stats"), reported per step as differences.
 STAT_KEYS = ("busy_s", "idle_s")
-# The rollout side's dynamic-sampling totals (algo/sampling_window.TrainedBatchWindow.totals), sent with every payload.
+# The rollout side's dynamic-sampling totals (algo/dynamic_sampling.TrainedBatchWindow.totals), sent with every payload.
 SAMPLING_KEYS = ("gen_batches", "generated", "kept")
 
 

@@ -7,7 +7,7 @@ a new generation batch of prompts. Groups that are done are scored here (once, o
 filtered by dynamic sampling, and put on the queue one by one. Between two rounds the ranks take a weight push, a
 validation request, a snapshot request or the stop.
 
-Dynamic sampling is counted per trained batch, as in a synchronous step (``algo/sampling_window.py``): the groups
+Dynamic sampling is counted per trained batch, as in a synchronous step (``algo/dynamic_sampling.py``): the groups
 scored since the last ``train_batch_size`` queued ones, in generation batches of ``gen_batch_size`` groups. When
 they reach ``algorithm.filter_groups.max_num_gen_batches`` without filling the batch, ``on_exhausted=train`` queues
 dropped groups as its filler and ``stop`` / ``error`` queue a message (the training ranks stop or raise).
@@ -32,7 +32,7 @@ from dataclasses import asdict
 from typing import Any
 
 from megatron_dapo.algo.registry import ADV_ESTIMATORS
-from megatron_dapo.algo.sampling_window import TrainedBatchWindow, gen_batch_budget
+from megatron_dapo.algo.dynamic_sampling import TrainedBatchWindow, gen_batch_budget
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import PartialPlan
 from megatron_dapo.parallel import broadcast_object, placement, teardown
@@ -190,7 +190,7 @@ class RolloutWorker:
 
     def _queue_groups(self, done: list[Group]) -> None:
         """Score the done groups (every rollout rank), keep the informative ones, queue them (the first rank), and
-        count them in the trained batch's window (``algo/sampling_window.py``: dynamic sampling per trained batch)."""
+        count them in the trained batch's window (``algo/dynamic_sampling.py``: dynamic sampling per trained batch)."""
         items = [self.data.train[g.item] for g in done]
         tokenizer = self.tokenizer if self.cfg.trainer.rollout_data_dir else None
         rollout = groups_to_rollout(done, self.engine.pad_token_id)

@@ -1,4 +1,4 @@
-"""Dynamic sampling in async mode is capped per trained batch as in sync mode (algo/sampling_window.py): 1 training
+"""Dynamic sampling in async mode is capped per trained batch as in sync mode (algo/dynamic_sampling.py): 1 training
 rank + 1 rollout rank, ``data.train_batch_size = data.gen_batch_size = 4`` groups of 8 responses.
 
 The reward runs on the rollout rank (``reward.num_workers=0``: in its process) and alternates 0/1 over its first 64

@@ -1,6 +1,6 @@
 """The training side of async dynamic sampling (``training/async_phase.RemoteRolloutPhase.collect``) on a real
 torch.distributed store (``HashStore``), fed the payloads the rollout ranks queue (``training/rollout_worker.py``:
-kept groups and filler with their window's totals from ``algo/sampling_window.TrainedBatchWindow``, or an exhausted
+kept groups and filler with their window's totals from ``algo/dynamic_sampling.TrainedBatchWindow``, or an exhausted
 message). The whole exchange runs in ``tests/e2e/test_async_dynamic_sampling.py``; here each ``on_exhausted`` case,
 ``error`` included, with its numbers."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.algo.sampling_window import TrainedBatchWindow
+from megatron_dapo.algo.dynamic_sampling import TrainedBatchWindow
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import load_config
 from megatron_dapo.config.plan import resolve

@@ -1,12 +1,12 @@
 """Dynamic sampling per trained batch where groups end one by one and the kept ones are handed on at once
-(algo/sampling_window.py, the async rollout ranks' side of algo/dynamic_sampling.py)."""
+(algo/dynamic_sampling.py, the async rollout ranks' side of algo/dynamic_sampling.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_dapo.algo.sampling_window import TrainedBatchWindow, gen_batch_budget
+from megatron_dapo.algo.dynamic_sampling import TrainedBatchWindow, gen_batch_budget
 
 MIXED, EQUAL = [1.0, 0.0], [1.0, 1.0]
 
