@@ -22,6 +22,7 @@ from megatron_dapo.config.plan import HandoffPlan, RunPlan
 from megatron_dapo.config.schema import ActorConfig, ExperimentConfig, ModelConfig, ParallelConfig, RolloutConfig
 from megatron_dapo.models.families import ModelArch
 from megatron_dapo.models.lora import resolve_targets
+from megatron_dapo.rm.memory_term import reward_model_bytes
 
 __all__ = [
     "GIB",
@@ -579,6 +580,8 @@ def edge_phase_terms(
             host[key] = terms[key]
     if name == "save" and terms["reference"]:
         (host if handoff.reference else dev)["reference"] = terms["reference"]
+    if name == "save" and terms.get("reward model"):  # built after the engine, like the reference; never offloaded
+        dev["reward model"] = terms["reward model"]
     if name == "startup" or not sleeps:
         dev["vLLM weights"] = terms["vLLM weights"]
         dev["vLLM KV cache"] = terms["vLLM KV cache"]
@@ -606,6 +609,8 @@ def step_phase_terms(
             dev[key] = terms[key]
     if plan.uses_reference:
         (host if handoff.reference and name != "ref" else dev)["reference"] = terms["reference"]
+    if terms.get("reward model"):  # reward.reward_model: frozen weights, resident in every phase (no hand-off yet)
+        dev["reward model"] = terms["reward model"]
     if not sleeps or name in ("sync", "gen"):
         dev["vLLM weights"] = terms["vLLM weights"]
         if not sleeps or name == "gen":
@@ -961,6 +966,8 @@ def memory_model(
     capacity = device_memory_bytes
     params = rank_params(plan, arch)
     state = _resident_state(plan, params, cfg.actor, cfg.parallel, arch)
+    divisible = cfg.model.make_vocab_size_divisible_by
+    state["reward model"] = reward_model_bytes(cfg.reward.reward_model, plan.tp, plan.param_bytes, divisible)
     kv, problems = _kv_cache(plan, arch, cfg.rollout, state["vLLM weights"], capacity)
     state["vLLM KV cache"] = kv.size
     act = _activations(plan, arch, cfg.actor, cfg.parallel, cfg.model, params.counts)

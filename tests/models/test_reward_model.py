@@ -25,6 +25,17 @@ LAYOUTS = {"tp1": (1, 2), "tp2-local": (2, 1)}  # layout -> (TP, DP) on 2 proces
 HIDDEN, VOCAB = 64, 100
 
 
+def _counted(family: str, tp: int) -> int:
+    """``config/memory.py``'s reward-model term, in parameters (``rm/memory_term.reward_model_rank_params``)."""
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.rm.memory_term import reward_model_rank_params
+    from megatron_dapo.testing.tiny_models import tiny_hf_config
+
+    config = tiny_hf_config(family, tie_word_embeddings=family == "qwen2", num_labels=1).to_dict()
+    arch = model_arch_from_hf({**config, "architectures": ["Qwen2ForSequenceClassification"]})
+    return reward_model_rank_params(arch, tp, 128)
+
+
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("reward_model")
@@ -52,11 +63,10 @@ def test_scores_equal_hf_sequence_classification(reports, layout):
                 assert len(got) == len(ref) and diff <= SCORE_ATOL, (
                     f"rank {rank} {layout} {family} from {source}: scores {got}, HF {ref}, max |diff| {diff:.3g}"
                 )
-            # Frozen, with a [1, hidden] head and no vocabulary-sized LM head: the parameters are HF's (which has
-            # none) plus this rank's vocabulary padding rows (128 x TP padded rows, split over TP), split over TP.
+            # Frozen, a [1, hidden] head and no vocabulary-sized LM head: tied or not, the parameters on a rank are
+            # HF's plus the vocabulary padding rows (TP 1), and what the memory model counts.
             assert f["trainable"] == 0 and f["head_shape"] == [1, HIDDEN], (family, f["head_shape"])
+            assert f["params"] == _counted(family, tp), (family, tp, f["params"])
             if tp == 1:
                 assert f["params"] == f["hf_params"] + (128 - VOCAB) * HIDDEN, (family, f["params"], f["hf_params"])
-            else:
-                assert f["params"] < f["hf_params"], (family, f["params"], f["hf_params"])
     print(f"{layout}: max |score - HF| = {worst:.3g}")

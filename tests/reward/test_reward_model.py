@@ -4,6 +4,8 @@ the whole model against HF at TP 1 and 2: ``tests/models/test_reward_model.py``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -118,3 +120,62 @@ def test_rows_are_prompt_then_response_real_tokens_cut_to_max_length():
         prompts, prompt_mask, responses, response_mask
     )
     assert [r.tolist() for r in rows] == [[12, 31, 32], [23, 24, 41]]
+
+
+def test_config_rules_name_the_reward_model_fields():
+    from megatron_dapo.config import load_config
+    from megatron_dapo.config.rules import config_problems
+
+    assert not [p for p in config_problems(load_config(None, [])) if "reward_model" in p]
+    cfg = load_config(
+        None,
+        [
+            "reward.reward_model.load_dir=/rm",
+            "reward.reward_model.weight=.nan",
+            "reward.reward_model.max_length=0",
+            "parallel.context_parallel_size=2",
+        ],
+    )
+    found = [p for p in config_problems(cfg) if "reward_model" in p]
+    assert found == [
+        "reward.reward_model.weight=nan: expected a finite number",
+        "reward.reward_model.max_length=0: expected an integer >= 1",
+        "parallel.context_parallel_size=2 with reward.reward_model.load_dir='/rm': the reward model runs on one"
+        " pipeline stage without context parallelism at the actor's tensor-parallel size; set"
+        " parallel.context_parallel_size=1 or unset reward.reward_model.load_dir",
+    ]
+
+
+def test_memory_model_holds_the_reward_model_weights_in_every_step_phase(tmp_path):
+    """Tiny qwen2 classifier at TP 2, per rank: the embedding 256 x 64 / 2 (vocabulary 100 padded to 128 x TP), 2
+    layers of (qkv 128 x 64 + bias 128 + proj 64 x 64 + MLP 3 x 96 x 64) / 2 + norms 2 x 64, the final norm 64, the
+    head 64: 39424 parameters, in bf16 (tests/models/test_reward_model.py checks the count on built models)."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.config.memory import STEP_PHASES, memory_model
+    from megatron_dapo.config.plan import resolve
+    from megatron_dapo.platform import make_platform
+    from tests.helpers.hf_configs import SMALL_QWEN2
+
+    rm = _classifier("qwen2", seed=4)
+    rm.save_pretrained(tmp_path / "rm", safe_serialization=True)
+    base = [
+        "model.hf_config_dir=/not/read",
+        "model.params_dtype=bf16",
+        "model.make_vocab_size_divisible_by=128",
+        "parallel.platform=cuda",
+        "parallel.tensor_model_parallel_size=2",
+        "rollout.tensor_model_parallel_size=2",
+        "reward.custom_function.path=null",
+    ]
+    arch = model_arch_from_hf(SMALL_QWEN2)
+    models = {}
+    for name, extra in (("without", []), ("with", [f"reward.reward_model.load_dir={tmp_path / 'rm'}"])):
+        cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml", base + extra)
+        plan = resolve(cfg, arch, 4, make_platform("cuda"), probe_imports=False)
+        models[name] = {ph.name: ph for ph in memory_model(plan, arch, cfg, None).phases}
+    per_rank = 256 * 64 // 2 + 2 * ((128 * 64 + 128 + 64 * 64 + 3 * 96 * 64) // 2 + 2 * 64) + 64 + 64
+    assert per_rank == 39424
+    for name, phase in models["with"].items():
+        added = phase.device_total - models["without"][name].device_total
+        expected = per_rank * 2 if name in STEP_PHASES or name == "save" else 0
+        assert added == expected and phase.device.get("reward model", 0) == expected, (name, added)
