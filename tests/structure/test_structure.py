@@ -436,3 +436,27 @@ def f(t, device, platform):
 """
     # lines 3, 5, 6: against names; line 7 compares with the platform's own type (asking it); line 8 compares nothing
     assert device_type_tests(source) == [3, 5, 6]
+
+
+# ----- 6. names and folders
+
+MAX_MODULES_PER_FOLDER = 12
+
+
+def test_no_module_stem_repeats_across_folders():
+    """A module's name says which layer it is in: two modules of one stem in different folders (``scoring.py`` in
+    ``reward/`` and in ``training/``) make a reader open the wrong one."""
+    folders: dict[str, list[str]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        if path.name != "__init__.py":
+            folders.setdefault(path.stem, []).append(rel(path.parent))
+    repeated = {stem: where for stem, where in folders.items() if len(where) > 1}
+    assert not repeated, f"module stems in more than one folder: {repeated}"
+
+
+def test_no_folder_holds_more_than_a_dozen_modules():
+    """A folder is one seam: past a dozen modules it holds several, and is split along them."""
+    counts = {rel(d): sum(1 for p in d.glob("*.py") if p.name != "__init__.py") for d in [PKG, *PKG.rglob("*/")]}
+    counts = {d: n for d, n in counts.items() if "__pycache__" not in d}
+    crowded = {d: n for d, n in counts.items() if n > MAX_MODULES_PER_FOLDER and d != rel(PKG)}
+    assert not crowded, f"folders with more than {MAX_MODULES_PER_FOLDER} modules: {crowded}"
