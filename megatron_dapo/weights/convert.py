@@ -20,7 +20,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +54,7 @@ from megatron_dapo.weights.dist_format import (
 from megatron_dapo.weights.dist_reader import DistCheckpointReader
 from megatron_dapo.weights.dist_writer import TensorPlan, write_model_checkpoint
 from megatron_dapo.weights.integrity import FileRecord, file_digest, read_manifest, verify_files, write_manifest
-from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore, mcore_to_hf, padded_vocab_size
+from megatron_dapo.weights.layout import checkpoint_pieces, hf_shapes, hf_to_mcore, mcore_to_hf, padded_vocab_size
 from megatron_dapo.weights.safetensors_io import (
     INDEX_NAME,
     SINGLE_NAME,
@@ -236,8 +236,17 @@ def _plan_hf_to_mcore(
         key, index, count = checkpoint_key(m, arch)
         dtype = out_dtype or reader.info(m.hf[0]).dtype
         shape = mcore_full_shape(m, arch, padded_vocab)
-        plans.append(TensorPlan(key, dtype, shape, produce(m, shape), index, count))
+        for suffix, first, rows in checkpoint_pieces(m):  # a Gated DeltaNet's in_proj / conv1d: one key per block
+            piece = _row_block(produce(m, shape), first, rows)
+            plans.append(TensorPlan(f"{key}.{suffix}", dtype, (rows, *shape[1:]), piece, index, count))
+        if not checkpoint_pieces(m):
+            plans.append(TensorPlan(key, dtype, shape, produce(m, shape), index, count))
     return plans
+
+
+def _row_block(read: Callable[[], torch.Tensor], first: int, rows: int) -> Callable[[], torch.Tensor]:
+    """Rows ``first .. first + rows`` of what ``read`` returns (a piece of a tensor stored in pieces)."""
+    return lambda: read()[first : first + rows].clone()
 
 
 def expert_checkpoint_key(mapping: ParamMapping) -> str:
@@ -256,7 +265,7 @@ def checkpoint_key(mapping: ParamMapping, arch: ModelArch) -> tuple[str, Optiona
     if mapping.is_expert:
         return expert_checkpoint_key(mapping), mapping.expert, arch.num_experts
     name = to_te_name(mapping.mcore, arch)
-    if arch.is_moe:
+    if arch.is_moe or arch.gated_delta_net is not None:  # a hybrid block is non-homogeneous too: per-layer keys
         return name, None, None
     key, layer = stacked_layer_key(name)
     return key, layer, arch.num_layers if layer is not None else None
@@ -371,11 +380,38 @@ def stored_key(mapping: ParamMapping, reader: DistCheckpointReader, arch: ModelA
     return (name, None) if name in reader else stacked_layer_key(name)
 
 
+def stored_keys(
+    mapping: ParamMapping, reader: DistCheckpointReader, arch: ModelArch
+) -> list[tuple[str, Optional[int]]]:
+    """``stored_key``, or the keys of its pieces (a Gated DeltaNet's in_proj / conv1d: ``layout.checkpoint_pieces``)."""
+    pieces = checkpoint_pieces(mapping)
+    if not pieces:
+        return [stored_key(mapping, reader, arch)]
+    names = [f"{to_te_name(mapping.mcore, arch)}.{suffix}" for suffix, _, _ in pieces]
+    return [(name, None) if name in reader else stacked_layer_key(name) for name in names]
+
+
+def read_stored(reader: DistCheckpointReader, mapping: ParamMapping, arch: ModelArch) -> torch.Tensor:
+    """``mapping``'s full Megatron tensor from the checkpoint (its pieces concatenated)."""
+    parts = reader.read(stored_keys(mapping, reader, arch))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
 def check_stored_tensors(reader: DistCheckpointReader, arch: ModelArch, mappings: Sequence[ParamMapping]) -> None:
     """Every model tensor present with the shape ``arch`` gives it (any vocabulary padding); errors list all."""
     missing, bad = [], []
     for m in mappings:
         key, layer = stored_key(m, reader, arch)
+        pieces = checkpoint_pieces(m)
+        if pieces:  # each piece: its rows of the full tensor
+            full = mcore_full_shape(m, arch, arch.vocab_size)
+            for (k, at), (_, _, rows) in zip(stored_keys(m, reader, arch), pieces):
+                got = reader.tensors[k][1][(0 if at is None else 1) :] if k in reader else None
+                if got is None:
+                    missing.append(k)
+                elif got != (rows, *full[1:]):
+                    bad.append(f"{k}: expected {(rows, *full[1:])}, got {got}")
+            continue
         if key not in reader:
             missing.append(key)
             continue
@@ -442,7 +478,7 @@ class _HfFilePlan:
 def _plan_hf_files(reader: DistCheckpointReader, arch: ModelArch, max_bytes: int) -> _HfFilePlan:
     specs: list[TensorSpec] = []
     for m in param_mappings(arch):
-        stored_dtype = reader.tensors[stored_key(m, reader, arch)[0]][0]
+        stored_dtype = reader.tensors[stored_keys(m, reader, arch)[0][0]][0]
         for name, shape in zip(m.hf, hf_shapes(m, arch)):
             specs.append(TensorSpec(name, stored_dtype, tuple(shape)))
     shards = plan_hf_shards(specs, max_bytes)
@@ -462,7 +498,7 @@ def _write_hf_tensors(out: Path, reader: DistCheckpointReader, arch: ModelArch, 
             writers[fn] = StreamingSafetensorsWriter(out / fn, shard, {"format": "pt"})
         scratch = BufferPool()  # q/k/v and vocabulary slices are strided views: copied through one reused buffer
         for m in param_mappings(arch):
-            (full,) = reader.read([stored_key(m, reader, arch)])
+            full = read_stored(reader, m, arch)
             for name, t in zip(m.hf, mcore_to_hf(m, full, arch)):
                 writers[plan.where[name]].write(name, t, scratch=scratch)
             del full

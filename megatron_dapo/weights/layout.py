@@ -215,6 +215,25 @@ def _gdn_hf_shapes(mapping: ParamMapping, arch: ModelArch) -> list[tuple[int, ..
     return [(gdn.num_value_heads,)]  # A_log, dt_bias
 
 
+# megatron-core's GatedDeltaNet.sharded_state_dict stores its in_proj and conv1d in pieces, one key per block
+# (``<key>.query`` ...), each TP-sharded on its own.
+CHECKPOINT_PIECES = {
+    "gdn_in": ("query", "key", "value", "z", "beta", "alpha"),
+    "gdn_conv": ("query", "key", "value"),
+}
+
+
+def checkpoint_pieces(mapping: ParamMapping) -> list[tuple[str, int, int]]:
+    """(key suffix, first row, rows) of each piece a Megatron checkpoint stores ``mapping``'s full tensor as; [] for
+    a tensor stored whole."""
+    names = CHECKPOINT_PIECES.get(mapping.kind, ())
+    out, row = [], 0
+    for name, rows in zip(names, mapping.sections or ()):
+        out.append((name, row, rows))
+        row += rows
+    return out
+
+
 # ------------------------------------------------------------------------------------- TP split / merge
 
 

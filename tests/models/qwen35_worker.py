@@ -13,7 +13,8 @@ For every layout (``tp<T>-pp<P>-ep<E>[-sp]``; DP = world / (TP x PP)) each rank,
   4. records max|logits - HF| over the valid positions (last stage), every local gradient's relative error against
      the float64 one (max-abs and Frobenius), and which global layers this rank built as Gated DeltaNet;
   5. with ``--ckpt-root``: the ``--save-at`` layout saves its chunks with megatron-core's ``dist_checkpointing``, and
-     each later layout loads that checkpoint into fresh chunks (resharded) and compares every parameter.
+     each later layout loads that checkpoint into fresh chunks (resharded) and compares every parameter; with
+     ``--converted-root``: every layout loads the converter's Megatron checkpoint and compares the same way.
 Writes ``<out>/rank<r>.json``; ``test_models_qwen35.py`` asserts.
 """
 
@@ -240,31 +241,39 @@ def grad_report(model: list, arch, grads: dict, padded: int) -> list[dict]:
     return out
 
 
-def checkpoint_round_trip(cfg, arch, model: list, ckpt_dir: str, save: bool) -> Optional[dict[str, Any]]:
-    """``save``: write this layout's chunks with megatron-core's ``dist_checkpointing`` (per-layer keys, the GDN's
-    in_proj and conv1d in pieces: its own ``sharded_state_dict``). Else, when a checkpoint is there: build fresh chunks
-    in this layout, load it (``weights/loading.load_model_chunks``) and compare every parameter with ``model``'s."""
-    from megatron.core import dist_checkpointing
-
+def same_as_loaded(cfg, arch, model: list, source: str) -> Optional[dict[str, Any]]:
+    """Build fresh chunks in this layout, fill them from the Megatron checkpoint ``source`` with the loader a run
+    uses (``weights/loading.load_mcore_checkpoint``) and compare every parameter with ``model``'s (None: no
+    checkpoint there)."""
     from megatron_dapo.models.builder import build_gpt_chunks, unwrap
-    from megatron_dapo.weights.dist_format import model_sharded_state_dict
-    from megatron_dapo.weights.loading import load_model_chunks
+    from megatron_dapo.weights.loading import load_mcore_checkpoint
 
-    if save:
-        Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(model_sharded_state_dict([unwrap(c) for c in model]), ckpt_dir)
-        return None
-    if not Path(ckpt_dir).is_dir():
+    if not Path(source).is_dir():
         return None
     fresh = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
-    load_model_chunks(fresh, ckpt_dir)
+    kind = load_mcore_checkpoint(fresh, arch, source)["kind"]
     want = dict(unwrap(model[0]).named_parameters())
     got = dict(unwrap(fresh[0]).named_parameters())
     diff = max((got[n] - want[n]).abs().max().item() for n in want)
-    return {"params": len(got), "same_names": sorted(got) == sorted(want), "max_abs_diff": diff}
+    return {"kind": kind, "params": len(got), "same_names": sorted(got) == sorted(want), "max_abs_diff": diff}
 
 
-def run_family(cfg, family: str, hf_dir: str, ckpt_dir: str = "", save: bool = False) -> dict[str, Any]:
+def save_megatron(model: list, directory: str) -> None:
+    """This layout's chunks through megatron-core's ``dist_checkpointing`` (per-layer keys; the GDN's in_proj and
+    conv1d in pieces: its own ``sharded_state_dict``)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_dapo.models.builder import unwrap
+    from megatron_dapo.weights.dist_format import model_sharded_state_dict
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(model_sharded_state_dict([unwrap(c) for c in model]), directory)
+
+
+def run_family(cfg, family: str, dirs: dict[str, str], save: bool = False) -> dict[str, Any]:
+    """``dirs``: ``hf`` (the saved HF checkpoint), and optionally ``ckpt`` (the Megatron checkpoint this layout saves
+    when ``save``, or loads when an earlier layout saved it) and ``converted`` (``convert hf-to-mcore``'s output)."""
+    hf_dir = dirs["hf"]
     from megatron.core import parallel_state as ps
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
@@ -288,8 +297,12 @@ def run_family(cfg, family: str, hf_dir: str, ckpt_dir: str = "", save: bool = F
     )
     result: dict[str, Any] = {"logits": {}, "gdn_layers": gdn_layers, "loaded": loaded, "dp_size": dp_size}
     result["grads"] = grad_report(model, arch, hf_grads, padded)
-    if ckpt_dir:
-        result["reload"] = checkpoint_round_trip(cfg, arch, model, ckpt_dir, save)
+    if dirs.get("ckpt") and save:
+        save_megatron(model, dirs["ckpt"])
+    elif dirs.get("ckpt"):
+        result["reload"] = same_as_loaded(cfg, arch, model, dirs["ckpt"])
+    if dirs.get("converted"):
+        result["converted"] = same_as_loaded(cfg, arch, model, dirs["converted"])
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for mb in mbs:
             i = mb["index"]
@@ -299,6 +312,11 @@ def run_family(cfg, family: str, hf_dir: str, ckpt_dir: str = "", save: bool = F
     return result
 
 
+def family_dirs(args: argparse.Namespace, family: str) -> dict[str, str]:
+    roots = {"hf": args.hf_root, "ckpt": args.ckpt_root, "converted": args.converted_root}
+    return {k: f"{root}/{family}" for k, root in roots.items() if root}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", required=True)
@@ -306,6 +324,7 @@ def main() -> None:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--hf-root", required=True, help="<hf-root>/<family>: the saved tiny HF checkpoints")
     parser.add_argument("--ckpt-root", default="", help="<ckpt-root>/<family>: the Megatron checkpoint round trip")
+    parser.add_argument("--converted-root", default="", help="<converted-root>/<family>: convert hf-to-mcore output")
     parser.add_argument(
         "--save-at", default="", help="the layout that saves the Megatron checkpoint (the later ones load it)"
     )
@@ -341,13 +360,7 @@ def main() -> None:
             "pp_rank": ps.get_pipeline_model_parallel_rank(),
             "ep_rank": ps.get_expert_model_parallel_rank(),
             "families": {
-                family: run_family(
-                    cfg,
-                    family,
-                    f"{args.hf_root}/{family}",
-                    f"{args.ckpt_root}/{family}" if args.ckpt_root else "",
-                    save=name == args.save_at,
-                )
+                family: run_family(cfg, family, family_dirs(args, family), save=name == args.save_at)
                 for family in args.families.split(",")
             },
         }

@@ -39,11 +39,14 @@ SAVE_AT = "tp2-pp1-ep1-sp"  # saves the Megatron checkpoint; the later layouts l
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
+    from megatron_dapo.weights.convert import convert_hf_to_mcore
+
     out = tmp_path_factory.mktemp("qwen35")
     for family in FAMILIES:
         save_tiny_hybrid(family, out / "hf" / family)
+        convert_hf_to_mcore(out / "hf" / family, out / "converted" / family)
     args = ["--layouts", ",".join(LAYOUTS), "--out", str(out), "--hf-root", str(out / "hf")]
-    args += ["--ckpt-root", str(out / "ckpt"), "--save-at", SAVE_AT]
+    args += ["--ckpt-root", str(out / "ckpt"), "--save-at", SAVE_AT, "--converted-root", str(out / "converted")]
     run_torchrun(WORKER, 2, args, port=PORT, timeout=600)
     return out
 
@@ -97,23 +100,47 @@ def test_hybrid_logits_and_grads_match_hf(reports, layout, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_megatron_checkpoint_round_trip(run_dir, reports, family):
-    """Saved by megatron-core's ``dist_checkpointing`` at TP 2 + SP and loaded at PP 2, EP 2 and EP 2 in TP 2: every
-    parameter back exactly. The keys are the TransformerEngine spec's, per layer (a hybrid block is non-homogeneous):
-    a GDN layer's input norm as ``in_proj.layer_norm_weight``, its in_proj and conv1d in megatron-core's pieces."""
+    """Saved by megatron-core's ``dist_checkpointing`` at TP 2 + SP and loaded at PP 2, EP 2 and EP 2 in TP 2, and
+    ``convert hf-to-mcore``'s checkpoint loaded in every layout: every parameter as the HF-direct start made it,
+    exactly. The converter writes megatron-core's own keys: the TransformerEngine spec's, per layer (a hybrid block
+    is non-homogeneous), a GDN layer's input norm as ``in_proj.layer_norm_weight``, its in_proj and conv1d in
+    megatron-core's pieces."""
+    from megatron_dapo.weights.dist_format import RELEASE_DIR
     from megatron_dapo.weights.dist_reader import DistCheckpointReader
 
     later = LAYOUTS[LAYOUTS.index(SAVE_AT) + 1 :]
     for rank in reports:
-        for layout in later:
-            got = rank["layouts"][layout]["families"][family]["reload"]
-            assert got is not None and got["same_names"] and got["max_abs_diff"] == 0.0, (layout, got)
+        for layout in LAYOUTS:
+            got = rank["layouts"][layout]["families"][family]
+            checks = [got["converted"]] + ([got["reload"]] if layout in later else [])
+            for c in checks:
+                assert c is not None and c["same_names"] and c["max_abs_diff"] == 0.0, (layout, c)
     keys = set(DistCheckpointReader(run_dir / "ckpt" / family).keys())
+    assert set(DistCheckpointReader(run_dir / "converted" / family / RELEASE_DIR).keys()) == keys
     gdn = "decoder.layers.0.self_attention."
     pieces = {f"in_proj.weight.{p}" for p in ("query", "key", "value", "z", "beta", "alpha")}
     pieces |= {f"conv1d.weight.{p}" for p in ("query", "key", "value")} | {"in_proj.layer_norm_weight"}
     assert {gdn + p for p in pieces} <= keys, sorted(k for k in keys if k.startswith(gdn))
     full = f"decoder.layers.{_arch(family).linear_attention_freq.index(0)}.self_attention.linear_qkv.weight"
     assert full in keys
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megatron_checkpoint_to_hf(run_dir, reports, family, tmp_path):
+    """``convert mcore-to-hf`` of megatron-core's own checkpoint (saved at TP 2 + SP): every tensor of the HF text
+    model back (the GDN output norm through w - 1 + 1: within an fp32 rounding)."""
+    from megatron_dapo.models.families import model_arch_from_hf, param_mappings
+    from megatron_dapo.weights.convert import convert_mcore_to_hf
+    from megatron_dapo.weights.safetensors_io import SafetensorsDir
+
+    hf_dir = run_dir / "hf" / family
+    convert_mcore_to_hf(run_dir / "ckpt" / family, tmp_path, hf_config_dir=hf_dir)
+    arch = model_arch_from_hf(hf_dir)
+    with SafetensorsDir(hf_dir) as want, SafetensorsDir(tmp_path) as got:
+        for m in param_mappings(arch):
+            for name in m.hf:
+                atol = 1e-6 if m.kind == "norm_offset" else 0.0
+                torch.testing.assert_close(got.get(name), want.get(name), rtol=0, atol=atol, msg=name)
 
 
 def test_hybrid_arch_and_config_mapping():
