@@ -86,7 +86,8 @@ def hybrid_block_spec(arch: ModelArch, config, vp_stage: Optional[int], impl: st
     """This chunk's layer specs of a hybrid model.
 
     TransformerEngine: megatron-core's ``get_transformer_block_with_experimental_attention_variant_spec`` (TE norms
-    take ``layernorm_zero_centered_gamma`` from the config). Local spec: ``block`` is the chunk's per-layer specs as
+    take ``layernorm_zero_centered_gamma`` from the config) with ``GatedDeltaNetOutNorm`` as the GDN's output norm
+    (not run here: no TE on CPU). Local spec: ``block`` is the chunk's per-layer specs as
     ``builder.moe_layer_specs`` makes them (dense or MoE MLP, the HF-exact norms, the chosen core attention); each
     linear layer's ``self_attention`` becomes ``GatedDeltaNet`` with plain column/row-parallel projections, and every
     norm becomes zero-centred."""
@@ -98,7 +99,12 @@ def hybrid_block_spec(arch: ModelArch, config, vp_stage: Optional[int], impl: st
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     if impl == "transformer_engine":
-        return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage=vp_stage)
+        block = get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage=vp_stage)
+        for spec in block.layer_specs:  # TENorm reduces its gradient over TP only with SP on: GatedDeltaNetOutNorm
+            attention = spec.submodules.self_attention
+            if getattr(attention.submodules, "out_norm", None) is not None:
+                attention.submodules.out_norm = GatedDeltaNetOutNorm
+        return block
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     specs = [_hybrid_layer(arch, spec, offset + i) for i, spec in enumerate(block.layer_specs)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=ZeroCenteredRMSNorm)
