@@ -26,6 +26,9 @@ from tests.helpers.worker import write_rank_report
 
 FAMILIES = ("qwen2", "qwen3", "llama")
 PAD_ID = 0
+RM_WEIGHT = 0.5
+BASE_REWARD = 0.25
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 SEED = 3
 # Token ids 1..99 except the deliberate trailing pad id of row 2 (HF scores the token before it).
 SEQUENCES = [
@@ -98,7 +101,59 @@ def run_family(family: str, cfg, tmp: Path) -> dict[str, Any]:
         result["head_shape"] = list(model.output_layer.weight.shape)
         result["params"] = sum(p.numel() for p in model.parameters())
         result["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    result["component"] = run_component(cfg, mcore_dir)
     return result
+
+
+def run_component(cfg, load_dir: Path) -> dict[str, Any]:
+    """The run's way: ``RewardModelScorer.build`` from the ``reward.reward_model`` section and a resolved
+    ``RunPlan``, then the reward stage's hook ``score_rollout`` on a ``RolloutBatch`` of ``SEQUENCES`` (each split
+    into a prompt and a response; the last has an empty response) whose rule-based rewards are all ``BASE_REWARD``."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.config.plan import resolve
+    from megatron_dapo.platform import get_platform
+    from megatron_dapo.reward.scoring import RewardResult
+    from megatron_dapo.rm.reward_model import reward_model_arch
+    from megatron_dapo.rm.scorer import RewardModelScorer, score_rollout
+    from megatron_dapo.rollout.types import build_rollout_batch
+
+    overrides = [
+        f"parallel.tensor_model_parallel_size={cfg.parallel.tensor_model_parallel_size}",
+        f"model.attention_backend={cfg.model.attention_backend}",
+        "parallel.platform=cpu",
+        "model.params_dtype=fp32",
+        "model.hf_config_dir=/not/read",
+        "reward.custom_function.path=null",
+        f"reward.reward_model.load_dir={load_dir}",
+        f"reward.reward_model.weight={RM_WEIGHT}",
+        "reward.reward_model.micro_batch_size=3",
+    ]
+    run_cfg = load_config(TINY, overrides)
+    arch, _ = reward_model_arch(load_dir)
+    plan = resolve(run_cfg, arch, dist.get_world_size(), get_platform(), probe_imports=False)
+    scorer = RewardModelScorer.build(run_cfg.reward.reward_model, plan, run_cfg.model, run_cfg.parallel)
+    split = [max(1, len(s) // 2) for s in SEQUENCES]
+    rollout = build_rollout_batch(
+        prompts=[s[:k] for s, k in zip(SEQUENCES, split)],
+        responses=[s[k:] for s, k in zip(SEQUENCES, split)],
+        log_probs=[[0.0] * (len(s) - k) for s, k in zip(SEQUENCES, split)],
+        truncated=[False] * len(SEQUENCES),
+        prompt_index=list(range(len(SEQUENCES))),
+        pad_token_id=PAD_ID,
+    )
+    batch, width = len(SEQUENCES), rollout.responses.shape[1]
+    lengths = rollout.response_mask.sum(-1)
+    token_level = torch.zeros(batch, width)
+    token_level[torch.arange(batch), torch.where(lengths > 0, lengths - 1, width - 1)] = BASE_REWARD
+    result = RewardResult(token_level, torch.full((batch,), BASE_REWARD), {}, {}, lengths)
+    score_rollout(scorer, result, rollout)
+    return {
+        "scores": result.scores.tolist(),
+        "token_level_row_sums": result.token_level_scores.sum(-1).tolist(),
+        "rm_score": result.extra["rm_score"],
+        "metrics": result.metrics,
+        "explicit_causal_mask": plan.explicit_causal_mask,
+    }
 
 
 def main() -> None:

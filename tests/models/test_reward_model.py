@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_torchrun
-from tests.models.reward_model_worker import FAMILIES, SEQUENCES
+from tests.models.reward_model_worker import BASE_REWARD, FAMILIES, RM_WEIGHT, SEQUENCES
 
 WORKER = Path(__file__).with_name("reward_model_worker.py")
 PORT = 29933  # this file's
@@ -70,3 +70,25 @@ def test_scores_equal_hf_sequence_classification(reports, layout):
             if tp == 1:
                 assert f["params"] == f["hf_params"] + (128 - VOCAB) * HIDDEN, (family, f["params"], f["hf_params"])
     print(f"{layout}: max |score - HF| = {worst:.3g}")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_scorer_built_from_its_section_adds_the_weighted_score(reports, layout):
+    """``RewardModelScorer.build`` (section + resolved plan) and the reward stage's hook ``score_rollout`` on a
+    ``RolloutBatch`` (prompt / response splits of the sequences, one response empty): each reward gains
+    ``RM_WEIGHT`` x HF's score on its sequence and on its last response token; the metrics summarise the scores."""
+    for rank, report in enumerate(reports):
+        for family in FAMILIES:
+            f = report["layouts"][layout]["families"][family]
+            c, ref = f["component"], f["hf"]["alone"]
+            assert c["explicit_causal_mask"] == layout.endswith("-local"), c["explicit_causal_mask"]
+            diff = max(abs(a - b) for a, b in zip(c["rm_score"], ref))
+            assert len(c["rm_score"]) == len(ref) and diff <= SCORE_ATOL, (rank, family, c["rm_score"], ref)
+            expected = [BASE_REWARD + RM_WEIGHT * x for x in c["rm_score"]]
+            assert c["scores"] == pytest.approx(expected, abs=1e-6), (rank, family)
+            assert c["token_level_row_sums"] == pytest.approx(expected, abs=1e-6), (rank, family)
+            assert c["metrics"] == {
+                "reward/rm_score/mean": pytest.approx(sum(c["rm_score"]) / len(ref), abs=1e-5),
+                "reward/rm_score/max": pytest.approx(max(c["rm_score"]), abs=1e-6),
+                "reward/rm_score/min": pytest.approx(min(c["rm_score"]), abs=1e-6),
+            }
