@@ -234,7 +234,8 @@ def start(args: argparse.Namespace, ep: int):
         family, shape = ("qwen3_moe", MOE_MODEL) if args.moe else ("qwen2", MODEL)
         tiny_hf_config(family, **shape).save_pretrained(hf_dir)  # config only: nobody reads weights from disk
     dist.barrier()
-    engine = RolloutEngine(cfg, hf_dir, platform, pad_token_id=0, eos_token_ids=[])
+    sections = (cfg.rollout, cfg.data, cfg.model, cfg.actor, cfg.trainer)
+    engine = RolloutEngine(*sections, hf_dir, platform, pad_token_id=0, eos_token_ids=[])
     log = print if info.rank == 0 else (lambda *a, **k: None)
     return engine, log
 

@@ -70,9 +70,10 @@ from megatron_dapo.config import (
     RolloutConfig,
     apply_override,
     check_eval_options,
-    check_values,
+    config_problems,
     from_dict,
     load_config,
+    raise_if_any,
 )
 from megatron_dapo.data import build_dataset
 from megatron_dapo.data.tokens import decode_responses, load_tokenizer, token_ids
@@ -265,7 +266,7 @@ def build_eval_config(
     tokenizer_dir: Optional[PathLike] = None,
 ) -> ExperimentConfig:
     """The experiment config the eval runs with (see the module docstring, step 2), through eval's gate: its options,
-    then the config's own rules once (``check_values``), every problem in one ``ConfigError``; the engine checks
+    then the config's own rules once (``config_problems``), every problem in one ``ConfigError``; the engine checks
     its layout against the model and the world (``config.plan.rollout_plan``)."""
 
     overrides = list(overrides)
@@ -295,7 +296,7 @@ def build_eval_config(
         cfg.data.max_response_length = max_response_length
     if tokenizer_dir is not None:
         cfg.model.tokenizer_dir = str(tokenizer_dir)
-    check_values(cfg)
+    raise_if_any(config_problems(cfg))
     if headline is not None:
         _announce(headline + _describe_settings(cfg.data, cfg.rollout, cfg.model, cfg.reward))
     return cfg
@@ -503,7 +504,8 @@ def run_eval(
 
         # 2. Generation, exactly as DAPOTrainer.validate: one call, seed_offset 0.
         freeze_heap_before_engine()
-        engine = RolloutEngine(cfg, str(hf_dir), platform, pad_token_id=ids.pad, eos_token_ids=ids.eos)
+        sections = (cfg.rollout, cfg.data, cfg.model, cfg.actor, cfg.trainer)
+        engine = RolloutEngine(*sections, str(hf_dir), platform, pad_token_id=ids.pad, eos_token_ids=ids.eos)
         load_hf_weights_into_engine(
             engine,
             hf_dir,

@@ -11,8 +11,14 @@ from typing import Any, Optional
 from megatron_dapo.agent.host import ToolHost
 from megatron_dapo.agent.tools import read_tool_config
 from megatron_dapo.config import ConfigError, extra_function_spec
-from megatron_dapo.config.plan import uses_reference
-from megatron_dapo.config.schema import ExperimentConfig
+from megatron_dapo.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    MultiTurnConfig,
+    ParallelConfig,
+    RewardConfig,
+)
 from megatron_dapo.data.prompts import prompt_text, truncate_prompt
 from megatron_dapo.data.rows import DataError, read_records, validate_row
 from megatron_dapo.models.families import ModelArch
@@ -28,20 +34,28 @@ MAX_ROWS_LISTED = 5  # bad rows listed per file and kind of problem; the rest ar
 
 
 class InputChecker:
-    """Checks the files ``cfg`` names; collects ``problems`` and the ``lines`` of the report's ``inputs:`` section.
-
+    """Checks the files the config sections name; collects ``problems`` and the ``lines`` of the report's ``inputs:``
+    section. ``uses_reference``: a KL term needs the reference (``checkpoint.ref_load_dir`` is checked too);
     ``hf_dir`` / ``hf_key``: the HF config directory and the config key it came from (for messages and the
     tokenizer's fallback); ``arch``: the model it describes (None when unreadable)."""
 
     def __init__(
         self,
-        cfg: ExperimentConfig,
+        checkpoint: CheckpointConfig,
+        parallel: ParallelConfig,
+        model: ModelConfig,
+        data: DataConfig,
+        reward: RewardConfig,
+        multi_turn: MultiTurnConfig,
+        uses_reference: bool,
         arch: Optional[ModelArch],
         hf_dir: Optional[str],
         hf_key: str,
         sample_rows: int,
     ) -> None:
-        self.cfg, self.arch, self.hf_dir, self.hf_key, self.sample_rows = cfg, arch, hf_dir, hf_key, sample_rows
+        self.checkpoint, self.parallel, self.model, self.data = checkpoint, parallel, model, data
+        self.reward, self.multi_turn, self.uses_reference = reward, multi_turn, uses_reference
+        self.arch, self.hf_dir, self.hf_key, self.sample_rows = arch, hf_dir, hf_key, sample_rows
         self.problems: list[str] = []
         self.lines: list[str] = []
         self._tokenizer: Any = None
@@ -51,14 +65,14 @@ class InputChecker:
     # ----------------------------------------------------------------------------------------- checkpoint
 
     def check_checkpoints(self) -> None:
-        cfg = self.cfg
-        dirs = [("checkpoint.load_dir", cfg.checkpoint.load_dir)]
-        if uses_reference(cfg.actor, cfg.algorithm) and cfg.checkpoint.ref_load_dir:
-            dirs.append(("checkpoint.ref_load_dir", cfg.checkpoint.ref_load_dir))
+        ck = self.checkpoint
+        dirs = [("checkpoint.load_dir", ck.load_dir)]
+        if self.uses_reference and ck.ref_load_dir:
+            dirs.append(("checkpoint.ref_load_dir", ck.ref_load_dir))
         for key, directory in dirs:
             if directory:  # else the rules reported it (config/rules.py required_input_problems)
                 self._check_checkpoint(key, directory)
-        mode = cfg.checkpoint.resume_mode
+        mode = ck.resume_mode
         if mode not in ("auto", "disable") and not Path(mode).is_dir():
             self.problems.append(
                 f"checkpoint.resume_mode={mode!r}: no such step directory; use auto, disable or the path of a "
@@ -66,7 +80,7 @@ class InputChecker:
             )
 
     def _check_checkpoint(self, key: str, directory: str) -> None:
-        tp, pp = self.cfg.parallel.tensor_model_parallel_size, self.cfg.parallel.pipeline_model_parallel_size
+        tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
         fix = (
             "point it at an HF model directory or a Megatron checkpoint (make one with `megatron-dapo convert "
             f"hf-to-mcore --hf-dir <HF model> --save-dir {directory}`)"
@@ -105,9 +119,8 @@ class InputChecker:
         if self._tokenizer_tried:
             return self._tokenizer
         self._tokenizer_tried = True
-        cfg = self.cfg
-        source = cfg.model.tokenizer_dir or self.hf_dir
-        key = "model.tokenizer_dir" if cfg.model.tokenizer_dir else self.hf_key
+        source = self.model.tokenizer_dir or self.hf_dir
+        key = "model.tokenizer_dir" if self.model.tokenizer_dir else self.hf_key
         if not source:
             return None
         from transformers import AutoTokenizer  # heavy: transformers, only when there are prompts to tokenize
@@ -123,13 +136,13 @@ class InputChecker:
         return self._tokenizer
 
     def check_data(self) -> None:
-        cfg = self.cfg
+        d = self.data
         train_rows = 0
-        for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
             total = sum(self._check_file(f"{key}[{i}]", file) for i, file in enumerate(files))
             if key == "data.train_files":
                 train_rows = total
-        gen = cfg.data.gen_batch_size or cfg.data.train_batch_size
+        gen = d.gen_batch_size or d.train_batch_size
         if train_rows and gen > train_rows:
             self.problems.append(
                 f"data.gen_batch_size (or data.train_batch_size)={gen} is larger than the {train_rows} rows of "
@@ -139,7 +152,7 @@ class InputChecker:
     def _check_file(self, key: str, file: str) -> int:
         """Every row of ``file`` in verl format, the first ``sample_rows`` prompts templated and tokenized; returns
         the number of valid rows."""
-        d = self.cfg.data
+        d = self.data
         try:
             records = read_records(file)
         except DataError as exc:
@@ -171,7 +184,7 @@ class InputChecker:
     def _check_prompts(self, file: str, sample: list[tuple[int, dict]], tokenizer: Any) -> list[int]:
         """Template and tokenize each sampled prompt; prompts the template rejects and (truncation=error) prompts
         over data.max_prompt_length are problems. Returns the prompt lengths."""
-        d = self.cfg.data
+        d = self.data
         overlong: list[str] = []
         templ: list[str] = []
         lengths: list[int] = []
@@ -196,7 +209,7 @@ class InputChecker:
         return lengths
 
     def _summarise_prompts(self, key: str, file: str, rows: int, bad: int, sampled: int, lengths: list[int]) -> None:
-        d = self.cfg.data
+        d = self.data
         n_over = sum(n > d.max_prompt_length for n in lengths)
         if d.filter_overlong_prompts and lengths and n_over == len(lengths):
             self.problems.append(
@@ -249,7 +262,7 @@ class InputChecker:
     def _load_reward_functions(self) -> tuple[list[tuple[str, str, str]], list[tuple[str, Any]]]:
         """((config key, path, name) of each function the config names, (config key, function) of those that
         import)."""
-        rw = self.cfg.reward
+        rw = self.reward
         specs: list[tuple[str, str, str]] = []
         if rw.custom_function.path:
             specs.append(("reward.custom_function", rw.custom_function.path, rw.custom_function.name))
@@ -269,7 +282,7 @@ class InputChecker:
     def _call_reward(
         self, key: str, label: str, call: Callable[[], Any], source: str, where: str, response: str
     ) -> None:
-        timeout = self.cfg.reward.timeout_s
+        timeout = self.reward.timeout_s
         context = (
             f"reward function {label} ({key}) on data_source {source!r} ({where}, response "
             f"{custom.short_repr(response)} = the row's ground truth)"
@@ -284,7 +297,7 @@ class InputChecker:
         except Exception as exc:  # noqa: BLE001 - the user's function may raise anything
             self.problems.append(
                 f"{context}: raised {type(exc).__name__}: {exc}; fix the function (the trainer would score every "
-                f"such response reward.error_score={self.cfg.reward.error_score:g})"
+                f"such response reward.error_score={self.reward.error_score:g})"
             )
 
     # ----------------------------------------------------------------------------------------- tools
@@ -293,7 +306,7 @@ class InputChecker:
         """A multi-turn run's tool YAML: read, every class imported and built in the tool process, ``create`` and
         ``release`` called once (with the ``tools_kwargs`` of the first data row that has them), and every tool that
         a checked row's ``extra_info.tools_kwargs`` names defined."""
-        mt = self.cfg.rollout.multi_turn
+        mt = self.multi_turn
         if not mt.enable or not mt.tool_config_path:
             return  # a missing path is a config rule's problem
         path = mt.tool_config_path

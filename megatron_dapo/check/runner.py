@@ -19,7 +19,7 @@ from megatron_dapo.config import (
     read_config_file,
 )
 from megatron_dapo.config.memory import GIB, MemoryModel, memory_model
-from megatron_dapo.config.plan import RunPlan, build_plan, plan_problems
+from megatron_dapo.config.plan import RunPlan, build_plan, plan_problems, uses_reference
 from megatron_dapo.config.run_rules import layout_sizes_usable
 from megatron_dapo.models.families import ModelArch, UnsupportedModelError, model_arch_from_hf
 from megatron_dapo.platform import Platform, make_platform
@@ -188,7 +188,10 @@ class _Checker:
             return self.report("")
         self.load_model()
         self.check_rules()
-        inputs = InputChecker(self.cfg, self.arch, self.hf_dir, self.hf_key, self.sample_rows)
+        cfg = self.cfg
+        sections = (cfg.checkpoint, cfg.parallel, cfg.model, cfg.data, cfg.reward, cfg.rollout.multi_turn)
+        with_ref = uses_reference(cfg.actor, cfg.algorithm)
+        inputs = InputChecker(*sections, with_ref, self.arch, self.hf_dir, self.hf_key, self.sample_rows)
         inputs.check_checkpoints()
         if self.range_ok:
             inputs.check_data()

@@ -60,9 +60,10 @@ from megatron_dapo.config import (
     ModelConfig,
     RewardConfig,
     RolloutConfig,
-    check_values,
+    config_problems,
     from_dict,
     load_config,
+    raise_if_any,
     to_dict,
 )
 from megatron_dapo.config.schema import LoRAConfig
@@ -128,7 +129,7 @@ def _run_config(step_dir: Optional[Path], config_path: Optional[PathLike]) -> Op
     """The run's config: ``config_path``, else the one saved with ``step_dir``, else None."""
     if config_path is not None:
         cfg = load_config(config_path)
-        check_values(cfg)  # export's gate: the config's own rules, once (load_config only parses)
+        raise_if_any(config_problems(cfg))  # export's gate: the config's own rules, once (load_config only parses)
         return cfg
     if step_dir is not None and (step_dir / CONFIG_FILE).is_file():
         return from_dict(ExperimentConfig, yaml.safe_load((step_dir / CONFIG_FILE).read_text()) or {})

@@ -42,6 +42,7 @@ __all__ = [
     "actor_stage_params",
     "edge_phase_terms",
     "held_chunks",
+    "kv_cache",
     "layer_activations",
     "logit_chunk_rows",
     "memory_model",
@@ -775,6 +776,13 @@ def _kv_cache(
             f"data.max_response_length = {seq}; vLLM would refuse to start: give the KV cache more memory"
         )
     return KVCache(size, formula, per_token, tokens), problems
+
+
+def kv_cache(plan: RunPlan, arch: ModelArch, r: RolloutConfig, capacity: Optional[float] = None) -> KVCache:
+    """vLLM's KV cache per rank alone (``memory_model``'s ``kv``, from the sections it reads): what an engine of
+    ``plan`` allocates on a device of ``capacity`` bytes (None: ``rollout.kv_cache_memory_mb``)."""
+    vllm_weights = rollout_params_per_rank(param_counts(arch), plan.rollout.tp_size) * plan.rollout_bytes
+    return _kv_cache(plan, arch, r, vllm_weights, capacity)[0]
 
 
 def _largest_module(plan: RunPlan, arch: ModelArch, counts: ParamCounts) -> int:

@@ -35,6 +35,7 @@ from megatron_dapo.config.schema import (
     ExperimentConfig,
     ModelConfig,
     ParallelConfig,
+    RefConfig,
     RewardConfig,
     RolloutConfig,
     TrainerConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "resolve_handoff_plan",
     "rollout_dtype",
     "rollout_plan",
+    "sleep_level",
     "uses_reference",
     "weight_transport",
 ]
@@ -73,29 +75,42 @@ class HandoffPlan:
     keep_grad_values: bool
 
 
-def resolve_handoff_plan(cfg: ExperimentConfig, platform: Platform) -> HandoffPlan:
-    """``actor.offload_params/grads/optimizer``, ``ref.offload``, ``rollout.sleep_level``: None = the platform's."""
+def _handoff_defaults(a: ActorConfig, t: TrainerConfig, platform: Platform) -> HandoffDefaults:
+    """The platform's hand-off defaults for this run's mode and ``actor.lora``."""
     d: HandoffDefaults = platform.memory_handoff_defaults()
-
-    def pick(value: Optional[Any], default: Any) -> Any:
-        return default if value is None else value
-
-    if cfg.trainer.mode == "async":  # no engine beside the actor: nothing to make room for (what is set still holds)
+    if t.mode == "async":  # no engine beside the actor: nothing to make room for (what is set still holds)
         d = HandoffDefaults(
             params=False, grads=False, optimizer=False, reference=False, sleep_level=d.sleep_level, grad_values=True
         )
-    if cfg.actor.lora.rank and cfg.trainer.mode == "sync":
+    if a.lora.rank and t.mode == "sync":
         # LoRA syncs the base once: the engine must keep it across sleeps (level 2 would discard it, and every step
         # would push the whole base again), as verl does with LoRA. An explicit rollout.sleep_level still holds.
         d = replace(d, sleep_level=1)
+    return d
+
+
+def _pick(value: Optional[Any], default: Any) -> Any:
+    return default if value is None else value
+
+
+def resolve_handoff_plan(
+    a: ActorConfig, ref: RefConfig, r: RolloutConfig, t: TrainerConfig, platform: Platform
+) -> HandoffPlan:
+    """``actor.offload_params/grads/optimizer``, ``ref.offload``, ``rollout.sleep_level``: None = the platform's."""
+    d = _handoff_defaults(a, t, platform)
     return HandoffPlan(
-        params=bool(pick(cfg.actor.offload_params, d.params)),
-        grads=bool(pick(cfg.actor.offload_grads, d.grads)),
-        optimizer=bool(pick(cfg.actor.offload_optimizer, d.optimizer)),
-        reference=bool(pick(cfg.ref.offload, d.reference)),
-        sleep_level=int(pick(cfg.rollout.sleep_level, d.sleep_level)),
+        params=bool(_pick(a.offload_params, d.params)),
+        grads=bool(_pick(a.offload_grads, d.grads)),
+        optimizer=bool(_pick(a.offload_optimizer, d.optimizer)),
+        reference=bool(_pick(ref.offload, d.reference)),
+        sleep_level=sleep_level(a, r, t, platform),
         keep_grad_values=d.grad_values,
     )
+
+
+def sleep_level(a: ActorConfig, r: RolloutConfig, t: TrainerConfig, platform: Platform) -> int:
+    """``rollout.sleep_level``, None = the platform's default for this run (``resolve_handoff_plan``)."""
+    return int(_pick(r.sleep_level, _handoff_defaults(a, t, platform).sleep_level))
 
 
 def rollout_dtype(m: ModelConfig, r: RolloutConfig) -> str:
@@ -167,15 +182,21 @@ class RolloutPlan:
 
 
 def rollout_plan(
-    cfg: ExperimentConfig, max_position_embeddings: int, world_size: int, platform: Platform
+    r: RolloutConfig,
+    d: DataConfig,
+    m: ModelConfig,
+    a: ActorConfig,
+    t: TrainerConfig,
+    max_position_embeddings: int,
+    world_size: int,
+    platform: Platform,
 ) -> RolloutPlan:
     """The engine's settings for an engine outside a training run (``eval``, benchmarks): its own rules are checked
     here (``ConfigError``); a training run's ``resolve`` has checked them with everything else."""
-    problems = rollout_layout_problems(cfg.rollout, cfg.data, world_size, max_position_embeddings, platform=platform)
+    problems = rollout_layout_problems(r, d, world_size, max_position_embeddings, platform=platform)
     if problems:
         raise ConfigError.of(problems)
-    sleep_level = resolve_handoff_plan(cfg, platform).sleep_level
-    return _rollout_plan(cfg.rollout, cfg.data, cfg.model, cfg.trainer, world_size, platform, sleep_level)
+    return _rollout_plan(r, d, m, t, world_size, platform, sleep_level(a, r, t, platform))
 
 
 def _rollout_plan(
@@ -455,9 +476,10 @@ def build_plan(
     dp = train_world // (tp * pp * cp)
     max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     impl = _transformer_impl(cfg.model, platform, probe_imports)
-    handoff = resolve_handoff_plan(cfg, platform)
+    handoff = resolve_handoff_plan(cfg.actor, cfg.ref, cfg.rollout, cfg.trainer, platform)
     padded_vocab = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
     steps = total_steps if total_steps is not None else cfg.trainer.total_training_steps
+    transport, transport_reason = weight_transport(cfg.actor, cfg.rollout, cfg.trainer, arch, platform)
     return RunPlan(
         world_size=world_size,
         mode=cfg.trainer.mode,
@@ -497,17 +519,20 @@ def build_plan(
         param_bytes=dtype_bytes(cfg.model.params_dtype, "model.params_dtype"),
         rollout_bytes=dtype_bytes(rollout_dtype(cfg.model, cfg.rollout), "rollout.dtype"),
         notes=tuple(_notes(cfg.model, cfg.rollout, p, cfg.actor, arch, padded_vocab)),
-        **dict(zip(("weight_transport", "weight_transport_reason"), weight_transport(cfg, arch, platform))),
+        weight_transport=transport,
+        weight_transport_reason=transport_reason,
     )
 
 
-def weight_transport(cfg: ExperimentConfig, arch: ModelArch, platform: Platform) -> tuple[str, str]:
+def weight_transport(
+    a: ActorConfig, r: RolloutConfig, t: TrainerConfig, arch: ModelArch, platform: Platform
+) -> tuple[str, str]:
     """(transport, reason): how the weight sync delivers the actor's weights (``rollout/weight_transfer/``), decided
     once from the config, the platform and the model. What only the live engine can tell (every tensor fits its vLLM
     parameter, the engine runs vLLM's LoRA) the sync verifies at its first call, falling back to ``reload`` (or
     merged LoRA weights) with a warning (``rollout/sync.WeightSync._choose_transport``)."""
-    rank, rtp, groups = cfg.actor.lora.rank, cfg.rollout.tensor_model_parallel_size, arch.num_query_groups
-    if cfg.trainer.mode == "async":
+    rank, rtp, groups = a.lora.rank, r.tensor_model_parallel_size, arch.num_query_groups
+    if t.mode == "async":
         merged = f"; actor.lora.rank={rank}: adapters merged into each push (no adapter path)" if rank > 0 else ""
         return "reload", f"trainer.mode=async: HF tensors over the bridge to the rollout ranks' engines{merged}"
     if rank > 0:

@@ -675,9 +675,8 @@ def config_problems(cfg: ExperimentConfig) -> ConfigProblems:
     return ConfigProblems(problems, frozenset(out_of_range))
 
 
-def check_values(cfg: ExperimentConfig) -> None:
-    """The config-only gate (``eval``'s; ``train`` runs ``plan.resolve``, which includes these rules):
-    :func:`config_problems`, every problem in one ``ConfigError``."""
-    problems = config_problems(cfg)
+def raise_if_any(problems: list[str]) -> None:
+    """The config-only gate of ``eval`` and ``export`` (``train`` runs ``plan.resolve``, which includes these rules):
+    ``raise_if_any(config_problems(cfg))``, every problem in one ``ConfigError``; none: nothing."""
     if problems:
         raise ConfigError.of(problems)

@@ -83,7 +83,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import dtypes
-from megatron_dapo.config import ActorConfig, ExperimentConfig, RolloutConfig
+from megatron_dapo.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 from megatron_dapo.config.plan import RolloutPlan, RunPlan, rollout_plan
 from megatron_dapo.log_filters import native_stderr_filtered
 from megatron_dapo.models.families import load_hf_config, model_arch_from_hf
@@ -193,7 +193,10 @@ def freeze_heap_before_engine() -> None:
     gc.freeze()
 
 
-def _eos_ids_from_hf(hf_dir: str) -> tuple[int, ...]:
+def _stop_ids(given: Optional[Sequence[int]], hf_dir: str) -> tuple[int, ...]:
+    """``given``, else the ids ``eos_token_id`` names in the checkpoint's generation_config.json / config.json."""
+    if given is not None:
+        return tuple(int(t) for t in given)
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
         path = Path(hf_dir) / name
@@ -206,13 +209,30 @@ def _eos_ids_from_hf(hf_dir: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world's size: from the default group, else (not started yet) torchrun's env."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    info = dist_info_from_env()
+    return info.rank, info.world_size
+
+
 def _resolve_plan(
-    cfg: ExperimentConfig, hf_config: dict, world_size: int, platform: Platform, plan: Optional[RunPlan]
+    r: RolloutConfig,
+    d: DataConfig,
+    m: ModelConfig,
+    a: ActorConfig,
+    t: TrainerConfig,
+    hf_config: dict,
+    world_size: int,
+    platform: Platform,
+    plan: Optional[RunPlan],
 ) -> RolloutPlan:
     """The engine's part of the run: the trainer's resolved ``plan`` (made for this job's world size), or, without one
     (``eval``, benchmarks), resolved here by ``rollout_plan`` (which raises ``ConfigError`` on a bad layout)."""
     if plan is None:
-        return rollout_plan(cfg, int(hf_config.get("max_position_embeddings", 4096)), world_size, platform)
+        positions = int(hf_config.get("max_position_embeddings", 4096))
+        return rollout_plan(r, d, m, a, t, positions, world_size, platform)
     if plan.rollout_world != world_size:
         raise RuntimeError(
             f"RolloutEngine: the run was resolved for {plan.rollout_world} rollout ranks, this engine's world has "
@@ -372,6 +392,8 @@ class ReplicaResults:
 class RolloutEngine(VllmLoRAMixin):
     """One vLLM engine member per process; see the module docstring for layout, RNG safety and lifetime.
 
+    Built from the config sections it reads: ``rollout``, ``data`` (lengths), ``model`` (the dtype, without a
+    ``plan``), ``actor`` (routing replay, LoRA), ``trainer`` (the mode, the timeout, where vLLM's caches go).
     ``pad_token_id`` pads the returned batch (the tokenizer's pad id). ``eos_token_ids`` are the stop tokens; by
     default those named by ``eos_token_id`` in the checkpoint's ``generation_config.json`` / ``config.json``.
     ``plan`` is the trainer's resolved run (``config/plan.resolve``: the engine reads its ``rollout`` part, nothing
@@ -380,7 +402,11 @@ class RolloutEngine(VllmLoRAMixin):
 
     def __init__(
         self,
-        cfg: ExperimentConfig,
+        rollout: RolloutConfig,
+        data: DataConfig,
+        model: ModelConfig,
+        actor: ActorConfig,
+        trainer: TrainerConfig,
         hf_dir: str,
         platform: Platform,
         *,
@@ -388,18 +414,13 @@ class RolloutEngine(VllmLoRAMixin):
         eos_token_ids: Optional[Sequence[int]] = None,
         plan: Optional[RunPlan] = None,
     ) -> None:
-        self.cfg, self.hf_dir, self.platform = cfg, str(hf_dir), platform
+        self.rollout_cfg, self.data_cfg, self.hf_dir, self.platform = rollout, data, str(hf_dir), platform
         self.pad_token_id = int(pad_token_id)
-        self.eos_token_ids = (
-            tuple(int(t) for t in eos_token_ids) if eos_token_ids is not None else _eos_ids_from_hf(self.hf_dir)
-        )
+        self.eos_token_ids = _stop_ids(eos_token_ids, self.hf_dir)
         hf_config = load_hf_config(self.hf_dir)
-        if dist.is_initialized():
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        else:
-            info = dist_info_from_env()
-            self.rank, self.world_size = info.rank, info.world_size
-        rp = self.rollout_plan = _resolve_plan(cfg, hf_config, self.world_size, platform, plan)
+        self.rank, self.world_size = _rank_and_world()
+        sections = (rollout, data, model, actor, trainer)
+        rp = self.rollout_plan = _resolve_plan(*sections, hf_config, self.world_size, platform, plan)
         if not dist.is_initialized():
             raise RuntimeError(
                 "RolloutEngine needs the default process group: call megatron_dapo.parallel.init_distributed first"
@@ -410,18 +431,18 @@ class RolloutEngine(VllmLoRAMixin):
         self.tied_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         self.sleep_supported, self.sleep_level = rp.sleeps, rp.sleep_level
         self.sleep_state = SleepState()
-        self.routing_arch = model_arch_from_hf(hf_config) if cfg.actor.router_replay == "rollout" else None
+        self.routing_arch = model_arch_from_hf(hf_config) if actor.router_replay == "rollout" else None
         self.llm: Any = None
         self.lora_request: Any = None  # the active adapter's vLLM LoRARequest; None: the base model
         self._lora_ids = 0  # the last lora_int_id used (a new one per load_lora_adapter)
         self.weights_discarded = 0  # level-2 sleeps so far: each dropped the weights (a sync must resend them all)
         self.weight_updates = 0  # completed weight updates (after_weight_update calls)
-        timeout = datetime.timedelta(seconds=cfg.trainer.collective_timeout_s)
+        timeout = datetime.timedelta(seconds=trainer.collective_timeout_s)
         self._results = ReplicaResults(self.rank, self.world_size, self.tp_size, timeout)
 
         # Where vLLM writes compiled kernels and caches: under the run's output dir unless the launcher chose.
-        os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(cfg.trainer.output_dir).absolute() / "vllm_cache"))
-        kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, cfg.trainer.mode, self.hf_dir, rp, platform)
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(trainer.output_dir).absolute() / "vllm_cache"))
+        kwargs = vllm_llm_kwargs(rollout, actor, trainer.mode, self.hf_dir, rp, platform)
         # vLLM seeds the process-wide generators (python, numpy, torch) while it starts; keep the trainer's
         # streams, megatron-core's RNG tracker included, as they were.
         rng = platform.rng_state()
@@ -436,10 +457,10 @@ class RolloutEngine(VllmLoRAMixin):
     # ------------------------------------------------------------------------------------------- sampling
 
     def train_sampling(self) -> SamplingSpec:
-        return SamplingSpec.for_training(self.cfg.rollout, self.cfg.data.max_response_length, self.eos_token_ids)
+        return SamplingSpec.for_training(self.rollout_cfg, self.data_cfg.max_response_length, self.eos_token_ids)
 
     def val_sampling(self) -> SamplingSpec:
-        return SamplingSpec.for_validation(self.cfg.rollout, self.cfg.data.max_response_length, self.eos_token_ids)
+        return SamplingSpec.for_validation(self.rollout_cfg, self.data_cfg.max_response_length, self.eos_token_ids)
 
     # ------------------------------------------------------------------------------------------- generate
 
@@ -459,7 +480,7 @@ class RolloutEngine(VllmLoRAMixin):
         Returns the whole batch on every rank, ``len(prompts) × n`` rows in prompt order.
         """
         self._check_awake("generate")
-        prompts = checked_prompts(prompt_token_ids, self.cfg.data.max_prompt_length)
+        prompts = checked_prompts(prompt_token_ids, self.data_cfg.max_prompt_length)
         share = assign_prompts([len(p) for p in prompts], self.dp_size)[self.dp_rank]
         rows = self._results.gather(self._generate_rows(prompts, share, sampling, seed_offset, on_step))
         batch = batch_of_rows(prompts, rows, self.pad_token_id)
@@ -484,7 +505,7 @@ class RolloutEngine(VllmLoRAMixin):
         requests = [(i, j) for i in indices for j in range(sampling.n)]
         if not requests:
             return []
-        base = self.cfg.rollout.seed
+        base = self.rollout_cfg.seed
         params = [
             _sampling_params(sampling, request_seed(base, seed_offset, i, j) if self.per_request_seed else None)
             for i, j in requests
@@ -507,7 +528,7 @@ class RolloutEngine(VllmLoRAMixin):
         if self.per_request_seed:
             return generate()
         rng = self.platform.rng_state()
-        _seed_generators(request_seed(self.cfg.rollout.seed, seed_offset, -1 - self.dp_rank, 0))
+        _seed_generators(request_seed(self.rollout_cfg.seed, seed_offset, -1 - self.dp_rank, 0))
         try:
             return generate()
         finally:
@@ -528,7 +549,7 @@ class RolloutEngine(VllmLoRAMixin):
         share = assign_prompts([len(r.token_ids) for r in requests], self.dp_size)[self.dp_rank]
         rows: list[Row] = []
         if share:
-            base = self.cfg.rollout.seed
+            base = self.rollout_cfg.seed
             params = [
                 _sampling_params(
                     dataclasses.replace(sampling, n=1, max_tokens=requests[k].max_tokens),
@@ -554,7 +575,7 @@ class RolloutEngine(VllmLoRAMixin):
         from vllm.sampling_params import RequestOutputKind
 
         self._check_awake("add_request")
-        seed = request_seed(self.cfg.rollout.seed, *seed_key) if self.per_request_seed else None
+        seed = request_seed(self.rollout_cfg.seed, *seed_key) if self.per_request_seed else None
         params = _sampling_params(dataclasses.replace(sampling, n=1, max_tokens=max_tokens), seed)
         params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it ends
         self.llm.llm_engine.add_request(

@@ -28,7 +28,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from megatron_dapo.config import ExperimentConfig
+from megatron_dapo.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 from megatron_dapo.config.plan import RolloutPlan, RunPlan
 from megatron_dapo.platform import Platform
 from megatron_dapo.rollout.types import FinishedSink, RolloutBatch, SamplingSpec
@@ -77,12 +77,16 @@ class ColocatedEngine(Protocol):
 
 
 class EngineFactory(Protocol):
-    """Builds the colocated engine (``RolloutEngine``'s constructor): the model's HF directory, the platform, the
-    tokenizer's pad and stop ids and the trainer's resolved run."""
+    """Builds the colocated engine (``RolloutEngine``'s constructor): the config sections an engine reads, the
+    model's HF directory, the platform, the tokenizer's pad and stop ids and the trainer's resolved run."""
 
     def __call__(
         self,
-        cfg: ExperimentConfig,
+        rollout: RolloutConfig,
+        data: DataConfig,
+        model: ModelConfig,
+        actor: ActorConfig,
+        trainer: TrainerConfig,
         hf_dir: str,
         platform: Platform,
         *,

@@ -6,7 +6,7 @@ scoring, the checkpoints are the real ones.
 
 Memory, as vLLM holds it. The engine's weights are real buffers on the platform's device, one per HF tensor of the
 rollout model (``models/families.param_mappings``, in the rollout dtype), allocated at start-up as vLLM's dummy load
-does; its KV cache is one block of the size ``megatron-dapo check`` plans (``config/memory.memory_model``: on a device
+does; its KV cache is one block of the size ``megatron-dapo check`` plans (``config/memory.kv_cache``: on a device
 ``rollout.gpu_memory_utilization`` x the device less the weights, on CPU ``rollout.kv_cache_memory_mb``).
 ``sleep(1)`` moves the weights to host memory and frees the KV cache, ``sleep(2)`` frees both (the next sync rewrites
 the weights); ``wake_up(tags)`` re-allocates. Where the plan has no sleep mode (CPU) both stay resident, as with
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import dtypes
-from megatron_dapo.config import ActorConfig, ConfigError, ExperimentConfig, RolloutConfig
-from megatron_dapo.config.memory import memory_model
+from megatron_dapo.config import ActorConfig, ConfigError, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
+from megatron_dapo.config.memory import kv_cache
 from megatron_dapo.config.plan import RunPlan
 from megatron_dapo.models.families import ModelArch, model_arch_from_hf, param_mappings
 from megatron_dapo.platform import Platform
@@ -129,11 +129,16 @@ def sample_response(
 
 class StandInEngine:
     """``rollout/protocol.ColocatedEngine`` without vLLM (module docstring); built as ``RolloutEngine`` is, from the
-    trainer's resolved ``plan`` (required here: the KV cache is sized from it)."""
+    trainer's resolved ``plan`` (required here: the KV cache is sized from it) and the config sections it reads
+    (``model`` is not one: the plan has resolved the dtype)."""
 
     def __init__(
         self,
-        cfg: ExperimentConfig,
+        rollout: RolloutConfig,
+        data: DataConfig,
+        model: ModelConfig,
+        actor: ActorConfig,
+        trainer: TrainerConfig,
         hf_dir: str,
         platform: Platform,
         *,
@@ -141,14 +146,15 @@ class StandInEngine:
         eos_token_ids: Optional[Sequence[int]] = None,
         plan: Optional[RunPlan] = None,
     ) -> None:
-        refused = unsupported_options(cfg.rollout, cfg.actor, cfg.trainer.mode)
+        refused = unsupported_options(rollout, actor, trainer.mode)
         if refused:
             raise ConfigError.of([f"the stand-in engine generates single-turn responses only: {r}" for r in refused])
         if plan is None:
             raise ValueError(
                 "StandInEngine needs the trainer's resolved plan (plan=...): its KV cache is sized from it"
             )
-        self.cfg, self.hf_dir, self.platform = cfg, str(hf_dir), platform
+        self.rollout_cfg, self.data_cfg = rollout, data
+        self.hf_dir, self.platform = str(hf_dir), platform
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids or ())
         rp = self.rollout_plan = plan.rollout
@@ -162,7 +168,7 @@ class StandInEngine:
         self.dtype = dtypes.from_config_name(rp.dtype, "rollout.dtype")
         self.shapes = rollout_tensor_shapes(self.arch)
         self.device = platform.device()
-        self.kv_cache_bytes = int(memory_model(plan, self.arch, cfg, device_capacity(self.device)).kv.size)
+        self.kv_cache_bytes = int(kv_cache(plan, self.arch, rollout, device_capacity(self.device)).size)
         self.weights: dict[str, torch.Tensor] = {}
         self.kv_cache: Optional[torch.Tensor] = None
         self._host_weights: dict[str, torch.Tensor] = {}  # the weights while asleep at level 1
@@ -188,13 +194,13 @@ class StandInEngine:
         """``sampling.n`` responses per prompt, ``len(prompts) x n`` rows in prompt order on every rank; ``on_step``
         hears each of this replica's rows as it is generated."""
         self._check_awake("generate")
-        prompts = checked_prompts(prompt_token_ids, self.cfg.data.max_prompt_length)
+        prompts = checked_prompts(prompt_token_ids, self.data_cfg.max_prompt_length)
         share = set(assign_prompts([len(p) for p in prompts], self.dp_size)[self.dp_rank])
-        raw = self.cfg.rollout.logprobs_mode == "raw_logprobs"
+        raw = self.rollout_cfg.logprobs_mode == "raw_logprobs"
         rows: list[Row] = []
         for i in range(len(prompts)):
             for j in range(sampling.n):
-                seed = request_seed(self.cfg.rollout.seed, seed_offset, i, j)
+                seed = request_seed(self.rollout_cfg.seed, seed_offset, i, j)
                 tokens, log_probs, truncated = sample_response(self.arch.vocab_size, sampling, seed, raw)
                 rows.append((i, j, tokens, log_probs, truncated, None))
                 if on_step is not None and i in share:

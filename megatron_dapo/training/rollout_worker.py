@@ -66,7 +66,8 @@ class RolloutWorker:
         ids, budget = run.ids, cfg.data.max_response_length
         freeze_heap_before_engine()
         engine_ids = dict(pad_token_id=ids.pad, eos_token_ids=ids.eos)
-        self.engine = RolloutEngine(cfg, run.hf_dir, run.platform, **engine_ids, plan=run.plan)
+        sections = (cfg.rollout, cfg.data, cfg.model, cfg.actor, cfg.trainer)
+        self.engine = RolloutEngine(*sections, run.hf_dir, run.platform, **engine_ids, plan=run.plan)
         reward = RewardManager(self.tokenizer, cfg.reward, budget, list(ids.eos))
         self.scorer = RolloutScorer(reward, self.info.world_size, self.info.rank)
         segments = run.plan.partial or PartialPlan(budget, 1)

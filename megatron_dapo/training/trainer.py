@@ -121,7 +121,10 @@ class DAPOTrainer:
         self.handoff.before_engine_start()  # collects what it released (accelerators) before the heap is frozen
         freeze_heap_before_engine()
         ids = run.ids
-        engine = new_engine(cfg, run.hf_dir, self.platform, pad_token_id=ids.pad, eos_token_ids=ids.eos, plan=plan)
+        sections = (cfg.rollout, cfg.data, cfg.model, cfg.actor, cfg.trainer)
+        engine = new_engine(
+            *sections, run.hf_dir, self.platform, pad_token_id=ids.pad, eos_token_ids=ids.eos, plan=plan
+        )
         self.handoff.after_engine_start(engine)
         # With LoRA the base goes to vLLM once and then the adapters alone, into vLLM's LoRA support.
         weight_sync = build_weight_sync(engine, self.arch, plan, cfg.rollout, cfg.actor.lora)

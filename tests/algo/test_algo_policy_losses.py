@@ -14,7 +14,7 @@ from megatron_dapo.algo.loss import LossNormalisers, dapo_loss, loss_metrics, pa
 from megatron_dapo.algo.loss_aggregation import LOSS_AGG_MODES, PolicyLossInputs
 from megatron_dapo.algo.registry import POLICY_LOSSES
 from megatron_dapo.batch import TrainBatch, context_parallel_slice, make_micro_batch
-from megatron_dapo.config import ActorConfig, ConfigError, check_values, config_problems, load_config
+from megatron_dapo.config import ActorConfig, ConfigError, config_problems, load_config, raise_if_any
 from megatron_dapo.config.schema import PolicyLossConfig, RolloutCorrectionConfig
 
 VERL_LOSSES = (
@@ -337,7 +337,7 @@ def test_verl_defaults() -> None:
 )
 def test_bad_policy_loss_values_name_the_key(overrides: list[str], expected: str) -> None:
     with pytest.raises(ConfigError) as error:
-        check_values(load_config(overrides=overrides))
+        raise_if_any(config_problems(load_config(overrides=overrides)))
     assert expected in str(error.value)
 
 
@@ -465,7 +465,7 @@ def test_bypass_mode_batch_normalisation_is_per_micro_batch() -> None:
 )  # fmt: skip
 def test_bad_rollout_correction_values_name_the_key(overrides: list[str], expected: str) -> None:
     with pytest.raises(ConfigError) as error:
-        check_values(load_config(overrides=["actor.policy_loss.loss_mode=bypass_mode", *overrides]))
+        raise_if_any(config_problems(load_config(overrides=["actor.policy_loss.loss_mode=bypass_mode", *overrides])))
     assert expected in str(error.value)
 
 
@@ -491,5 +491,5 @@ def test_good_rollout_correction_settings_have_no_problem() -> None:
 def test_bypass_mode_refuses_the_correction_it_would_ignore():
     with pytest.raises(ConfigError, match="bypass_mode with algorithm.rollout_is_threshold=2.0"):
         bypass = ["actor.policy_loss.loss_mode=bypass_mode", "algorithm.rollout_is_threshold=2.0"]
-        check_values(load_config(overrides=bypass))
+        raise_if_any(config_problems(load_config(overrides=bypass)))
     assert load_config(overrides=["actor.policy_loss.loss_mode=bypass_mode"]).algorithm.rollout_is_threshold is None

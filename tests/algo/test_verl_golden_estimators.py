@@ -23,7 +23,7 @@ from megatron_dapo.algo.outcome_estimators import (
     compute_opo_advantages,
     compute_rloo_vectorized_advantages,
 )
-from megatron_dapo.config import check_values, config_problems, load_config
+from megatron_dapo.config import config_problems, load_config, raise_if_any
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.training.reward_stage import reward_components
 
@@ -138,10 +138,10 @@ def test_gdpo_components_come_from_the_reward_dict_and_missing_keys_are_named():
 
 def test_gdpo_config_needs_its_keys_and_one_weight_each():
     with pytest.raises(ConfigError, match="needs algorithm.gdpo_reward_keys"):
-        check_values(load_config(CONFIG, ["algorithm.adv_estimator=gdpo"]))
+        raise_if_any(config_problems(load_config(CONFIG, ["algorithm.adv_estimator=gdpo"])))
     with pytest.raises(ConfigError, match="has 1 values for 2 algorithm.gdpo_reward_keys"):
-        check_values(load_config(CONFIG, ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a,b]",
-                                          "algorithm.gdpo_reward_weights=[1.0]"]))  # fmt: skip
+        raise_if_any(config_problems(load_config(CONFIG, ["algorithm.adv_estimator=gdpo",
+            "algorithm.gdpo_reward_keys=[a,b]", "algorithm.gdpo_reward_weights=[1.0]"])))  # fmt: skip
     cfg = load_config(CONFIG, ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a,b]"])
     assert cfg.algorithm.gdpo_reward_keys == ["a", "b"]
     for name in ESTIMATORS:  # every estimator here is a valid config value

@@ -14,6 +14,7 @@ from megatron_dapo.config import ConfigError, ExperimentConfig, load_config
 from megatron_dapo.config.plan import RunPlan, resolve
 from megatron_dapo.config.run_rules import config_platform
 from megatron_dapo.models.families import ModelArch, model_arch_from_hf
+from tests.helpers.engines import engine_sections
 from tests.helpers.hf_configs import QWEN3_8B, QWEN3_30B_A3B, QWEN3_32B, QWEN25_32B
 
 REPO = Path(__file__).resolve().parents[2]
@@ -465,12 +466,16 @@ def test_rollout_engine_takes_the_validated_layout(tmp_path, monkeypatch):
     cfg = tiny()
     layout = validate_run(cfg, tiny_arch(), 2)
     with pytest.raises(RuntimeError, match="needs the default process group"):
-        RolloutEngine(cfg, str(tmp_path), make_platform("cpu"), pad_token_id=0, eos_token_ids=[1], plan=layout)
+        RolloutEngine(
+            *engine_sections(cfg), str(tmp_path), make_platform("cpu"), pad_token_id=0, eos_token_ids=[1], plan=layout
+        )
     with pytest.raises(ConfigError, match="max_position_embeddings=16"):
-        RolloutEngine(cfg, str(tmp_path), make_platform("cpu"), pad_token_id=0, eos_token_ids=[1])
+        RolloutEngine(*engine_sections(cfg), str(tmp_path), make_platform("cpu"), pad_token_id=0, eos_token_ids=[1])
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(RuntimeError, match="resolved for 2 rollout ranks, this engine.s world has 4"):
-        RolloutEngine(cfg, str(tmp_path), make_platform("cpu"), pad_token_id=0, eos_token_ids=[1], plan=layout)
+        RolloutEngine(
+            *engine_sections(cfg), str(tmp_path), make_platform("cpu"), pad_token_id=0, eos_token_ids=[1], plan=layout
+        )
 
 
 def test_lr_schedule_problems_are_reported_together():

@@ -190,7 +190,8 @@ def _ledger_with_actor(capacity_factor: float, util: float = 0.6):
     platform = LedgerPlatform(int(capacity_factor * nbytes), engine_weights=nbytes // 4)
     with platform.metering():  # the ledger charges what is allocated while it meters
         chunk = _Chunk(torch.nn.Parameter(torch.zeros(32, 32)))
-    handoff = MemoryHandoff(platform, resolve_handoff_plan(cfg, platform), [chunk])
+    handoff_plan = resolve_handoff_plan(cfg.actor, cfg.ref, cfg.rollout, cfg.trainer, platform)
+    handoff = MemoryHandoff(platform, handoff_plan, [chunk])
     platform.vllm_engine_kwargs(kv_cache_memory_bytes=0, gpu_memory_utilization=util)
     return platform, handoff, nbytes
 

@@ -29,6 +29,7 @@ from megatron_dapo.rollout.types import SamplingSpec
 from megatron_dapo.testing.standin_engine import StandInEngine, sample_response
 from tests.e2e.test_train_e2e import CONFIG, overrides, read_metrics
 from tests.helpers import run_torchrun
+from tests.helpers.engines import engine_sections
 
 PORT = 29931
 STEPS, RESUMED_STEPS = 2, 3
@@ -84,7 +85,9 @@ def plan_of(demo):
 
 
 def engine_of(demo, cfg, plan) -> StandInEngine:
-    return StandInEngine(cfg, demo["hf_model"], make_platform("cpu"), pad_token_id=0, eos_token_ids=[1], plan=plan)
+    return StandInEngine(
+        *engine_sections(cfg), demo["hf_model"], make_platform("cpu"), pad_token_id=0, eos_token_ids=[1], plan=plan
+    )
 
 
 def test_standin_sleeps_and_wakes_like_vllm(demo, plan_of):

@@ -212,7 +212,8 @@ def handoff_sequence(res, check, ctx) -> None:
         tensors += optimizer_tensors(actor.optimizer, exclude=param_tensors(actor.chunks))
         return [t.detach().cpu().clone() for t in tensors]
 
-    plan = replace(resolve_handoff_plan(cfg, platform), params=True, keep_grad_values=True)
+    planned = resolve_handoff_plan(cfg.actor, cfg.ref, cfg.rollout, cfg.trainer, platform)
+    plan = replace(planned, params=True, keep_grad_values=True)
     handoff = MemoryHandoff(platform, plan, actor.chunks, actor.optimizer)
     engine = StandInEngine(2**20 if ctx["tiny"] else 8 * 2**30, platform.device())
     before = host_state()

@@ -56,12 +56,12 @@ def test_attention_backend_key():
     """``model.attention_backend``: sdpa by default, local on request, anything else refused by name."""
     import dataclasses
 
-    from megatron_dapo.config import ConfigError, check_values, config_problems, load_config
+    from megatron_dapo.config import ConfigError, config_problems, load_config, raise_if_any
 
     assert load_config(None, []).model.attention_backend == "sdpa"
     assert load_config(None, ["model.attention_backend=local"]).model.attention_backend == "local"
     with pytest.raises(ConfigError, match="model.attention_backend"):
-        check_values(load_config(None, ["model.attention_backend=flash"]))
+        raise_if_any(config_problems(load_config(None, ["model.attention_backend=flash"])))
     cfg = load_config(None, [])
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend="flash"))
     assert any(p.startswith("model.attention_backend='flash': expected sdpa or local") for p in config_problems(cfg))

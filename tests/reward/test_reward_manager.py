@@ -17,7 +17,8 @@ from megatron_dapo.config import (
     ExperimentConfig,
     OverlongBufferConfig,
     RewardConfig,
-    check_values,
+    config_problems,
+    raise_if_any,
 )
 from megatron_dapo.reward.manager import RewardManager, merge_results, route_data_source
 from megatron_dapo.reward.scoring import outcome_row, route, scorer_label
@@ -140,9 +141,11 @@ def test_input_and_config_errors(tmp_path: Path) -> None:
         rm(ids, mask[:, :2], ["math", "math"], ["1", "2"])
     # The reward section's rules run in the command's gate (config/rules.py), not in the manager.
     with pytest.raises(ConfigError, match=r"reward.extra_functions\[0\]: unknown keys \['wieght'\]"):
-        check_values(with_reward(RewardConfig(extra_functions=[{"path": "x.py", "wieght": 1}]), 8))
+        raise_if_any(config_problems(with_reward(RewardConfig(extra_functions=[{"path": "x.py", "wieght": 1}]), 8)))
     with pytest.raises(ConfigError, match="overlong_buffer.len=16"):
-        check_values(with_reward(RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=16)), 8))
+        raise_if_any(
+            config_problems(with_reward(RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=16)), 8))
+        )
     missing = CustomFunctionConfig(path=str(tmp_path / "nope.py"))
     with pytest.raises(FileNotFoundError, match="nope.py"):
         RewardManager(CharTokenizer(), RewardConfig(custom_function=missing), 8)
@@ -161,7 +164,7 @@ def test_config_problems_are_raised_once_from_the_config_rules() -> None:
         overlong_buffer=OverlongBufferConfig(enable=True, len=16),
     )
     with pytest.raises(ConfigError) as err:
-        check_values(with_reward(cfg, 8))
+        raise_if_any(config_problems(with_reward(cfg, 8)))
     assert err.value.problems[:3] == [
         "reward.error_score=nan: expected a finite number",
         "reward.extra_functions[0].weight=inf: expected a finite number",
@@ -171,7 +174,8 @@ def test_config_problems_are_raised_once_from_the_config_rules() -> None:
     overlong = "reward.overlong_buffer.len=16 must be shorter than data.max_response_length=8"
     assert err.value.problems[3].startswith(overlong)
     assert len(err.value.problems) == 4
-    assert check_values(with_reward(RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=7)), 8)) is None
+    fits = with_reward(RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=7)), 8)
+    assert raise_if_any(config_problems(fits)) is None
 
 
 def test_scoring_rules_are_pure_functions() -> None:

@@ -140,6 +140,7 @@ def main() -> None:
     from megatron_dapo.rollout.weight_transfer.factory import sync_bucket_bytes
     from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size
     from megatron_dapo.weights.model_io import load_full_tensors
+    from tests.helpers.engines import engine_sections
 
     cfg = load_config(
         None,
@@ -197,7 +198,7 @@ def main() -> None:
     res["hf_bytes"] = sum(hf[n].numel() * 4 for m in param_mappings(arch) for n in m.hf)
     res["expert_bytes"] = sum(hf[n].numel() * 4 for m in param_mappings(arch) if m.is_expert for n in m.hf)
     t = time.perf_counter()
-    engine = RolloutEngine(cfg, args.hf_dir, platform, pad_token_id=0, eos_token_ids=[1])
+    engine = RolloutEngine(*engine_sections(cfg), args.hf_dir, platform, pad_token_id=0, eos_token_ids=[1])
     res["engine_start_s"] = time.perf_counter() - t
     res["per_request_seed"] = engine.per_request_seed
     # What this rank's engine holds: every HF tensor, less the routed experts its expert map (vLLM's expert

@@ -111,6 +111,7 @@ def main() -> None:
     from megatron_dapo.rollout.weight_transfer.lora_transport import LoraAdapterSync
     from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size
     from megatron_dapo.weights.model_io import load_full_tensors
+    from tests.helpers.engines import engine_sections
 
     cfg = load_config(
         None,
@@ -145,7 +146,7 @@ def main() -> None:
 
     res: dict = {"rank": info.rank}
     t = time.perf_counter()
-    engine = RolloutEngine(cfg, args.hf_dir, platform, pad_token_id=0, eos_token_ids=[1])
+    engine = RolloutEngine(*engine_sections(cfg), args.hf_dir, platform, pad_token_id=0, eos_token_ids=[1])
     res["engine_start_s"] = time.perf_counter() - t
     res["max_lora_rank"] = engine.llm.llm_engine.vllm_config.lora_config.max_lora_rank
     sync = LoraAdapterSync(engine, arch, cfg.actor.lora, sync_bucket_bytes(cfg.rollout), "vllm_lora")

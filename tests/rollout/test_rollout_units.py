@@ -12,6 +12,7 @@ from megatron_dapo.platform import make_platform
 from megatron_dapo.rollout.engine import RolloutEngine, request_seed, shard_range, vllm_llm_kwargs
 from megatron_dapo.rollout.sync import logprob_diff_metrics
 from megatron_dapo.rollout.types import SamplingSpec, build_rollout_batch, pack_rows, unpack_rows
+from tests.helpers.engines import engine_sections
 
 
 def small_batch():
@@ -138,7 +139,8 @@ def test_logprob_diff_metrics_hand_computed():
 
 
 def validate_rollout_layout(cfg, world_size: int, max_position_embeddings: int) -> tuple[int, int]:
-    plan = rollout_plan(cfg, max_position_embeddings, world_size, make_platform("cpu"))
+    sections = (cfg.rollout, cfg.data, cfg.model, cfg.actor, cfg.trainer)
+    plan = rollout_plan(*sections, max_position_embeddings, world_size, make_platform("cpu"))
     return plan.max_model_len, plan.dp_size
 
 
@@ -168,12 +170,12 @@ def test_engine_rejects_bad_configs_before_starting_vllm(tiny_checkpoints, monke
     monkeypatch.setenv("RANK", "0")
     cfg = load_config(None, ["rollout.tensor_model_parallel_size=3"])
     with pytest.raises(ConfigError) as err:
-        RolloutEngine(cfg, str(ckpt), make_platform("cpu"), pad_token_id=0)
+        RolloutEngine(*engine_sections(cfg), str(ckpt), make_platform("cpu"), pad_token_id=0)
     assert "rollout.tensor_model_parallel_size=3" in str(err.value) and "world size 4" in str(err.value)
 
     cfg = load_config(None, ["data.max_prompt_length=40", "data.max_response_length=30"])
     with pytest.raises(ConfigError) as err:
-        RolloutEngine(cfg, str(ckpt), make_platform("cpu"), pad_token_id=0)
+        RolloutEngine(*engine_sections(cfg), str(ckpt), make_platform("cpu"), pad_token_id=0)
     msg = str(err.value)
     assert "data.max_prompt_length" in msg and "data.max_response_length" in msg
     assert "max_position_embeddings=64" in msg and "70" in msg
@@ -201,7 +203,8 @@ def test_vllm_llm_kwargs_from_the_rollout_plan(tiny_checkpoints):
         ["rollout.kv_cache_memory_mb=32", "rollout.seed=5", "data.max_prompt_length=20", "data.max_response_length=12"],
     )
     cpu = make_platform("cpu")
-    plan = rollout_plan(cfg, 64, 2, cpu)
+    sections = (cfg.rollout, cfg.data, cfg.model, cfg.actor, cfg.trainer)
+    plan = rollout_plan(*sections, 64, 2, cpu)
     kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, cfg.trainer.mode, ckpt, plan, cpu)
     assert kwargs["model"] == ckpt and kwargs["load_format"] == "dummy" and kwargs["skip_tokenizer_init"]
     assert kwargs["distributed_executor_backend"] == "external_launcher"
@@ -211,6 +214,6 @@ def test_vllm_llm_kwargs_from_the_rollout_plan(tiny_checkpoints):
     assert kwargs["enable_chunked_prefill"] is False and kwargs["kv_cache_memory_bytes"] == 32 * 2**20
     assert kwargs["enable_sleep_mode"] is False and "gpu_memory_utilization" not in kwargs
     cuda = make_platform("cuda")
-    on_gpu = vllm_llm_kwargs(cfg.rollout, cfg.actor, cfg.trainer.mode, ckpt, rollout_plan(cfg, 64, 2, cuda), cuda)
+    on_gpu = vllm_llm_kwargs(cfg.rollout, cfg.actor, cfg.trainer.mode, ckpt, rollout_plan(*sections, 64, 2, cuda), cuda)
     assert on_gpu["gpu_memory_utilization"] == cfg.rollout.gpu_memory_utilization
     assert on_gpu["enable_chunked_prefill"] is True and "kv_cache_memory_bytes" not in on_gpu

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from tests.helpers import run_torchrun
+from tests.helpers.engines import engine_sections
 
 PORT = 29790
 WARNING = (
@@ -80,7 +81,7 @@ def main() -> None:
     hf = load_file(os.path.join(args.hf_dir, "model.safetensors"))
     pv = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, 1)
     load_full_tensors(chunks, arch, lambda m: hf_to_mcore(m, [hf[n] for n in m.hf], arch, pv))
-    engine = StandInEngine(cfg, args.hf_dir, platform, pad_token_id=0, eos_token_ids=[1], plan=plan)
+    engine = StandInEngine(*engine_sections(cfg), args.hf_dir, platform, pad_token_id=0, eos_token_ids=[1], plan=plan)
 
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)

@@ -49,16 +49,21 @@ def test_plan_picks_each_transport_with_its_reason():
     assert merged.weight_transport_reason == over_bridge + merging
 
 
+def transport_of(cfg, arch, platform):
+    """``weight_transport`` from the sections it reads."""
+    return weight_transport(cfg.actor, cfg.rollout, cfg.trainer, arch, platform)
+
+
 def test_the_async_bridge_wins_over_platform_and_lora():
     """The order of the rules: the async bridge first (its target takes HF tensors only), then LoRA, then the
     platform, then the model's KV heads."""
     arch = model_arch_from_hf(TINY_HF)
     cpu, npu = make_platform("cpu"), make_platform("npu")
     cfg = load_config(TINY, [*ASYNC, "actor.lora.rank=2"])
-    assert weight_transport(cfg, arch, cpu)[0] == weight_transport(cfg, arch, npu)[0] == "reload"
+    assert transport_of(cfg, arch, cpu)[0] == transport_of(cfg, arch, npu)[0] == "reload"
     cfg = load_config(TINY, ["actor.lora.rank=2"])
-    assert weight_transport(cfg, arch, npu)[0] == "lora_adapters"  # on any platform: adapters need no layer lookup
-    assert weight_transport(load_config(TINY, []), arch, npu)[0] == "reload"
+    assert transport_of(cfg, arch, npu)[0] == "lora_adapters"  # on any platform: adapters need no layer lookup
+    assert transport_of(load_config(TINY, []), arch, npu)[0] == "reload"
 
 
 def test_check_prints_the_transport():

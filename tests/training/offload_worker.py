@@ -201,7 +201,8 @@ def run_case(name: str, spec: dict, platform: CountingPlatform) -> dict:
     before = snapshot(chunks, optimizer, ref_chunks)
     for keep in (True, False):
         tag = "keep" if keep else "discard"
-        plan = replace(resolve_handoff_plan(cfg, platform), keep_grad_values=keep)
+        planned = resolve_handoff_plan(cfg.actor, cfg.ref, cfg.rollout, cfg.trainer, platform)
+        plan = replace(planned, keep_grad_values=keep)
         handoff = MemoryHandoff(platform, plan, chunks, optimizer, ref_chunks)
         engine = RecordingEngine()
         calls0 = dict(platform.calls)

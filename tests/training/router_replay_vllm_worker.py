@@ -21,6 +21,7 @@ import torch
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.rollout.routing import routed_experts_fields
 from megatron_dapo.rollout.sync import logprob_diff_metrics
+from tests.helpers.engines import engine_sections
 from tests.training.router_replay_worker import _masked, reached_by_flip, recorded_fields, row_routings_from_fields
 
 CAPTURED: dict[int, list[torch.Tensor]] = defaultdict(list)
@@ -103,7 +104,7 @@ def main() -> None:
     # it with a capture hook, one request at a time, so the engine is built as for a run without replay.
     engine_cfg = copy.deepcopy(cfg)
     engine_cfg.actor.router_replay = "none"
-    engine = RolloutEngine(engine_cfg, str(hf_dir), platform, pad_token_id=0, eos_token_ids=[1])
+    engine = RolloutEngine(*engine_sections(engine_cfg), str(hf_dir), platform, pad_token_id=0, eos_token_ids=[1])
     WeightSync(engine, arch, cfg.rollout.weight_sync_bucket_mb * 2**20, "direct").sync(chunks)
     assert sum(engine.llm.apply_model(install_capture)) == sum(arch.moe_layer_freq)
 

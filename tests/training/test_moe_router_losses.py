@@ -18,7 +18,7 @@ import torch
 
 from megatron_dapo.actor.actor import balance_rows, split_micro_batches
 from megatron_dapo.algo.loss import LossNormalisers, dapo_loss
-from megatron_dapo.config import ActorConfig, ConfigError, ParallelConfig, check_values, load_config
+from megatron_dapo.config import ActorConfig, ConfigError, ParallelConfig, config_problems, load_config, raise_if_any
 from megatron_dapo.models.builder import moe_config_kwargs, moe_router_coefficients
 from megatron_dapo.models.families import model_arch_from_hf, param_mappings
 from tests.distributed.loss_batch import TEMPERATURE, make_batch
@@ -238,6 +238,6 @@ def test_router_loss_coefficients_from_config():
     assert load_config(None, []).actor.moe_aux_loss_coeff == 0.0  # off by default (RL recipes run MoE without it)
     assert load_config(None, ["actor.moe_aux_loss_coeff=null"]).actor.moe_aux_loss_coeff is None
     with pytest.raises(ConfigError, match=r"actor.moe_aux_loss_coeff=-0.1: expected null"):
-        check_values(load_config(None, ["actor.moe_aux_loss_coeff=-0.1"]))
+        raise_if_any(config_problems(load_config(None, ["actor.moe_aux_loss_coeff=-0.1"])))
     with pytest.raises(ConfigError, match=r"actor.moe_z_loss_coeff=-1.0: expected a finite value >= 0"):
-        check_values(load_config(None, ["actor.moe_z_loss_coeff=-1"]))
+        raise_if_any(config_problems(load_config(None, ["actor.moe_z_loss_coeff=-1"])))

@@ -106,14 +106,19 @@ def test_moved_bytes_match_the_model(results, case):
         assert expect * 0.99 <= moved["optimizer"] < expect * 1.01 + 256
 
 
+def handoff_plan(cfg, platform):
+    """The run's hand-off plan from the sections it reads."""
+    return resolve_handoff_plan(cfg.actor, cfg.ref, cfg.rollout, cfg.trainer, platform)
+
+
 def test_plan_follows_platform_defaults_and_config():
     cfg = load_config(None, [])
     cpu, cuda, npu = (make_platform(n) for n in ("cpu", "cuda", "npu"))
-    plan = resolve_handoff_plan(cfg, cpu)
+    plan = handoff_plan(cfg, cpu)
     assert (plan.params, plan.grads, plan.optimizer, plan.reference) == (False, False, False, False)
-    gpu = resolve_handoff_plan(cfg, cuda)
+    gpu = handoff_plan(cfg, cuda)
     assert (gpu.params, gpu.grads, gpu.optimizer, gpu.reference, gpu.sleep_level) == (False, True, True, True, 2)
-    assert resolve_handoff_plan(cfg, npu).sleep_level == 2
+    assert handoff_plan(cfg, npu).sleep_level == 2
     cfg = load_config(
         None,
         [
@@ -123,9 +128,9 @@ def test_plan_follows_platform_defaults_and_config():
             "rollout.sleep_level=1",
         ],
     )
-    p = resolve_handoff_plan(cfg, cuda)
+    p = handoff_plan(cfg, cuda)
     assert (p.params, p.grads, p.optimizer, p.reference, p.sleep_level) == (True, False, True, False, 1)
-    assert resolve_handoff_plan(cfg, cpu).params is True  # explicit config wins on CPU too
+    assert handoff_plan(cfg, cpu).params is True  # explicit config wins on CPU too
 
 
 def test_garbage_collection_only_where_memory_is_given_back(monkeypatch):
@@ -149,7 +154,7 @@ def test_garbage_collection_only_where_memory_is_given_back(monkeypatch):
         def wake_up(self, tags=None) -> None:
             pass
 
-    handoff = MemoryHandoff(cpu, resolve_handoff_plan(cfg, cpu), [])
+    handoff = MemoryHandoff(cpu, handoff_plan(cfg, cpu), [])
     handoff.before_engine_start()
     handoff.after_engine_start(Engine(sleeps=False))
     handoff.before_rollout(Engine(sleeps=False), lambda: None)
@@ -157,6 +162,6 @@ def test_garbage_collection_only_where_memory_is_given_back(monkeypatch):
     assert not handoff.releases and collected == []
     handoff.after_engine_start(Engine(sleeps=True))  # an engine with a sleep mode gives memory back
     assert handoff.releases and collected == [1]
-    offloading = resolve_handoff_plan(load_config(None, ["actor.offload_grads=true"]), cpu)
+    offloading = handoff_plan(load_config(None, ["actor.offload_grads=true"]), cpu)
     assert MemoryHandoff(cpu, offloading, []).releases
-    assert MemoryHandoff(cuda, resolve_handoff_plan(cfg, cuda), []).releases
+    assert MemoryHandoff(cuda, handoff_plan(cfg, cuda), []).releases
