@@ -4,8 +4,10 @@ layouts and modes the reward model (``docs/reward_model.md``) runs in. Pure: no 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from megatron_dapo.config.schema import ParallelConfig, RewardConfig, TrainerConfig
+if TYPE_CHECKING:  # config/rules.py imports this module: the config package is still loading then
+    from megatron_dapo.config.schema import ParallelConfig, RewardConfig, TrainerConfig
 
 
 def reward_model_problems(rw: RewardConfig, parallel: ParallelConfig, trainer: TrainerConfig) -> list[str]:
