@@ -39,7 +39,7 @@ class Request:
     """One request to a worker and the future that answers it."""
 
     req_id: int
-    op: str  # "create", "call" or "release"
+    op: str  # "create", "call", "release", or "ping" (the watchdog's: is the worker's loop running?)
     instance_id: str
     instance: Instance
     payload: Any
@@ -48,6 +48,7 @@ class Request:
     sent: float = 0.0
     budget_s: float = 0.0  # the worker's own time limit for it (timeout_s per tool method it runs)
     started: bool = False  # the worker began it (else it waits behind a call that blocks the worker's loop)
+    begun: float = 0.0  # when the worker said it began
     deadline: float = math.inf  # started + budget_s + grace_s: past it, the worker is killed
     resends: int = 0  # times sent again, to the replacement of a worker that had not begun it
 
@@ -63,6 +64,7 @@ class Child:
     pending: dict[int, Request] = field(default_factory=dict)
     lingering: dict[int, float] = field(default_factory=dict)  # answered as timed out, thread still running: deadline
     calls: int = 0  # calls among ``pending``
+    pinged: float = -math.inf  # when the watchdog last asked whether its loop runs
     detached: bool = False  # no longer the host's; its requests were resolved or sent again
     retired: bool = False  # gets no new requests (a timed-out thread runs on); stopped once its requests are done
 
@@ -122,7 +124,7 @@ def resolve(request: Request, reply: Any, stats: Stats) -> None:
         if reply is not None:
             stats.status("error")
         _set(request.future, reply)
-    else:
+    elif request.op == "release":
         for message in reply:
             stats.status("error")
             logger.warning("tool host: release of %r: %s", request.instance_id, message)

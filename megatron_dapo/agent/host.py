@@ -10,9 +10,9 @@ them (``agent/zygote.py``: a replacement costs milliseconds), and:
 * **each sample's tool instance is pinned to one worker** (the one with the fewest instances when it is created), so
   a hang or a crash costs one worker and the calls that had begun on it, nothing else;
 * every request returns a ``concurrent.futures.Future`` at once (thread-safe, never blocks the caller); each worker
-  slot has a sender thread that starts a worker when needed (a replacement included) and sends it at most
-  ``ceil(max_concurrency / workers)`` calls at a time, in order; each worker has a reader thread that resolves the
-  futures;
+  slot has a sender thread that starts a worker when needed (a replacement included) and sends it its share of
+  ``max_concurrency`` calls at a time (``workers`` is at most ``max_concurrency``), in order; each worker has a
+  reader thread that resolves the futures;
 * a call's future never holds an exception: every failure is a ``ToolResult`` whose text starts with ``error: ``,
   with status ``error`` (the tool raised, ``sys.exit`` and ``MemoryError`` included), ``timeout``,
   ``unknown_tool``, ``bad_call`` or ``crashed`` (its worker died during the call: ``os._exit``, a segfault, the OOM
@@ -20,13 +20,15 @@ them (``agent/zygote.py``: a replacement costs milliseconds), and:
 * **bounds.** The worker answers a call that runs past ``timeout_s`` as timed out (a synchronous tool runs in a
   thread, an async one under ``asyncio.timeout``). When it cannot (a tool stuck in C code holding the GIL, an async
   tool blocking the event loop), a watchdog thread kills it ``timeout_s + grace_s`` after the call began, and the
-  call ends then, as ``timeout``. ``grace_s`` (0.5 s by default) is the worker's slack to answer on its own;
-* **a blocked loop stalls nobody else.** A request that has not begun ``stall_s`` (0.5 s) after it was sent means
-  the worker's event loop is blocked: the watchdog takes back the requests that wait there (the worker's reader
-  thread confirms which had not begun, so none runs twice), retires the worker (no new requests) and sends them to a
-  fresh worker in its slot. A retired worker is stopped once the calls it holds are answered, or killed at their
-  bound. A synchronous call answered as timed out whose thread still runs at ``timeout_s + grace_s`` retires its
-  worker too (its thread cannot be stopped otherwise);
+  call ends then, as ``timeout``. ``grace_s`` (0.5 s by default) is the worker's slack to answer on its own; a call
+  whose instance is created again first gets ``timeout_s`` for that, then ``timeout_s`` of its own;
+* **a blocked loop stalls nobody else.** A request that has not begun ``stall_s`` (0.25 s) after it was sent means
+  the worker's event loop is blocked (while a call runs longer than ``stall_s / 2``, the watchdog sends the worker a
+  ``ping`` request to find out): the watchdog takes back the requests that wait there (the worker's reader thread
+  confirms which had not begun, so none runs twice), retires the worker (no new requests) and sends them to a fresh
+  worker in its slot. A retired worker is stopped once the calls it holds are answered, or killed at their bound. A
+  synchronous call answered as timed out whose thread still runs at ``timeout_s + grace_s`` retires its worker too
+  (its thread cannot be stopped otherwise);
 * **lost instances are made again.** Requests a dead or killed worker had not begun go to its replacement
   (``pool.MAX_RESENDS`` times at most). The instances that lived in a lost or retired worker are created again in
   the slot's new worker, from their ``tools_kwargs``, just before their next call (their state is what ``create``
@@ -50,7 +52,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import threading
 import time
 from concurrent.futures import Future
@@ -84,15 +85,19 @@ class ToolHost:
         grace_s: float = 0.5,
         memory_mb: Optional[int] = None,
         start_timeout_s: float = 120.0,
-        workers: int = 4,
+        workers: int = 8,
         max_reply_chars: int = 2**20,
-        stall_s: float = 0.5,
+        stall_s: float = 0.25,
     ) -> None:
         self.specs, self.timeout_s, self.grace_s = list(specs), float(timeout_s), float(grace_s)
         self.max_concurrency, self.memory_mb, self.start_timeout_s = int(max_concurrency), memory_mb, start_timeout_s
-        self.workers = max(1, int(workers))
-        self.per_worker = max(1, math.ceil(self.max_concurrency / self.workers))  # calls in flight on one worker
-        limits = (self.timeout_s, self.per_worker, memory_mb, int(max_reply_chars))
+        self.workers = max(1, min(int(workers), self.max_concurrency))  # each worker runs a call at least
+        # calls in flight on each worker: max_concurrency in all
+        self.caps = [
+            self.max_concurrency // self.workers + (k < self.max_concurrency % self.workers)
+            for k in range(self.workers)
+        ]
+        limits = (self.timeout_s, max(self.caps), memory_mb, int(max_reply_chars))
         self._pool = WorkerPool(self.specs, self.workers, limits, self.grace_s, start_timeout_s, float(stall_s))
         self._lock, self._queues, self._stats = self._pool.lock, self._pool.queues, self._pool.stats
         self._instances: dict[str, Instance] = {}
@@ -205,14 +210,14 @@ class ToolHost:
                 thread.start()
 
     def _next_request(self, slot: int) -> Optional[Request]:
-        """The slot's oldest request, once it may be sent (calls: fewer than ``per_worker`` in flight); ``None`` once
+        """The slot's oldest request, once it may be sent (calls: fewer than its cap in flight); ``None`` once
         closed. Strict order, so that a sample's create, calls and release reach its worker in the order made."""
         with self._lock:
             queue = self._queues[slot]
             while not self._pool.closed:
                 if queue:
                     child = self._pool.children[slot]
-                    if queue[0].op != "call" or child is None or child.calls < self.per_worker:
+                    if queue[0].op != "call" or child is None or child.calls < self.caps[slot]:
                         return queue.popleft()
                 self._lock.wait()
         return None

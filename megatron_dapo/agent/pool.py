@@ -5,13 +5,15 @@ a worker is killed, retired or replaced). The pool and the host share one lock a
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any, Optional
 
-from megatron_dapo.agent.channel import Child, Request, Stats, fail, resolve, spawn_child, stop_child
+from megatron_dapo.agent.channel import Child, Instance, Request, Stats, fail, resolve, spawn_child, stop_child
 from megatron_dapo.agent.tools import ToolSpec
 from megatron_dapo.agent.zygote import Zygote
 
@@ -52,6 +54,7 @@ class WorkerPool:
         self._zygote: Optional[Zygote] = None  # forks the workers (agent/zygote.py)
         self._zygote_lock = threading.Lock()
         self._ever_started, self._warned = False, False
+        self._pings = itertools.count(-1, -1)  # ping ids: negative, never a host's request id
 
     def _template(self) -> Zygote:
         """The zygote that forks the workers, started (again, if it died) when needed."""
@@ -145,7 +148,10 @@ class WorkerPool:
                 if message[0] == "finished":
                     child.lingering.pop(message[1], None)
                 elif request is not None:
-                    request.started, request.deadline = True, time.monotonic() + request.budget_s + self.grace_s
+                    if request.started:  # again: its instance was created again, the call itself begins now
+                        request.budget_s = self.timeout_s
+                    request.started, request.begun = True, time.monotonic()
+                    request.deadline = request.begun + request.budget_s + self.grace_s
             return
         req_id, reply, lingering = message
         with self.lock:
@@ -177,6 +183,7 @@ class WorkerPool:
         """The requests of a worker that died, was killed or gave them back (``confirmed``: it said they never
         began): those it never began go to its replacement (after a death, ``MAX_RESENDS`` times at most); the
         overdue ones time out; the others crash (``note`` names the ``{op}``)."""
+        pending = [r for r in pending if r.op != "ping"]  # asked for this worker only
         again = [r for r in pending if not r.started and (confirmed or r.resends < MAX_RESENDS) and not self.closed]
         with self.lock:
             for request in reversed(again):
@@ -200,7 +207,7 @@ class WorkerPool:
         its requests are answered (``agent/host.py``'s docstring)."""
         tick = max(0.01, min(0.05, self.grace_s / 4, self.stall_s / 4))
         while not self.stopped.wait(tick):
-            now, killed, stopped, stalled = time.monotonic(), [], [], []
+            now, killed, stopped, stalled, pings = time.monotonic(), [], [], [], []
             with self.lock:
                 for child in [c for c in [*self.children, *self.retired] if c is not None]:
                     action, ids = self._verdict(child, now)
@@ -210,6 +217,8 @@ class WorkerPool:
                     elif action == "stop":
                         self.detach(child)
                         stopped.append(child)
+                    elif action == "ping":
+                        pings.append((child, self._ping(child, now)))
                     elif action in ("stall", "retire"):
                         child.retired = True  # its slot starts a fresh worker on the next request
                         self.children[child.slot] = None
@@ -221,6 +230,9 @@ class WorkerPool:
             for child, ids in stalled:
                 with child.send_lock, contextlib.suppress(OSError, ValueError):
                     child.conn.send(("withdraw", sorted(ids)))
+            for child, ping in pings:
+                with child.send_lock, contextlib.suppress(OSError, ValueError):
+                    child.conn.send((ping.req_id, "ping", "", None))
             for child, overdue, pending in killed:
                 child.process.kill()
                 self._log_loss(f"a tool call hung past {self.timeout_s + self.grace_s:g} s; its worker was killed")
@@ -239,7 +251,17 @@ class WorkerPool:
             return "stall", waiting
         if any(d < now for d in child.lingering.values()):
             return "retire", set()
+        long = any(r.started and r.begun < now - self.stall_s / 2 for r in child.pending.values())
+        if long and not waiting and child.pinged < now - self.stall_s / 2:
+            return "ping", set()  # a call runs long: is it blocking the loop? (a ping that waits is a stall)
         return "", set()
+
+    def _ping(self, child: Child, now: float) -> Request:
+        """Under the lock: a ping request, pending on ``child`` (sent by the caller)."""
+        ping = Request(next(self._pings), "ping", "", Instance(child.slot), None, Future())
+        ping.sent, ping.budget_s, child.pinged = now, self.timeout_s, now
+        child.pending[ping.req_id] = ping
+        return ping
 
     def _log_loss(self, what: str) -> None:
         """The first worker lost is logged; later ones are counted (``tool/crashed``, ``tool/timeout``) only."""

@@ -5,18 +5,19 @@ loop (so async tools keep one loop for their clients and locks); synchronous too
 bounded by ``timeout_s`` (``agent/tools.ToolRunner``). What it tells the parent, besides the replies:
 
 * ``("started", req_id)`` when a request's task begins: a request that never started (queued behind a call that
-  blocks the loop) is sent again to the replacement worker if this one is killed; one that started is lost with it;
+  blocks the loop) is sent again to the replacement worker if this one is killed; one that started is lost with it.
+  A ``ping`` request (the parent's, while a call runs long) is answered as it begins: the loop is not blocked;
 * ``(req_id, reply, lingering)``: ``lingering`` when a synchronous method of the request still runs in its thread
   (the call was answered as timed out); ``("finished", req_id)`` when that thread ends;
 * ``("withdrawn", req_ids)``, answering the parent's ``("withdraw", req_ids)`` from the reader thread (the loop may
   be blocked): which of them had not begun; those never will here (the parent sends them to another worker);
 * a call may carry ``recreate`` kwargs: its instance was lost with an earlier worker, so the worker creates it first
-  (verl's ``tools_kwargs``), then runs the call, in the same task.
+  (verl's ``tools_kwargs``), says ``started`` again, then runs the call, in the same task.
 
 A reply's text longer than ``max_reply_chars`` is cut to its first and last halves (the chat's own truncation,
 ``agent/chat.truncate_text``, reads only those), so a tool that answers gigabytes cannot fill the trainer's memory.
-The worker ignores SIGINT (Ctrl-C is the trainer's), caps its address space at ``memory_mb`` (``RLIMIT_AS``) and
-imports no torch.
+The worker ignores SIGINT (Ctrl-C is the trainer's), caps its address space (``RLIMIT_AS``) at ``memory_mb`` MiB
+more than it holds when it starts, and imports no torch.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import ctypes
 import importlib
 import inspect
 import numbers
@@ -50,8 +52,9 @@ def worker_main(
     """The tool process: build the tools, say ready (or why not), serve requests until told to stop or the pipe
     closes, then exit at once (a hung tool thread must not hold the process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if memory_mb:
-        limit = int(memory_mb) * 2**20
+    if memory_mb:  # on top of what it holds now (the template's imports, the trainer's main module)
+        _few_malloc_arenas()
+        limit = _address_space() + int(memory_mb) * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
         tools_module = importlib.import_module("megatron_dapo.agent.tools")
@@ -146,6 +149,9 @@ class _Server:
                 return
             self.begun.add(req_id)
             self._send(("started", req_id))
+            if op == "ping":  # the loop runs: that is the answer
+                self._send((req_id, None, False))
+                return
         try:
             if op == "call":
                 reply: Any = await self.call(instance_id, *payload)
@@ -169,6 +175,8 @@ class _Server:
             if errors:
                 text = f"error: the tool instance was lost with its worker and could not be created again: {errors[0]}"
                 return (text, 0.0, "error", 0.0, {})
+            with self.lock:  # the call itself begins now: its own timeout_s runs from here
+                self._send(("started", _REQUEST.get()))
         result = await self.runner.call(instance_id, ToolCall(name, arguments, error))
         text = _cut(str(result.text), self.max_reply_chars)
         return (text, result.reward, result.status, result.latency_s, _plain(result.metrics))
@@ -253,6 +261,22 @@ def _tracking(fn: Any, server: _Server) -> Any:
             server.leave(req_id)
 
     return run
+
+
+def _few_malloc_arenas() -> None:
+    """glibc reserves 64 MiB of address space for each thread's own malloc arena: under ``RLIMIT_AS`` a handful of
+    tool threads would use up the cap. Two arenas, shared by every thread (elsewhere, nothing to do)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).mallopt(-8, 2)  # M_ARENA_MAX
+
+
+def _address_space() -> int:
+    """This process's virtual size in bytes (Linux ``/proc``; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _cut(text: str, max_chars: int) -> str:

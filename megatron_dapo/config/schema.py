@@ -247,8 +247,8 @@ class MultiTurnConfig:
     format: Literal["hermes"] = "hermes"  # the tool-call format (Qwen2.5/Qwen3 chat templates)
     tool_timeout_s: float = 30.0  # per call; a late call is answered "error: ... timed out"
     max_concurrent_tool_calls: int = 16  # per rank
-    tool_memory_mb: Optional[int] = None  # the address-space limit of each tool worker process; None = none
-    tool_workers: int = 4  # tool worker processes per rank; a hang or crash costs one worker (docs/agent.md)
+    tool_memory_mb: Optional[int] = None  # address space a tool worker may add to its size at start; None = no cap
+    tool_workers: int = 8  # tool worker processes per rank; a hang or crash costs one worker (docs/agent.md)
 
 
 @dataclass
