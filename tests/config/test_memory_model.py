@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.config import load_config
-from megatron_dapo.config.memory import MemoryModel, memory_model
+from megatron_dapo.config.memory import MemoryModel, kv_cache, memory_model
 from megatron_dapo.config.plan import resolve
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.platform import make_platform
@@ -111,6 +111,15 @@ def test_kv_cache_tokens_by_hand():
     short = model_of("rollout.kv_cache_memory_mb=1", platform="cpu")
     assert short.kv.tokens == 512
     assert any("holds 512 tokens at 2048 bytes per token" in p for p in short.problems), short.problems
+
+
+def test_kv_cache_alone_is_the_models_term():
+    """``kv_cache`` (the stand-in engine's size, from the rollout section) is ``memory_model``'s ``kv``."""
+    arch = model_arch_from_hf(SMALL)
+    for platform, capacity in (("cuda", GIB), ("cpu", None)):
+        cfg = load_config(TINY, BASE + [f"parallel.platform={platform}"])
+        plan = resolve(cfg, arch, 8, make_platform(platform), probe_imports=False)
+        assert kv_cache(plan, arch, cfg.rollout, capacity) == memory_model(plan, arch, cfg, capacity).kv
 
 
 def test_update_phase_is_the_sum_of_its_terms():
