@@ -7,12 +7,14 @@ else ``spawn``; never ``fork``, since the trainer holds threads) that imports th
 classes — without building any tool — and then, single-threaded, forks a worker on request
 (``agent/worker.worker_main``), hands the trainer its end of the worker's pipe (``SCM_RIGHTS``), and reports each
 worker's exit status (it is their parent, so it reaps them). A worker builds its tools after the fork. The zygote
-ignores SIGINT; when it is told to stop or the trainer's end of its pipe closes, it kills its workers and exits.
+ignores SIGINT; when it is told to stop or the trainer's end of its pipe closes, it kills its workers and exits; if
+it dies otherwise, its workers die with it (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -154,6 +156,7 @@ def _fork_worker(conn: Any, specs: list, limits: tuple) -> int:
     pid = os.fork()
     if pid == 0:  # the worker: only its own end of its own pipe stays open
         try:
+            _die_with_parent(zygote=os.getppid())
             conn.close()
             ours.close()
             worker_main(theirs, specs, *limits)  # exits by itself once it has served; returns if it cannot start
@@ -164,6 +167,15 @@ def _fork_worker(conn: Any, specs: list, limits: tuple) -> int:
     send_handle(conn, ours.fileno(), 0)
     ours.close()
     return pid
+
+
+def _die_with_parent(zygote: int) -> None:
+    """Linux: the worker is killed when the zygote dies, however it dies (a worker stuck in a tool would otherwise
+    outlive the run)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != zygote:  # it died before the call above
+        os._exit(1)
 
 
 def _reap(conn: Any, children: set[int], block: bool) -> None:

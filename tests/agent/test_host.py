@@ -8,6 +8,7 @@ test's (``HostClock``)."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -355,3 +356,20 @@ def test_close_stops_the_child_and_is_idempotent(tmp_path):
     host.close()
     with pytest.raises(RuntimeError, match="closed"):
         host.call("a", ToolCall("secret", {"x": 1}))
+
+
+def test_workers_die_with_their_zygote_and_the_host_starts_another(tmp_path):
+    """The template process the workers are forked from (``agent/zygote.py``) killed: its workers die with it (not
+    left behind, whatever they run), the calls they held end as ``crashed``, and the next call is answered by a
+    worker of a fresh template, its instance created again."""
+    with ToolHost(specs(tmp_path), timeout_s=30, workers=1) as host:
+        host.create("a", secret_kwargs(3)).result(timeout=30)
+        pid = probe(host, "a")[0]
+        started = tmp_path / "started"
+        running = host.call("a", ToolCall("secret", {"x": 1, "sleep": 60, "started": str(started)}))
+        wait_until(started.exists, "the call runs")
+        os.kill(host._pool._zygote.process.pid, signal.SIGKILL)
+        wait_until(lambda: not alive(pid), "the worker dies with its zygote", timeout_s=10)
+        assert running.result(timeout=30).status == "crashed"
+        assert host.call("a", ToolCall("secret", {"x": 2})).result(timeout=30).text == "105"
+        assert probe(host, "a")[0] != pid
