@@ -9,9 +9,10 @@ the task's own ``tasks/lookup_tool.py:LookupTool``.
 
 ``--level pool`` (seconds): one rank's tool calls of a generation batch of the agent quickstart (``--conversations``,
 each calling once, as the solved task does) through ``agent/host.ToolHost``, every call sent at once; the faulty and
-the well-behaved tool, one after the other. Per tool: the batch's wall time, the failed calls by kind. Last line:
-``pool_faulty_vs_good_s=<faulty - good seconds> failed_frac=<failed ÷ calls> injected_frac=<4 × rate: raise, hang,
-exit, memory; a huge answer is not a failure> cascade=<failed_frac ÷ injected_frac> workers_lost=<n>``.
+the well-behaved tool, one after the other. Here the benchmark draws the faults (seeded, ``--rate`` each) and names
+them in the calls, so the injected ones are known. Per tool: the batch's wall time, the failed calls by kind. Last
+line: ``pool_faulty_vs_good_s=<faulty - good seconds> failed_frac=<failed ÷ calls> injected_frac=<raise, hang, exit
+and memory calls ÷ calls; a huge answer is not a failure> cascade=<failed_frac ÷ injected_frac> workers_lost=<n>``.
 
 ``--level train`` (minutes): ``configs/tiny_agent_cpu.yaml`` on 2 CPU processes (``launch/run_local.sh``) for
 ``--steps`` steps with each tool, the same model, data and seeds; greedy validation before the first step and after
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -48,6 +50,7 @@ from megatron_dapo.config import load_config  # noqa: E402
 FAULTY = REPO / "tests" / "agent" / "faulty_tool.py"
 CONFIG = REPO / "configs" / "tiny_agent_cpu.yaml"
 FAILURES = ("error", "timeout", "crashed")
+FAULTS = ("raise", "hang", "huge", "exit", "memory")
 VAL_ACC = "val-core/lookup/acc/mean@1"
 
 
@@ -62,15 +65,16 @@ def faulty_tool_config(path: Path, rate: float) -> Path:
     # heavy: as in good_tool_config
     from megatron_dapo.tasks.agent import TOOL_SCHEMA
 
-    rates = {fault: rate for fault in ("raise", "hang", "huge", "exit", "memory")}
+    rates = dict.fromkeys(FAULTS, rate)
     config = {"rates": rates, "hang_s": 60}
     entry = {"class_name": f"{FAULTY}:FaultyLookup", "config": config, "tool_schema": TOOL_SCHEMA}
     path.write_text(yaml.safe_dump({"tools": [entry]}, sort_keys=False))
     return path
 
 
-def pool_batch(tools_yaml: Path, args: argparse.Namespace) -> dict[str, float]:
-    """One rank's calls of a generation batch, all sent at once: wall seconds and outcomes."""
+def pool_batch(tools_yaml: Path, args: argparse.Namespace, plan: list) -> dict[str, float]:
+    """One rank's calls of a generation batch, all sent at once (``plan``: each call's fault, or None): wall seconds
+    and outcomes."""
     mt = load_config(CONFIG).rollout.multi_turn
     specs = read_tool_config(str(tools_yaml))
     host = ToolHost(
@@ -82,7 +86,7 @@ def pool_batch(tools_yaml: Path, args: argparse.Namespace) -> dict[str, float]:
         wait([host.create(f"c{i}", kwargs) for i in range(args.conversations)])
         host.reset_metrics()
         started = time.perf_counter()
-        calls = [host.call(f"c{i}", ToolCall("lookup", {"box": "ab"[i % 2]})) for i in range(args.conversations)]
+        calls = [host.call(f"c{i}", ToolCall("lookup", {"box": "ab"[i % 2], "fault": f})) for i, f in enumerate(plan)]
         results = [f.result() for f in calls]
         wall = time.perf_counter() - started
         metrics = host.metrics()
@@ -97,10 +101,12 @@ def pool_batch(tools_yaml: Path, args: argparse.Namespace) -> dict[str, float]:
 
 
 def run_pool(args: argparse.Namespace, tmp: Path) -> None:
-    good = pool_batch(good_tool_config(tmp / "good.yaml"), args)
-    bad = pool_batch(faulty_tool_config(tmp / "faulty.yaml", args.rate), args)
+    rng = random.Random(args.seed)  # the faults drawn here, so that the injected ones are known
+    plan = [rng.choice(FAULTS) if rng.random() < 5 * args.rate else None for _ in range(args.conversations)]
+    good = pool_batch(good_tool_config(tmp / "good.yaml"), args, [None] * args.conversations)
+    bad = pool_batch(faulty_tool_config(tmp / "faulty.yaml", 0.0), args, plan)  # no faults of its own drawing
     failed = sum(bad[s] for s in FAILURES) / bad["calls"]
-    injected = 4 * args.rate
+    injected = sum(f not in (None, "huge") for f in plan) / len(plan)
     print(
         f"pool_faulty_vs_good_s={bad['wall_s'] - good['wall_s']:.2f} failed_frac={failed:.3f}"
         f" injected_frac={injected:.3f} cascade={failed / injected:.2f} workers_lost={bad['workers_lost']:g}"
@@ -183,6 +189,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=384, help="pool: one rank's generation batch")
     parser.add_argument("--steps", type=int, default=10, help="train: steps per run")
     parser.add_argument("--port", type=int, default=29531)
+    parser.add_argument("--seed", type=int, default=0, help="pool: the draw of the faults")
     parser.add_argument("--work-dir", default="", help="train: where the task is made (kept between runs)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
