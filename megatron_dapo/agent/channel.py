@@ -153,7 +153,7 @@ class Stats:
     def reset(self) -> None:
         with self._lock:
             self._counts: dict[str, int] = dict.fromkeys(_COUNTS, 0)
-            self._latencies: list[float] = []
+            self._latency = [0, 0.0, 0.0]  # calls, sum, max: a run that never resets keeps three numbers
 
     def add(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -164,14 +164,15 @@ class Stats:
             if status in _STATUS_COUNT:
                 self._counts[_STATUS_COUNT[status]] += 1
             if latency is not None:
-                self._latencies.append(latency)
+                n, total, top = self._latency
+                self._latency = [n + 1, total + latency, max(top, latency)]
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
             out = {f"tool/{k}": float(v) for k, v in self._counts.items()}
-            lat = list(self._latencies)
-        out["tool/latency_mean_s"] = sum(lat) / len(lat) if lat else 0.0
-        out["tool/latency_max_s"] = max(lat) if lat else 0.0
+            n, total, top = self._latency
+        out["tool/latency_mean_s"] = total / n if n else 0.0
+        out["tool/latency_max_s"] = top
         return out
 
 

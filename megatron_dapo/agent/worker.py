@@ -97,7 +97,7 @@ class _Server:
         self.lock = threading.Lock()
         self.running: Counter = Counter()  # request -> synchronous tool methods running for it
         self.answered: set[int] = set()  # requests answered while one of their methods still ran
-        self.begun: set[int] = set()  # requests whose task began (told to the parent)
+        self.begun: set[int] = set()  # requests begun and not answered yet
         self.withdrawn: set[int] = set()  # requests the parent took back before they began
         self.runner: Any = None
 
@@ -146,10 +146,12 @@ class _Server:
         _REQUEST.set(req_id)  # this task's own context; tool threads inherit it (asyncio.to_thread copies it)
         with self.lock:
             if req_id in self.withdrawn:  # the parent sent it to another worker
+                self.withdrawn.discard(req_id)
                 return
             self.begun.add(req_id)
             self._send(("started", req_id))
             if op == "ping":  # the loop runs: that is the answer
+                self.begun.discard(req_id)
                 self._send((req_id, None, False))
                 return
         try:
@@ -221,6 +223,7 @@ class _Server:
 
     def reply(self, req_id: int, reply: Any) -> None:
         with self.lock:
+            self.begun.discard(req_id)  # answered: the parent no longer withdraws it (its reply comes first)
             lingering = self.running[req_id] > 0
             if lingering:
                 self.answered.add(req_id)
