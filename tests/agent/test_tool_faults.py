@@ -2,19 +2,27 @@
 from a verl-style tool YAML) with mixed faults at stated rates — 10% each of raise, hang (blocking the event loop),
 huge answer, ``os._exit`` and a 6 GiB allocation under ``tool_memory_mb`` — through the real ``ToolHost`` pool. The
 failed calls are exactly the injected ones (no cascade): every well-behaved call answers its own sample's digit,
-including those whose instance was created again after its worker was lost. The whole run with the quickstart's
-training is ``benchmarks/tool_faults.py``."""
+including those whose instance was created again after its worker was lost. Then the same tool in the real
+multi-turn loop: only the faulty conversation waits for its call. The whole run with the quickstart's training is
+``benchmarks/tool_faults.py``."""
 
 from __future__ import annotations
 
+import json
 import random
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
+from megatron_dapo.agent.chat import ToolTurns
 from megatron_dapo.agent.hermes import ToolCall
 from megatron_dapo.agent.host import ToolHost
 from megatron_dapo.agent.tools import read_tool_config
+from megatron_dapo.config.schema import MultiTurnConfig
+from megatron_dapo.rollout.multi_turn import MultiTurnRollout
+from megatron_dapo.testing.tokenizer import EOS_TOKEN, build_tiny_tokenizer
 from tests.agent.faulty_tool import FAULTS, HUGE_CHARS
+from tests.rollout.test_multi_turn import ScriptedEngine, sampling
 
 FAULTY_TOOL = Path(__file__).with_name("faulty_tool.py")
 RATE = 0.1  # of each fault
@@ -96,3 +104,37 @@ def test_mixed_faults_fail_only_their_own_calls(tmp_path):
         f"calls={SAMPLES * CALLS} injected_failures={failing} failed={failed} "
         f"workers_lost={lost} resent={metrics['tool/resent']:g}"
     )
+
+
+def test_a_rollout_with_the_faulty_tool_holds_back_only_the_faulty_conversation(tmp_path):
+    """The real multi-turn loop (``rollout/multi_turn.MultiTurnRollout``, on the scripted engine of
+    ``tests/rollout/test_multi_turn.py``) with the faulty tool in a real ``ToolHost``: one conversation per fault.
+    Each conversation reads its own call's outcome only, and every other conversation's next turn is queued before
+    the hung call is answered, at ``timeout_s + grace_s``."""
+    tok = build_tiny_tokenizer(tmp_path / "tok", extra_texts=[])
+    faults = ["hang", "exit", "raise", "memory", "huge", None]
+    call = '<tool_call>{{"name": "lookup", "arguments": {{"box": "a", "fault": {}}}}}</tool_call>'
+    script = {(i, 0): [call.format(json.dumps(f)) + EOS_TOKEN, "7" + EOS_TOKEN] for i, f in enumerate(faults)}
+    rows = []
+    for i in range(len(faults)):
+        messages = [{"role": "user", "content": f"open {i}"}]
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        kwargs = {"lookup": {"create_kwargs": {"boxes": {"a": i}}}}
+        extra = {"tools_kwargs": kwargs}
+        rows.append({"input_ids": tok.encode(prompt), "prompt_messages": messages, "extra_info": extra})
+    timeout_s, grace_s = 1.0, 0.5
+    specs = read_tool_config(tool_yaml(tmp_path))
+    with ToolHost(specs, timeout_s=timeout_s, grace_s=grace_s, memory_mb=1024, workers=2) as host:
+        engine = ScriptedEngine(tok, script)
+        cfg = MultiTurnConfig(enable=True, tool_config_path="unused", max_tool_response_length=64)
+        rollout = MultiTurnRollout(engine, host, ToolTurns(tok, 64), tok, cfg, 200)
+        started = time.perf_counter()
+        batch = rollout.generate(rows, sampling(n=1))
+    assert [info["tool_status"] for info in batch.turns] == [[EXPECTED[f]] for f in faults]
+    tool_texts = [info["messages"][2]["content"] for info in batch.turns]
+    assert tool_texts[5] == "5" and tool_texts[4] == "4" * 32 + "..." + "4" * 32  # the huge answer, cut by the chat
+    assert all(text.startswith("error: ") for text in tool_texts[:4])
+    assert all(info["num_turns"] == 2 for info in batch.turns)  # every conversation went on to its answer
+    second = {rid.split("-")[0]: t - started for t, what, rid in engine.events if what == "add" and rid.endswith("-1")}
+    assert max(second[str(i)] for i in range(1, 6)) < second["0"]  # nobody waited for the hung call
+    assert second["0"] / (timeout_s + grace_s) >= 1.0  # which was answered at its bound
