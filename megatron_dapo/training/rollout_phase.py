@@ -14,9 +14,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_dapo.algo.dynamic_sampling import DynamicSamplingAccumulator
+from megatron_dapo.algo.dynamic_sampling import DynamicSamplingAccumulator, gen_batch_budget
 from megatron_dapo.algo.registry import ADV_ESTIMATORS
-from megatron_dapo.algo.dynamic_sampling import gen_batch_budget
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import AlgorithmConfig, DataConfig, RolloutConfig
 from megatron_dapo.handoff.offload import MemoryHandoff

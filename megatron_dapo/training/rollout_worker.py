@@ -31,8 +31,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.algo.dynamic_sampling import TrainedBatchWindow, gen_batch_budget
+from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.config import ExperimentConfig
 from megatron_dapo.config.plan import PartialPlan
 from megatron_dapo.parallel import broadcast_object, placement, teardown
