@@ -22,7 +22,7 @@ from megatron_dapo.config.schema import (
 )
 from megatron_dapo.dtypes import dtype_bytes
 from megatron_dapo.models.families import ModelArch
-from megatron_dapo.platform import Platform, make_platform, select_platform_name
+from megatron_dapo.platform import Platform, platform_for
 from megatron_dapo.reward.custom import load_reward_function
 
 DEFAULT_MIN_BATCHED_TOKENS = 8192
@@ -32,8 +32,7 @@ MIB = 2**20
 def config_platform(parallel: ParallelConfig) -> Platform:
     """The platform ``parallel.platform`` names, for its answers only (not set up: ``check`` asks a CUDA config's
     questions on a CPU machine); auto = this machine's (detected, not set up: nothing of megatron-core imported)."""
-    name = parallel.platform
-    return make_platform(select_platform_name(name) if name == "auto" else name)
+    return platform_for(parallel.platform)
 
 
 # ----------------------------------------------------------------------------------------------- actor layout

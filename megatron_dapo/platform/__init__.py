@@ -80,9 +80,28 @@ def use_platform(platform: Platform) -> Platform:
     return platform
 
 
+def platform_for(requested: str = "auto") -> Platform:
+    """What ``init_platform(requested)`` will return, to ask before it is set up (the run's gate resolves the plan
+    before any process group exists): the installed platform when it is that one (``use_platform``'s modelled device
+    included), else a new instance that is not set up (nothing patched, nothing of megatron-core imported). An
+    explicit name is taken as it is: ``check`` asks a CUDA config's questions on a CPU machine."""
+    name = select_platform_name(requested) if requested == "auto" else requested
+    if _current is not None and _current.name == name:
+        return _current
+    return make_platform(name)
+
+
 def get_platform() -> Platform:
     """The platform chosen by ``init_platform`` (auto-detected on first use)."""
     return _current if _current is not None else init_platform("auto")
 
 
-__all__ = ["Platform", "get_platform", "init_platform", "make_platform", "select_platform_name", "use_platform"]
+__all__ = [
+    "Platform",
+    "get_platform",
+    "init_platform",
+    "make_platform",
+    "platform_for",
+    "select_platform_name",
+    "use_platform",
+]
