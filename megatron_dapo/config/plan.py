@@ -369,8 +369,9 @@ def plan_problems(
     if arch is not None:
         problems += router_replay_problems(cfg.actor, arch, platform)
         # What megatron-core cannot shard or feed for this model (Qwen3.5's Gated DeltaNet: docs/qwen35.md).
+        a = cfg.actor
         problems += layout_problems(
-            arch, p.tensor_model_parallel_size, p.context_parallel_size, cfg.actor.use_remove_padding
+            arch, p.tensor_model_parallel_size, p.context_parallel_size, a.use_remove_padding, a.lora.rank
         )
     in_range = own.out_of_range.isdisjoint(("actor", "trainer"))
     if total_steps is not None and cfg.trainer.total_training_steps is None and in_range:  # else config_problems'
@@ -555,6 +556,11 @@ def _notes(
     m: ModelConfig, r: RolloutConfig, p: ParallelConfig, a: ActorConfig, arch: ModelArch, padded_vocab: int
 ) -> list[str]:
     notes = weight_sync_notes(m, r, arch, padded_vocab)
+    if arch.gated_delta_net is not None:
+        notes.append(
+            f"{arch.family.name}: the weight sync into vLLM's Gated DeltaNet layers is not verified against vLLM's "
+            "log-probs yet (docs/qwen35.md); watch rollout/logprob_diff_max"
+        )
     if p.virtual_pipeline_model_parallel_size is not None and a.use_dynamic_bsz:
         notes.append(
             "parallel.virtual_pipeline_model_parallel_size with actor.use_dynamic_bsz=true: megatron-core's "
