@@ -23,6 +23,7 @@ from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.data.tokens import decode_responses
 from megatron_dapo.parallel import control_group
 from megatron_dapo.reward.manager import RewardManager, RewardResult, merge_results
+from megatron_dapo.rm.scorer import RewardModelScorer, score_rollout
 from megatron_dapo.rollout.types import RolloutBatch, SamplingSpec
 
 
@@ -85,9 +86,15 @@ class RolloutScorer:
     batch while the engine generates it."""
 
     def __init__(
-        self, reward: RewardManager, world_size: int, rank: int, replica: Optional[tuple[int, int]] = None
+        self,
+        reward: RewardManager,
+        world_size: int,
+        rank: int,
+        replica: Optional[tuple[int, int]] = None,
+        reward_model: Optional[RewardModelScorer] = None,
     ) -> None:
         self.reward, self.world_size, self.rank, self.replica = reward, world_size, rank, replica
+        self.reward_model = reward_model  # reward.reward_model: its weighted score added to every response's reward
 
     def start(self, items: list[dict], n: int) -> Optional[ScoringInFlight]:
         """The sink that scores a generation batch of ``items`` x ``n`` responses as they end; None without
@@ -176,6 +183,7 @@ def score_to_batch(
     too (for the rollout dump)."""
     rows = rollout.prompt_index.tolist()
     result = scorer(rollout, items, in_flight)
+    score_rollout(scorer.reward_model, result, rollout)  # every training rank: the reward model's forward is collective
     # Multi-turn: only the tokens the model sampled are trained (tool turns are not).
     loss_mask = (rollout.response_mask if rollout.loss_mask is None else rollout.loss_mask).clone()
     if scorer.reward.config.overlong_filter:  # reward.overlong_filter

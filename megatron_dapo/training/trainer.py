@@ -36,6 +36,7 @@ from megatron_dapo.reporting.loggers import MetricsLogger, RolloutDumper
 from megatron_dapo.reporting.metrics import reduce_metrics, step_metrics
 from megatron_dapo.reporting.timing import StartupClock, timed
 from megatron_dapo.reward.manager import RewardManager
+from megatron_dapo.rm.scorer import RewardModelScorer
 from megatron_dapo.rollout.engine import RolloutEngine, freeze_heap_before_engine
 from megatron_dapo.rollout.protocol import ColocatedEngine, EngineFactory
 from megatron_dapo.rollout.remote import BridgeSender
@@ -130,7 +131,10 @@ class DAPOTrainer:
         weight_sync = build_weight_sync(engine, self.arch, plan, cfg.rollout, cfg.actor.lora)
         reward = RewardManager(run.tokenizer, cfg.reward, cfg.data.max_response_length, list(ids.eos))
         overlap = (engine.tp_rank, engine.tp_size) if plan.reward_overlap else None  # scored while generated
-        scorer = RolloutScorer(reward, run.info.world_size, run.info.rank, overlap)
+        reward_model = None  # a frozen reward model: one more reward term (rm/scorer.py), built as the engine sleeps
+        if cfg.reward.reward_model.load_dir:
+            reward_model = RewardModelScorer.build(cfg.reward.reward_model, plan, cfg.model, cfg.parallel)
+        scorer = RolloutScorer(reward, run.info.world_size, run.info.rank, overlap, reward_model)
         sync = lambda: weight_sync.sync(self.actor.chunks)  # noqa: E731 - the one call back into the actor
         phase = RolloutPhase(cfg.rollout, cfg.data, cfg.algorithm, run, engine, sync, self.handoff, scorer, self.dumper)
         return engine, phase
