@@ -10,6 +10,7 @@ from typing import Optional
 from megatron_dapo.check.inputs import InputChecker
 from megatron_dapo.check.render import memory_lines, plan_lines
 from megatron_dapo.check.report import CheckReport
+from megatron_dapo.check.user_code_checks import UserCodeChecks
 from megatron_dapo.config import (
     ConfigError,
     ExperimentConfig,
@@ -195,8 +196,11 @@ class _Checker:
         inputs.check_checkpoints()
         if self.range_ok:
             inputs.check_data()
-        inputs.check_rewards()
-        inputs.check_tools()
+        # the reward functions and tools, each on the first row of every data source the data check found
+        found = (inputs.data_sources, inputs.problems, inputs.lines)
+        user_code = UserCodeChecks(cfg.reward, cfg.rollout.multi_turn, *found)
+        user_code.check_rewards()
+        user_code.check_tools()
         self.problems.extend(inputs.problems)
         lines = [f"megatron-dapo check {self.config_path or '(defaults)'} {' '.join(self.overrides)}".rstrip()]
         model = None
