@@ -35,15 +35,37 @@ PORT = 29931
 STEPS, RESUMED_STEPS = 2, 3
 # No validation before the resumed run's first step (its metrics continue at step 3); its engine sleeps at level 2.
 RESUME = {"trainer.val_before_train": "false", "rollout.sleep_level": 2}
+RM_WEIGHT = 0.25
+
+
+def reward_model_of(demo: dict, root: Path) -> Path:
+    """A reward model sharing the demo's tokenizer: the demo model's shapes with a random one-label score head
+    (``Qwen2ForSequenceClassification``), converted as a user would (``convert_hf_to_mcore``)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from megatron_dapo.weights.convert import convert_hf_to_mcore
+
+    config = AutoConfig.from_pretrained(demo["hf_model"])
+    config.num_labels, config.architectures = 1, ["Qwen2ForSequenceClassification"]
+    config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)
+    model.save_pretrained(root / "rm_hf")
+    convert_hf_to_mcore(str(root / "rm_hf"), root / "rm_mcore")
+    return root / "rm_mcore"
 
 
 def test_trainer_with_standin_syncs_every_weight_and_resumes(demo, tmp_path):
     out = tmp_path / "run"
     started = time.perf_counter()
+    rm = reward_model_of(demo, tmp_path)
+    dump = {"trainer.rollout_data_dir": str(out / "rollouts")}
     stdout = run_torchrun(
         __file__,
         nproc=1,
-        args=["--out", str(tmp_path / "report"), *overrides(demo, out, STEPS)],
+        args=["--out", str(tmp_path / "report"), "--reward-model", str(rm), *overrides(demo, out, STEPS, **dump)],
         port=PORT,
         timeout=240,
     )
@@ -68,6 +90,17 @@ def test_trainer_with_standin_syncs_every_weight_and_resumes(demo, tmp_path):
     assert all("val-core/arithmetic/acc/mean@1" in by_step[s] for s in (2, 3))  # validated at 2 and at the end
     assert by_step[3]["training/global_step"] == 3 and by_step[3]["response_length/mean"] > 0
     assert (out / "checkpoints" / "latest").read_text().strip() == f"global_step_{RESUMED_STEPS}"
+    # The resumed run scores with a reward model too (reward.reward_model, weight RM_WEIGHT): its step has the
+    # reward/rm_score metrics, and the rewards it trained on are the rule-based ones (0 or 1 per response, the demo's
+    # scorer) plus the weighted model scores, so they are no longer all whole numbers.
+    assert all("reward/rm_score/mean" not in by_step[s] for s in (1, 2))
+    rm = by_step[3]
+    assert rm["reward/rm_score/max"] > rm["reward/rm_score/min"], rm
+    dumps = sorted((out / "rollouts").glob("*.jsonl"))
+    dumped = [json.loads(line) for f in dumps for line in f.read_text().splitlines()]
+    scores = [row["score"] for row in dumped if row["step"] == 3]
+    assert scores and any(abs(s - round(s)) > 1e-6 for s in scores), scores
+    assert [s for row in dumped if row["step"] < 3 for s in [row["score"]] if abs(s - round(s)) > 1e-6] == []
     print(f"stand-in trainer run: {seconds:.1f} s")  # under a minute on a 2-core box
 
 
@@ -203,12 +236,15 @@ def run_trainer(cfg, engine_factory) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--reward-model", required=True)
     args, extra = ap.parse_known_args()
     runs = []
     # Both runs save in the background (checkpoint.async_save): the first run's save is published by the end of its
     # fit() and the second resumes from it; the second's final save is published before it returns too.
     background = {"checkpoint.async_save": "true"}
-    runs_of = ((STEPS, background, StandInEngine), (RESUMED_STEPS, {**RESUME, **background}, sleeping_standin))
+    with_rm = {"reward.reward_model.load_dir": args.reward_model, "reward.reward_model.weight": RM_WEIGHT}
+    resumed = {**RESUME, **background, **with_rm}
+    runs_of = ((STEPS, background, StandInEngine), (RESUMED_STEPS, resumed, sleeping_standin))
     for steps, more, factory in runs_of:
         extra_now = extra + [f"trainer.total_training_steps={steps}"] + [f"{k}={v}" for k, v in more.items()]
         runs.append(run_trainer(load_config(str(CONFIG), extra_now), factory))
