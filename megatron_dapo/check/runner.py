@@ -97,7 +97,7 @@ class _Checker:
         self.range_ok = layout_sizes_usable(cfg.parallel, cfg.actor, cfg.rollout, cfg.data)
         self.platform = check_platform(cfg.parallel, self.device_memory_gb)
         if self.nproc_per_node is None:
-            self.nproc_per_node = 8 if self.platform.device_type != "cpu" else 2
+            self.nproc_per_node = 8 if self.platform.has_device_memory else 2
         if self.nnodes < 1 or self.nproc_per_node < 1:
             self.problems.append(f"--nnodes={self.nnodes} and --nproc-per-node={self.nproc_per_node} must both be >= 1")
             self.range_ok = False

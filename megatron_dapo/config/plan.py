@@ -487,7 +487,7 @@ def build_plan(
         train_world=train_world,
         rollout_world=rollout_world,
         platform_name=platform.name,
-        on_device=platform.device_type != "cpu",
+        on_device=platform.has_device_memory,
         tp=tp,
         pp=pp,
         vpp=p.virtual_pipeline_model_parallel_size,

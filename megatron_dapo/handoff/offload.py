@@ -376,7 +376,7 @@ class MemoryHandoff:
         # Whether memory is ever given back between phases: on a device (its allocator caches), or with a planned
         # offload or an engine that sleeps. Not on CPU by default (nothing offloaded, no sleep mode): there
         # ``_empty_cache`` skips its full garbage collection, which changes nothing there.
-        self.releases = platform.device_type != "cpu" or any((plan.params, plan.grads, plan.optimizer, plan.reference))
+        self.releases = platform.has_device_memory or any((plan.params, plan.grads, plan.optimizer, plan.reference))
         platform.observe_handoff(self)
 
     # ----- phase bookkeeping

@@ -47,6 +47,9 @@ class Platform:
     name: str = "base"
     dist_backend: str = "gloo"
     device_type: str = "cpu"
+    # The model lives in memory of its own (an accelerator's), apart from the host's: what the hand-off releases and
+    # the plan counts as device memory. False on CPU (the modelled device of testing/device_ledger.py included).
+    has_device_memory: bool = False
     # rollout.enforce_eager when the config leaves it null: CUDA graphs only where they exist and pay off.
     default_enforce_eager: bool = True
     # The actor/reference forward passes an explicit [1, 1, s, s] causal mask unless the platform's attention

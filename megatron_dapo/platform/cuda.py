@@ -18,6 +18,7 @@ class CudaPlatform(Platform):
     # A mixed default group, as verl initialises it: CUDA tensors go over NCCL, CPU tensors over gloo.
     dist_backend = "cpu:gloo,cuda:nccl"
     device_type = "cuda"
+    has_device_memory = True
     default_enforce_eager = False  # verl's GPU default: CUDA graphs on
     context_parallel_unsupported = None  # TransformerEngine's attention implements CP (checked when TE is used)
 

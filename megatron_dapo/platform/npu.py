@@ -50,6 +50,7 @@ class NpuPlatform(Platform):
     name = "npu"
     dist_backend = "cpu:gloo,npu:hccl"
     device_type = "npu"
+    has_device_memory = True
     # MindSpeed maps megatron-core's TE spec onto its own fused NPU modules.
     default_transformer_impl = "transformer_engine"
     # MindSpeed's flash attention builds the causal mask itself and expects attention_mask=None.

@@ -10,8 +10,8 @@
   is no allowlist of modules. Standard-library imports are exempt (never heavy or optional: put them at the top);
 * no function is longer than 80 lines and no class longer than 300 (``end_lineno - lineno + 1``: from ``def`` or
   ``class`` to the last line, docstring included, decorators not);
-* outside ``platform/``, no code compares a device's type with a device name (``t.device.type == "cpu"``) to choose
-  behaviour: it asks the platform (``docs/architecture.md``, "Seams"). The few that ask where a tensor's bytes are
+* outside ``platform/``, no code compares a device's type (``t.device.type``, a platform's ``device_type``) with a
+  device name (``== "cpu"``) to choose behaviour: it asks the platform (``docs/architecture.md``, "Seams"). The few that ask where a tensor's bytes are
   (host memory or not), a fact of the data, are listed with their reason.
 """
 
@@ -378,7 +378,9 @@ DEVICE_TYPE_TESTS_ALLOWED = {
 
 
 def _is_device_type(node: ast.expr) -> bool:
-    """``<x>.device.type`` or ``device.type``."""
+    """``<x>.device.type``, ``device.type`` or a platform's ``<x>.device_type``."""
+    if isinstance(node, ast.Attribute) and node.attr == "device_type":
+        return True
     if not (isinstance(node, ast.Attribute) and node.attr == "type"):
         return False
     value = node.value
@@ -432,10 +434,12 @@ def f(t, device, platform):
     on_host = device.type != 'cpu'
     kind = t.device.type in ("cpu", "meta")
     same = t.device.type == platform.device_type
+    accelerator = platform.device_type != "cpu"
     return torch.get_device_module(device.type), t.device.type
 """
-    # lines 3, 5, 6: against names; line 7 compares with the platform's own type (asking it); line 8 compares nothing
-    assert device_type_tests(source) == [3, 5, 6]
+    # lines 3, 5, 6, 8: against names; line 7 compares with the platform's own type (asking it); line 9 compares
+    # nothing
+    assert device_type_tests(source) == [3, 5, 6, 8]
 
 
 # ----- 6. names and folders
