@@ -11,8 +11,8 @@
 * no function is longer than 80 lines and no class longer than 300 (``end_lineno - lineno + 1``: from ``def`` or
   ``class`` to the last line, docstring included, decorators not);
 * outside ``platform/``, no code compares a device's type (``t.device.type``, a platform's ``device_type``) with a
-  device name (``== "cpu"``) to choose behaviour: it asks the platform (``docs/architecture.md``, "Seams"). The few that ask where a tensor's bytes are
-  (host memory or not), a fact of the data, are listed with their reason.
+  device name (``== "cpu"``) to choose behaviour: it asks the platform (``docs/architecture.md``, "Seams"). The few
+  that ask where a tensor's bytes are (host memory or not), a fact of the data, are listed with their reason.
 """
 
 from __future__ import annotations
