@@ -10,6 +10,12 @@ The HF config and tokenizer files come from, in order: ``hf_config_dir``; the ch
 a training step, its config's ``model.hf_config_dir``, else the ``hf_config/`` of its ``checkpoint.load_dir``
 (what the run was started from; an HF directory there is used as is).
 
+**A Qwen3.5 VLM** (or any source with tensors its text model does not own: the vision tower ``model.visual.*``, the
+``mtp.*`` head) exports whole: the trained language model under ``model.language_model.*`` and every other tensor of
+the source copied byte for byte, from the first of the HF config directory, the run's ``model.hf_config_dir`` and
+its ``checkpoint.load_dir`` that holds them (an HF model directory's safetensors, or a converted checkpoint's
+``hf_config/carried/``), under the source's own config.json: it loads as the source's class.
+
 **Evaluation settings.** When the run's config is known (the ``config.yaml`` saved with a training step, or
 ``config_path``), the export also writes :data:`EVAL_SETTINGS_FILE`: the settings ``megatron-dapo eval`` needs to
 score this model the way the run's validation did — the prompt/response lengths and prompt preparation (``data``),
@@ -70,7 +76,7 @@ from megatron_dapo.config.schema import LoRAConfig
 from megatron_dapo.models.families import ModelArch, model_arch_from_hf, param_mappings
 from megatron_dapo.weights.atomic import fresh_dir, publish_dir
 from megatron_dapo.weights.checkpoint_errors import CheckpointError
-from megatron_dapo.weights.convert import convert_mcore_to_hf, copy_hf_side_files
+from megatron_dapo.weights.convert import carried_source, convert_mcore_to_hf, copy_hf_side_files
 from megatron_dapo.weights.dist_format import CheckpointSource, find_checkpoint
 from megatron_dapo.weights.dist_reader import DistCheckpointReader
 from megatron_dapo.weights.lora_hf import PEFT_PREFIX, mcore_adapters_to_peft, peft_adapter_config
@@ -149,6 +155,24 @@ def _hf_config_of_run(model: ModelConfig, checkpoint: CheckpointConfig) -> Optio
     return None
 
 
+def _carried_of_run(
+    hf_config_dir: Optional[PathLike], model: ModelConfig, checkpoint: CheckpointConfig
+) -> Optional[Path]:
+    """Where the run's source keeps the tensors its text model does not own (``weights/convert.carried_source``):
+    the first of ``hf_config_dir``, ``model.hf_config_dir`` and ``checkpoint.load_dir``'s HF config that has them."""
+    candidates = [hf_config_dir, model.hf_config_dir or None]
+    if checkpoint.load_dir:
+        try:
+            candidates.append(find_checkpoint(checkpoint.load_dir).hf_config_dir)
+        except CheckpointError:
+            pass
+    for candidate in candidates:
+        found = carried_source(candidate) if candidate is not None else None
+        if found is not None:
+            return found
+    return None
+
+
 def export_step(
     checkpoint: PathLike,
     save_dir: PathLike,
@@ -170,11 +194,16 @@ def export_step(
             hf_config_dir = cfg.model.hf_config_dir or None  # the run's, before the base's own
         out = export_lora(adapters, save_dir, lora, hf_config_dir=hf_config_dir)
     else:
+        carried = None
         if step_dir is not None:
             source = step_dir
             if hf_config_dir is None and find_checkpoint(step_dir).hf_config_dir is None and cfg is not None:
                 hf_config_dir = _hf_config_of_run(cfg.model, cfg.checkpoint)
-        out = convert_mcore_to_hf(source, save_dir, hf_config_dir=hf_config_dir, overwrite=True).save_dir
+            if cfg is not None:
+                carried = _carried_of_run(hf_config_dir, cfg.model, cfg.checkpoint)
+        out = convert_mcore_to_hf(
+            source, save_dir, hf_config_dir=hf_config_dir, overwrite=True, carried_dir=carried
+        ).save_dir
     if cfg is not None:
         settings = eval_settings(cfg.model, cfg.data, cfg.rollout, cfg.reward)
         origin = str((step_dir or Path(config_path)).absolute())

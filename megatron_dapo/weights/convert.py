@@ -7,6 +7,11 @@ gate/up fuse, vocabulary padding) and written, one at a time. The checkpoint has
 it picks one. ``convert_mcore_to_hf`` reads any Megatron distributed checkpoint (any TP/PP/VPP it was saved at; ours,
 Megatron-LM's, Megatron-Bridge's, a training step) tensor by tensor into HF-style shards of at most ``max_shard_size``.
 
+The source's tensors that the text model does not own (a Qwen3.5 VLM's vision tower ``model.visual.*`` and its
+``mtp.*`` head) are carried: ``convert_hf_to_mcore`` copies them byte for byte into ``hf_config/carried/`` (covered by
+the checkpoint's manifest), and ``convert_mcore_to_hf`` copies them back from there, or from the HF model directory
+given as ``hf_config_dir``, next to the text model, under the source's config: the export loads as the source's class.
+
 Output goes to ``<save_dir>.tmp-<pid>`` and is renamed into place at the end, so a failed conversion never leaves
 a half-written checkpoint where a complete one is expected, and never deletes what was there.
 """
@@ -14,13 +19,14 @@ a half-written checkpoint where a complete one is expected, and never deletes wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +37,13 @@ import torch
 
 from megatron_dapo import dtypes
 from megatron_dapo.models.families import (
+    VLM_TEXT_PREFIX,
     ModelArch,
     ParamMapping,
     UnsupportedModelError,
+    ignorable_hf_names,
     is_ignorable_hf_name,
+    load_hf_config,
     model_arch_from_hf,
     param_mappings,
     to_te_name,
@@ -59,6 +68,7 @@ from megatron_dapo.weights.safetensors_io import (
     INDEX_NAME,
     SINGLE_NAME,
     BufferPool,
+    FileSlice,
     SafetensorsDir,
     StreamingSafetensorsWriter,
     TensorSpec,
@@ -72,6 +82,8 @@ _IGNORABLE_HF = re.compile(r".*\.rotary_emb\.inv_freq$")
 # Files of an HF model directory that are weights (not copied into hf_config/).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# Where a converted checkpoint keeps the source's carried tensors (module docstring): ``hf_config/carried/``.
+CARRIED_SUBDIR = "carried"
 
 
 @dataclass(frozen=True)
@@ -135,6 +147,42 @@ def copy_hf_side_files(src_dir: PathLike, dst_dir: PathLike) -> list[str]:
         shutil.copyfile(p, dst_dir / p.name)
         copied.append(p.name)
     return copied
+
+
+# ------------------------------------------------------------------------------------------ carried tensors
+
+
+def carried_names(reader: SafetensorsDir, arch: ModelArch, owned: Iterable[str]) -> list[str]:
+    """The tensors of ``reader``'s HF checkpoint that the text model of ``arch`` does not own (``owned``: its HF
+    names), sorted: a VLM's vision tower, an ``mtp.*`` head. Not what the text model derives: rotary buffers, a tied
+    model's ``lm_head.weight`` (a copy of the embedding, which training changed)."""
+    skip = set(owned) | ignorable_hf_names(arch)
+    return sorted(n for n in reader.keys() if n not in skip and not _IGNORABLE_HF.match(n))
+
+
+def carried_source(hf_config_dir: PathLike) -> Optional[Path]:
+    """Where the carried tensors that go with ``hf_config_dir`` are: a converted checkpoint's
+    ``hf_config/carried/``, else the directory itself when it is an HF model directory (its safetensors); else None."""
+    d = Path(hf_config_dir)
+    for where in (d / CARRIED_SUBDIR, d):
+        if (where / INDEX_NAME).is_file() or any(where.glob("*.safetensors")):
+            return where
+    return None
+
+
+def carried_parts(reader: SafetensorsDir, name: str) -> list[Union[torch.Tensor, FileSlice]]:
+    """Tensor ``name`` as the writer takes it: its file's bytes (copied by the kernel, untouched), or a 0-d / empty
+    tensor read whole."""
+    shape = reader.info(name).shape
+    return [reader.rows(name, 0, shape[0])] if shape and shape[0] else [reader.get(name)]
+
+
+def write_carried(reader: SafetensorsDir, names: Sequence[str], path: Path) -> None:
+    """The tensors ``names`` of ``reader`` into the safetensors file ``path``, byte for byte, same dtypes."""
+    specs = [TensorSpec(n, reader.info(n).dtype, tuple(reader.info(n).shape)) for n in names]
+    with StreamingSafetensorsWriter(path, specs, {"format": "pt"}) as writer:
+        for n in names:
+            writer.write_parts(n, carried_parts(reader, n))
 
 
 # ------------------------------------------------------------------------------------------------ HF → Megatron
@@ -271,13 +319,19 @@ def checkpoint_key(mapping: ParamMapping, arch: ModelArch) -> tuple[str, Optiona
     return key, layer, arch.num_layers if layer is not None else None
 
 
-def _write_release_checkpoint(out: Path, hf_dir: Path, plans: Sequence[TensorPlan]) -> None:
-    """``out``: tracker file → ``release/`` (the tensors), ``hf_config/`` (config + tokenizer), ``manifest.json``."""
+def _write_release_checkpoint(
+    out: Path, hf_dir: Path, plans: Sequence[TensorPlan], reader: SafetensorsDir, carried: Sequence[str]
+) -> None:
+    """``out``: tracker file → ``release/`` (the tensors), ``hf_config/`` (config + tokenizer, and the ``carried``
+    tensors of ``reader`` in ``carried/``), ``manifest.json``."""
     records = write_model_checkpoint(out / RELEASE_DIR, plans, iteration=0)
     (out / TRACKER_FILE).write_text(RELEASE_DIR)
     records.append(FileRecord(str(out / TRACKER_FILE), *file_digest(out / TRACKER_FILE)))
     copy_hf_side_files(hf_dir, out / HF_CONFIG_SUBDIR)
-    for p in sorted((out / HF_CONFIG_SUBDIR).iterdir()):
+    if carried:
+        (out / HF_CONFIG_SUBDIR / CARRIED_SUBDIR).mkdir()
+        write_carried(reader, carried, out / HF_CONFIG_SUBDIR / CARRIED_SUBDIR / SINGLE_NAME)
+    for p in sorted(q for q in (out / HF_CONFIG_SUBDIR).rglob("*") if q.is_file()):
         records.append(FileRecord(str(p), *file_digest(p)))
     write_manifest(
         out, [FileRecord(Path(r.path).relative_to(out).as_posix(), r.size, r.digest, r.algorithm) for r in records]
@@ -321,8 +375,10 @@ def convert_hf_to_mcore(
         plans = _plan_hf_to_mcore(reader, arch, padded, out_dtype, mappings)
         if head is not None:
             plans.append(_score_head_plan(reader, head, out_dtype))
+        owned = [n for m in mappings for n in m.hf] + ([head.hf] if head is not None else [])
+        carried = carried_names(reader, arch, owned)  # a VLM's vision tower, mtp.*: kept as they are
         with _staged_output(save_dir, overwrite, inputs=[hf_dir]) as tmp:
-            _write_release_checkpoint(tmp, hf_dir, plans)
+            _write_release_checkpoint(tmp, hf_dir, plans, reader, carried)
     nbytes = sum(tensor_nbytes(p.dtype, p.shape) for p in plans)
     return ConversionResult(Path(save_dir).absolute(), len(plans), nbytes, time.perf_counter() - start)
 
@@ -466,6 +522,56 @@ def _open_mcore_source(load_dir: PathLike, hf_config_dir: Optional[PathLike]) ->
 
 
 @dataclass(frozen=True)
+class CarriedTensors:
+    """The source's tensors an export carries (``carried_names``) and the HF weights that hold them."""
+
+    reader: SafetensorsDir
+    names: list[str]
+
+
+def _verify_carried(where: Path, verified: Path) -> None:
+    """The files under ``where`` against the manifest of the checkpoint that holds them (a converted checkpoint's
+    ``hf_config/carried/``, or an HF directory with a ``manifest.json``), unless ``verified`` (already checked)."""
+    roots = [where] + ([where.parent.parent] if where.parent.name == HF_CONFIG_SUBDIR else [])
+    for root in roots:
+        if root.resolve() == verified.resolve():
+            return
+        try:
+            records = read_manifest(root)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+        if records is None:
+            continue
+        under = where.resolve().relative_to(root.resolve()).as_posix()
+        mine = [r for name, r in sorted(records.items()) if under == "." or name.startswith(f"{under}/")]
+        problem = verify_files(root, mine, checksum=True)
+        if problem is not None:
+            raise CheckpointError(f"the carried tensors in {where} are damaged: {problem}")
+        return
+
+
+@contextmanager
+def open_carried(
+    side: Path, arch: ModelArch, carried_dir: Optional[PathLike], verified: Path
+) -> Iterator[Optional[CarriedTensors]]:
+    """The tensors an export of ``arch`` carries: from ``carried_dir``, else ``carried_source(side)``; None when
+    there are none. A VLM config without them is refused: its export would not load as the VLM's class."""
+    where = Path(carried_dir) if carried_dir is not None else carried_source(side)
+    if where is not None:
+        _verify_carried(where, verified)
+    with SafetensorsDir(where) if where is not None else contextlib.nullcontext() as reader:
+        names = carried_names(reader, arch, (n for m in param_mappings(arch) for n in m.hf)) if reader else []
+        if arch.hf_prefix == VLM_TEXT_PREFIX and not names:
+            raise CheckpointError(
+                f"{side}/config.json is a {arch.family.hf_architecture} (a VLM) but {where or side} holds none of its"
+                " other tensors (vision tower model.visual.*, mtp.*): pass --hf-config-dir (hf_config_dir=) with the"
+                " source HF model directory (config.json + *.safetensors), or convert the source again with"
+                f" `convert hf-to-mcore`, which keeps them in {HF_CONFIG_SUBDIR}/{CARRIED_SUBDIR}/"
+            )
+        yield CarriedTensors(reader, names) if names else None
+
+
+@dataclass(frozen=True)
 class _HfFilePlan:
     """Which HF tensors go to which safetensors file."""
 
@@ -475,12 +581,17 @@ class _HfFilePlan:
     where: dict[str, str]  # tensor name → file
 
 
-def _plan_hf_files(reader: DistCheckpointReader, arch: ModelArch, max_bytes: int) -> _HfFilePlan:
+def _plan_hf_files(
+    reader: DistCheckpointReader, arch: ModelArch, max_bytes: int, carried: Optional[CarriedTensors]
+) -> _HfFilePlan:
     specs: list[TensorSpec] = []
     for m in param_mappings(arch):
         stored_dtype = reader.tensors[stored_keys(m, reader, arch)[0][0]][0]
         for name, shape in zip(m.hf, hf_shapes(m, arch)):
             specs.append(TensorSpec(name, stored_dtype, tuple(shape)))
+    for name in carried.names if carried is not None else []:
+        info = carried.reader.info(name)
+        specs.append(TensorSpec(name, info.dtype, tuple(info.shape)))
     shards = plan_hf_shards(specs, max_bytes)
     if len(shards) == 1:
         files = [SINGLE_NAME]
@@ -490,8 +601,11 @@ def _plan_hf_files(reader: DistCheckpointReader, arch: ModelArch, max_bytes: int
     return _HfFilePlan(specs, files, shards, where)
 
 
-def _write_hf_tensors(out: Path, reader: DistCheckpointReader, arch: ModelArch, plan: _HfFilePlan) -> None:
-    """The safetensors files (+ index when sharded), one Megatron tensor read and split at a time."""
+def _write_hf_tensors(
+    out: Path, reader: DistCheckpointReader, arch: ModelArch, plan: _HfFilePlan, carried: Optional[CarriedTensors]
+) -> None:
+    """The safetensors files (+ index when sharded), one Megatron tensor read and split at a time, then the carried
+    tensors copied byte for byte."""
     writers: dict[str, StreamingSafetensorsWriter] = {}
     try:
         for fn, shard in zip(plan.files, plan.shards):
@@ -502,6 +616,8 @@ def _write_hf_tensors(out: Path, reader: DistCheckpointReader, arch: ModelArch, 
             for name, t in zip(m.hf, mcore_to_hf(m, full, arch)):
                 writers[plan.where[name]].write(name, t, scratch=scratch)
             del full
+        for name in carried.names if carried is not None else []:
+            writers[plan.where[name]].write_parts(name, carried_parts(carried.reader, name))
         for w in writers.values():
             w.close()
     except BaseException:
@@ -523,10 +639,13 @@ def convert_mcore_to_hf(
     hf_config_dir: Optional[PathLike] = None,
     max_shard_size: Union[int, str] = "2GB",
     overwrite: bool = False,
+    carried_dir: Optional[PathLike] = None,
 ) -> ConversionResult:
     """A Megatron distributed checkpoint (ours, Megatron-LM's, Megatron-Bridge's, a training step; any layout it
     was saved at) → HF safetensors (+ index when sharded), config.json, tokenizer files. One process, tensor by
-    tensor. ``hf_config_dir`` defaults to the checkpoint's ``hf_config/``."""
+    tensor. ``hf_config_dir`` defaults to the checkpoint's ``hf_config/``. The source's tensors the text model does
+    not own (a VLM's vision tower, ``mtp.*``) are copied from ``carried_dir``, by default the ``carried/`` of
+    ``hf_config_dir`` or ``hf_config_dir`` itself when it is an HF model directory (``carried_source``)."""
     start = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
     source, side = _open_mcore_source(load_dir, hf_config_dir)
@@ -534,12 +653,14 @@ def convert_mcore_to_hf(
     verify_checkpoint_files(source.root)
     reader = DistCheckpointReader(source.path)
     check_stored_tensors(reader, arch, param_mappings(arch))
-    plan = _plan_hf_files(reader, arch, max_bytes)
-    with _staged_output(save_dir, overwrite, inputs=[load_dir, hf_config_dir]) as tmp:
-        _write_hf_tensors(tmp, reader, arch, plan)
-        copy_hf_side_files(side, tmp)
-        with open(tmp / "config.json", "w") as f:
-            json.dump(_config_for_dtype(arch.hf_config, {s.dtype for s in plan.specs}), f, indent=2)
+    with open_carried(side, arch, carried_dir, source.root) as carried:
+        plan = _plan_hf_files(reader, arch, max_bytes, carried)
+        with _staged_output(save_dir, overwrite, inputs=[load_dir, hf_config_dir, carried_dir]) as tmp:
+            _write_hf_tensors(tmp, reader, arch, plan, carried)
+            copy_hf_side_files(side, tmp)
+            config = _config_for_dtype(load_hf_config(side), {s.dtype for s in plan.specs})  # the source's: a VLM's
+            with open(tmp / "config.json", "w") as f:
+                json.dump(config, f, indent=2)
     nbytes = sum(s.nbytes for s in plan.specs)
     return ConversionResult(Path(save_dir).absolute(), len(plan.specs), nbytes, time.perf_counter() - start)
 
