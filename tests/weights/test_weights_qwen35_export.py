@@ -4,8 +4,8 @@ A tiny ``Qwen3_5ForConditionalGeneration`` (transformers' own class, saved by ``
 head in bf16 added to its safetensors, and processor / tokenizer files beside it: ``convert hf-to-mcore`` keeps the
 vision tower and the mtp head in ``hf_config/carried/`` (in the manifest), and ``mcore-to-hf`` / ``export`` write
 them back byte for byte next to the language model, under the source's config.json: the export loads as the VLM
-again, the text model bit-exact (unmodified) or equal to the Megatron checkpoint's weights (modified). A text-only
-``Qwen3_5MoeForCausalLM`` carries nothing and round-trips the same way.
+again, the text model bit-exact (unmodified) or equal to the Megatron checkpoint's weights (modified); the MoE VLM
+too. A text-only ``Qwen3_5MoeForCausalLM`` carries nothing and round-trips the same way.
 """
 
 from __future__ import annotations
@@ -217,3 +217,21 @@ def test_training_step_export_takes_the_rest_from_the_runs_start(vlm, tmp_path):
     assert not same_bytes(got["model.language_model.norm.weight"], want["model.language_model.norm.weight"])
     assert json.loads((out / "config.json").read_text()) == json.loads((vlm["hf"] / "config.json").read_text())
     assert all((out / name).read_text() == text for name, text in SIDE_FILES.items())
+
+
+def test_moe_vlm_round_trip(tmp_path):
+    """The Qwen3.5-MoE VLM (experts per expert on disk, fused in transformers): converted and exported, it loads as
+    ``Qwen3_5MoeForConditionalGeneration`` with the source's config and every parameter bit-exact."""
+    # heavy: transformers
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    tiny_hybrid_model("qwen3_5_moe").save_pretrained(tmp_path / "src")
+    convert_hf_to_mcore(tmp_path / "src", tmp_path / "mcore")
+    out = convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "hf").save_dir
+    want, got = load_hf_tensors(tmp_path / "src"), load_hf_tensors(out)
+    assert sorted(got) == sorted(want) and [n for n in want if not same_bytes(got[n], want[n])] == []
+    source, exported = (Qwen3_5MoeForConditionalGeneration.from_pretrained(d) for d in (tmp_path / "src", out))
+    assert config_of(exported) == config_of(source)
+    a, b = source.state_dict(), exported.state_dict()
+    assert any(n.startswith("model.visual.") for n in a)
+    assert sorted(a) == sorted(b) and [n for n in a if not same_bytes(a[n], b[n])] == []
