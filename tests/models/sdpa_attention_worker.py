@@ -27,6 +27,9 @@ import torch
 from megatron_dapo.models.families import FAMILIES
 from megatron_dapo.parallel import teardown
 
+# The families whose every layer is attention (testing/tiny_models.py makes them); not the Gated DeltaNet hybrids.
+ATTENTION_ONLY = sorted(name for name, spec in FAMILIES.items() if not spec.linear_attention)
+
 VOCAB, BATCH, SEQ = 100, 3, 24
 LEFT_PAD = (0, 5, 11)  # padded batch: row 2's first 11 queries see only pad keys
 LENGTHS = (24, 13, 7)  # packed batch: real tokens per row
@@ -187,7 +190,7 @@ BASE = [
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--families", default=",".join(ATTENTION_ONLY))
     args = ap.parse_args()
     from megatron_dapo.config import load_config
     from megatron_dapo.parallel import init_distributed, init_model_parallel

@@ -1,7 +1,9 @@
 """``model.attention_backend=sdpa`` (torch's scaled_dot_product_attention, ``models/sdpa_attention.py``) gives
-megatron-core's ``DotProductAttention`` logits and gradients, fp32, for every family in ``models/families.py``:
-GQA, the actor's causal mask, no mask, a left-padded batch with fully masked rows, and packed THD sequences (which
-DotProductAttention refuses; compared with its right-padded batch). One process; see the worker's docstring."""
+megatron-core's ``DotProductAttention`` logits and gradients, fp32, for every attention-only family in
+``models/families.py``: GQA, the actor's causal mask, no mask, a left-padded batch with fully masked rows, and packed
+THD sequences (which DotProductAttention refuses; compared with its right-padded batch). One process; see the
+worker's docstring. The hybrids' full-attention layers (Qwen3.5 / Qwen3-Next, which take no packed sequences) run
+through SDPA against transformers in ``tests/models/test_models_qwen35.py``."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 
 from megatron_dapo.models.families import FAMILIES
 from tests.helpers import run_torchrun
+from tests.models.sdpa_attention_worker import ATTENTION_ONLY
 
 WORKER = Path(__file__).with_name("sdpa_attention_worker.py")
 PORT = 29815  # this area's range is 29800-29849
@@ -36,7 +39,7 @@ def result(tmp_path_factory) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", ATTENTION_ONLY)
 def test_sdpa_matches_dot_product_attention(result, family):
     r = result[family]
     moe = FAMILIES[family].moe

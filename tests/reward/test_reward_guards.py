@@ -10,6 +10,7 @@ and timer survive the call.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import re
 import signal
@@ -24,7 +25,15 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_dapo.config import ConfigError, CustomFunctionConfig, OverlongBufferConfig, RewardConfig
+from megatron_dapo.config import (
+    ConfigError,
+    CustomFunctionConfig,
+    OverlongBufferConfig,
+    RewardConfig,
+    config_problems,
+    load_config,
+    raise_if_any,
+)
 from megatron_dapo.reward import custom
 from megatron_dapo.reward.custom import InvalidRewardError, combine, load_reward_function, normalise_result
 from megatron_dapo.reward.manager import RewardInvariantError, RewardManager
@@ -351,8 +360,9 @@ def test_settings_that_could_let_nan_out_or_hang_are_rejected() -> None:
         (RewardConfig(num_workers=-1), "reward.num_workers=-1"),
         (RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=4, penalty_factor=INF)), "penalty_factor"),
     ]:
-        with pytest.raises(ConfigError, match=key):
-            RewardManager(CharTokenizer(), cfg, 8)
+        run = dataclasses.replace(load_config(None, ["data.max_response_length=8"]), reward=cfg)
+        with pytest.raises(ConfigError, match=key):  # at the gate: the manager itself checks nothing again
+            raise_if_any(config_problems(run))
 
 
 # ----------------------------------------------------------------------------- timeouts
