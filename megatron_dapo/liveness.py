@@ -10,6 +10,7 @@ whose collective broke asks ``Liveness.dead_peers``: a peer on the same host is 
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import socket
@@ -62,14 +63,25 @@ class Liveness:
                 return
 
     def close(self) -> None:
+        """Stop the heartbeat and wait for its thread, before the store's connection goes (``parallel.teardown``):
+        a thread still inside a store call when the process group is destroyed or the interpreter exits takes the
+        process down ("terminate called without an active exception"). The entry is marked done, so that a peer
+        failing later does not take this rank's quiet heartbeat for a death."""
+        if self._stop.is_set():
+            return
         self._stop.set()
+        self._thread.join(timeout=10 * self.interval_s)
+        try:
+            self.store.set(f"{_PREFIX}{self.rank}/done", "1")
+        except Exception:  # noqa: BLE001 - the store may be gone already: nothing to mark
+            pass
 
     def dead_peers(self) -> list[DeadRank]:
         """The peers that are gone. Costs a stat per peer on this host, and ``STALE_BEATS`` heartbeat intervals when
         a peer runs on another host (its counter is read before and after)."""
         entries, beats = {}, {}
         for peer in range(self.world_size):
-            if peer == self.rank:
+            if peer == self.rank or self.store.check([f"{_PREFIX}{peer}/done"]):  # it ended its run normally
                 continue
             try:
                 entries[peer] = json.loads(self.store.get(f"{_PREFIX}{peer}"))
@@ -104,11 +116,21 @@ _LIVENESS: Optional[Liveness] = None
 
 
 def start(store: Any, rank: int, world_size: int, role: str) -> Liveness:
-    """This process's ``Liveness`` (one per process: a second call returns the first)."""
+    """This process's ``Liveness`` (one per process: a second call returns the first); stopped by ``stop`` or, at the
+    latest, when the interpreter exits."""
     global _LIVENESS
     if _LIVENESS is None:
         _LIVENESS = Liveness(store, rank, world_size, role)
+        atexit.register(stop)
     return _LIVENESS
+
+
+def stop() -> None:
+    """Stop this process's heartbeat (``Liveness.close``); a later ``start`` begins a new one."""
+    global _LIVENESS
+    if _LIVENESS is not None:
+        _LIVENESS.close()
+        _LIVENESS = None
 
 
 def current() -> Optional[Liveness]:

@@ -213,6 +213,7 @@ def teardown(engine: Optional[Stoppable]) -> None:
     Every rank must call it (the first step is a barrier, so no rank destroys the default group while another still
     uses it). ``engine`` is anything with ``shutdown()``; None when no engine was started.
     """
+    liveness.stop()  # its heartbeat thread must be out of the store before the default group goes
     if dist.is_initialized():
         dist.barrier()
     destroy_model_parallel()

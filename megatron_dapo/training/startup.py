@@ -13,11 +13,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_dapo.config import DataConfig, ExperimentConfig, TrainerConfig
-from megatron_dapo.config.plan import RunPlan, resolve
+from megatron_dapo.config import ConfigError, DataConfig, ExperimentConfig, TrainerConfig
+from megatron_dapo.config.plan import RunPlan, plan_problems, resolve
 from megatron_dapo.config.run_rules import config_platform
 from megatron_dapo.config.schema import MultiTurnConfig
 from megatron_dapo.data import PromptSampler, build_dataset
+from megatron_dapo.data.rows import DataError
 from megatron_dapo.data.tokens import TokenIds, load_tokenizer, token_ids
 from megatron_dapo.models.families import ModelArch, model_arch_from_hf
 from megatron_dapo.parallel import DistInfo, dist_info_from_env, init_distributed, placement
@@ -48,14 +49,19 @@ class RunStart:
 def start_run(cfg: ExperimentConfig) -> RunStart:
     """Start this process of the run (module docstring). In ``trainer.mode=async`` the job splits into its two
     sides here (``parallel.init_distributed``); the plan is resolved for the whole job on both."""
-    hf_dir = cfg.model.hf_config_dir or str(hf_config_dir_of(cfg.checkpoint.load_dir))
-    arch = model_arch_from_hf(hf_dir)
-    tokenizer = load_tokenizer(cfg.model.tokenizer_dir, hf_dir)
-    data = prompt_data(cfg.data, cfg.rollout.multi_turn, tokenizer)
+    world, platform = dist_info_from_env().world_size, config_platform(cfg.parallel)
+    try:
+        hf_dir = cfg.model.hf_config_dir or str(hf_config_dir_of(cfg.checkpoint.load_dir))
+        arch = model_arch_from_hf(hf_dir)
+        tokenizer = load_tokenizer(cfg.model.tokenizer_dir, hf_dir)
+        data = prompt_data(cfg.data, cfg.rollout.multi_turn, tokenizer)
+    except (FileNotFoundError, DataError) as exc:
+        # An input that is not there: reported with every problem the rules find without it, as one config error.
+        raise ConfigError.of([*plan_problems(cfg, None, world, platform), str(exc)]) from exc
     steps = total_steps(cfg.trainer, data.sampler)
     # train's only gate (every rule once, every problem at once), before any process group exists: the job's world
     # from torchrun's WORLD_SIZE, the answers of the platform the config names (init_distributed sets up the same).
-    plan = resolve(cfg, arch, dist_info_from_env().world_size, config_platform(cfg.parallel), total_steps=steps)
+    plan = resolve(cfg, arch, world, platform, total_steps=steps)
     rollout_ranks = cfg.placement.rollout_ranks if cfg.trainer.mode == "async" else 0
     info, platform = init_distributed(cfg.parallel, cfg.trainer.collective_timeout_s, rollout_ranks)
     place = placement()

@@ -52,8 +52,9 @@ def test_rule_error_prints_its_problem_list_once_without_traceback(demo, tmp_pat
     assert sum("actor.lora.target_modules" in line for line in lines) == 1, lines
 
 
-def test_train_prints_a_config_error_on_rank_0_only():
-    bad = ["actor.lora.rank=8", "actor.lora.target_modules=[linear_qvk]"]
+def test_train_prints_a_config_error_on_rank_0_only(demo, tmp_path):
+    # The demo's model, tokenizer and data (on a fresh clone the config's own paths do not exist yet)
+    bad = [*overrides(demo, tmp_path / "run", 2), "actor.lora.rank=8", "actor.lora.target_modules=[linear_qvk]"]
     said = {}
     for rank in ("0", "1"):  # as torchrun starts each rank: its own process, RANK set
         env = dict(os.environ, RANK=rank, OMP_NUM_THREADS="1")
@@ -64,3 +65,14 @@ def test_train_prints_a_config_error_on_rank_0_only():
     err = said["0"].stderr
     assert err.startswith("error: actor.lora.target_modules=['linear_qvk']") and said["0"].stdout == ""
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_train_names_a_missing_model_with_the_other_problems(tmp_path):
+    missing = tmp_path / "no_model"
+    bad = [f"model.hf_config_dir={missing}", "actor.lora.rank=8", "actor.lora.target_modules=[linear_qvk]"]
+    env = dict(os.environ, RANK="0", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", str(CONFIG), *bad]
+    said = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert said.returncode == 2 and "Traceback" not in said.stderr, said.stderr[-3000:]
+    assert "actor.lora.target_modules=['linear_qvk']" in said.stderr  # the rules' problems, and the missing model
+    assert f"HF config not found: {missing}" in said.stderr
