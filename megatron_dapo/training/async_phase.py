@@ -35,6 +35,7 @@ from megatron_dapo.reporting.timing import timed
 from megatron_dapo.rollout.multi_turn import tool_metrics
 from megatron_dapo.rollout.remote import Control, StoreQueue
 from megatron_dapo.rollout.types import Conversation, response_from_dict
+from megatron_dapo.training.rollout_phase import warn_partial_batch
 
 log = logging.getLogger("megatron_dapo.trainer")
 
@@ -167,15 +168,7 @@ class RemoteRolloutPhase:
         responses = [response_from_dict(r) for g in kept for r in g["group"]["responses"]]
         metrics.update(tool_metrics([r.info() for r in responses if isinstance(r, Conversation)]))
         if self.is_main and metrics["train/partial_batch"]:
-            log.warning(
-                "step %d: dynamic sampling exhausted after %d generation batches with %d of %d prompts kept; "
-                "training on those (algorithm.filter_groups.on_exhausted=train)%s",
-                step,
-                int(metrics["train/num_gen_batches"]),
-                int(metrics["train/num_prompts_kept"]),
-                self.batch_size,
-                "" if bool(batch.loss_mask.any()) else ": none, so the update is skipped",
-            )
+            warn_partial_batch(step, metrics, self.batch_size, bool(batch.loss_mask.any()))
         if self.dumper is not None and batch.prompt_text is not None:
             uids = [f"g{key}" for _, key in batch.group_ids]
             rewards = batch.seq_rewards.tolist()

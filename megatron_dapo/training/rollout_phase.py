@@ -181,15 +181,7 @@ class RolloutPhase:
         batch.filler = filler
         metrics["train/partial_batch"] = 1.0
         if self.is_main:
-            log.warning(
-                "step %d: dynamic sampling exhausted after %d generation batches with %d of %d prompts kept; "
-                "training on those (algorithm.filter_groups.on_exhausted=train)%s",
-                step,
-                int(metrics["train/num_gen_batches"]),
-                int(metrics["train/num_prompts_kept"]),
-                self.batch_size,
-                "" if bool(batch.loss_mask.any()) else ": none, so the update is skipped",
-            )
+            warn_partial_batch(step, metrics, self.batch_size, bool(batch.loss_mask.any()))
         return batch, group_ids
 
     def validate(self, weights_step: int, timings: Optional[dict] = None) -> dict[str, float]:
@@ -223,3 +215,17 @@ def filter_metric(batch: TrainBatch, metric: str) -> torch.Tensor:
     """``algorithm.filter_groups.metric`` per row. Groups are filtered before any KL penalty, so ``seq_reward`` and
     ``seq_final_reward`` are the same sequence reward here."""
     return {"acc": batch.acc, "score": batch.verifier_scores}.get(metric, batch.seq_rewards)
+
+
+def warn_partial_batch(step: int, metrics: dict[str, float], batch_size: int, trains_anything: bool) -> None:
+    """The console line of a step that trains on a batch dynamic sampling could not fill (``on_exhausted=train``),
+    in either mode (``async_phase.RemoteRolloutPhase`` too)."""
+    log.warning(
+        "step %d: dynamic sampling exhausted after %d generation batches with %d of %d prompts kept; "
+        "training on those (algorithm.filter_groups.on_exhausted=train)%s",
+        step,
+        int(metrics["train/num_gen_batches"]),
+        int(metrics["train/num_prompts_kept"]),
+        batch_size,
+        "" if trains_anything else ": none, so the update is skipped",
+    )

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tests.helpers.schedule import run_schedule
 from tests.helpers.worker import write_rank_report
 from tests.models.mcore_vs_hf_worker import (
     BATCH,
@@ -143,31 +144,7 @@ def hf_reference(hf, hf_ad: dict, dp_size: int, dp_rank: int) -> tuple[dict, dic
 
 def run_model(model: list, mbs: list, forward_only: bool) -> tuple[dict, list]:
     """megatron-core's schedule over ``mbs``; full logits per micro-batch (last stage) and the reduced losses."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    captured: dict[int, torch.Tensor] = {}
-
-    def loss_func(mb: dict, output: torch.Tensor):
-        full = gather_from_tensor_model_parallel_region(output)[..., :VOCAB]
-        captured[mb["index"]] = full.detach().clone()
-        loss = token_loss(full, mb["targets"], mb["valid"])
-        return loss, {"loss": loss.detach().clone()}
-
-    def forward_step(data_iterator, chunk):
-        mb = next(data_iterator)
-        return chunk(mb["ids"], mb["pos"], mb["mcore_mask"]), partial(loss_func, mb)
-
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(mbs),
-        model=model,
-        num_microbatches=len(mbs),
-        seq_length=SEQ,
-        micro_batch_size=BATCH,
-        forward_only=forward_only,
-    )
-    return captured, losses
+    return run_schedule(model, mbs, VOCAB, SEQ, BATCH, token_loss, forward_only=forward_only)
 
 
 def max_diff(a: dict, b: dict, mbs: list) -> float | None:

@@ -22,11 +22,11 @@ import argparse
 import copy
 import re
 import time
-from functools import partial
 from typing import Any
 
 import torch
 
+from tests.helpers.schedule import run_schedule
 from tests.helpers.worker import write_rank_report
 from tests.models.mcore_vs_hf_worker import BATCH, SEQ, VOCAB, make_micro_batches, token_loss
 
@@ -59,8 +59,6 @@ def unpadded_loss(hf, mb: dict) -> torch.Tensor:
 def run_layout(cfg, family: str) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
     from megatron_dapo.models.families import model_arch_from_hf
@@ -100,28 +98,7 @@ def run_layout(cfg, family: str) -> dict[str, Any]:
     model = wrap_for_training(chunks, cfg.parallel)
     for chunk in model:
         chunk.zero_grad_buffer()
-    mbs = make_micro_batches(dp_rank)
-    captured: dict[int, torch.Tensor] = {}
-
-    def loss_func(mb: dict, output: torch.Tensor):
-        full = gather_from_tensor_model_parallel_region(output)[..., :VOCAB]
-        captured[mb["index"]] = full.detach().clone()
-        loss = token_loss(full, mb["targets"], mb["valid"])
-        return loss, {"loss": loss.detach().clone()}
-
-    def forward_step(data_iterator, model_chunk):
-        mb = next(data_iterator)
-        return model_chunk(mb["ids"], mb["pos"], mb["mcore_mask"]), partial(loss_func, mb)
-
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(mbs),
-        model=model,
-        num_microbatches=len(mbs),
-        seq_length=SEQ,
-        micro_batch_size=BATCH,
-        forward_only=False,
-    )
+    captured, _ = run_schedule(model, make_micro_batches(dp_rank), VOCAB, SEQ, BATCH, token_loss)
     finalize_model_grads(model)
 
     result: dict[str, Any] = {"grads": [], "logits": {}, "experts": {}}

@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import re
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from tests.helpers.schedule import run_schedule
 from tests.helpers.worker import write_rank_report
 
 VOCAB = 100
@@ -180,8 +180,6 @@ def megatron_step(cfg, arch, hf_dir: str, mbs: list) -> tuple[list, dict, str]:
     """Build the chunks, fill them by the HF-direct start, run one forward/backward over ``mbs`` and reduce the
     gradients: (DDP-wrapped chunks, the logits of each micro-batch on the last stage, what was loaded)."""
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
     from megatron_dapo.weights.loading import load_mcore_checkpoint
@@ -191,27 +189,7 @@ def megatron_step(cfg, arch, hf_dir: str, mbs: list) -> tuple[list, dict, str]:
     model = wrap_for_training(chunks, cfg.parallel)
     for chunk in model:
         chunk.zero_grad_buffer()
-    captured: dict[int, torch.Tensor] = {}
-
-    def loss_func(mb: dict, output: torch.Tensor):
-        full = gather_from_tensor_model_parallel_region(output)[..., :VOCAB]
-        captured[mb["index"]] = full.detach().clone()
-        loss = token_loss(full, mb["targets"], mb["valid"])
-        return loss, {"loss": loss.detach().clone()}
-
-    def forward_step(data_iterator, model_chunk):
-        mb = next(data_iterator)
-        return model_chunk(mb["ids"], mb["pos"], mb["mask"]), partial(loss_func, mb)
-
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(mbs),
-        model=model,
-        num_microbatches=len(mbs),
-        seq_length=SEQ,
-        micro_batch_size=BATCH,
-        forward_only=False,
-    )
+    captured, _ = run_schedule(model, mbs, VOCAB, SEQ, BATCH, token_loss, mask_key="mask")
     finalize_model_grads(model)
     return model, captured, loaded["kind"]
 

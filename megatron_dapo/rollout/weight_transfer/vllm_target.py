@@ -5,6 +5,7 @@ take the actor's weights (the direct transport writes into ``local_model``; the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,9 +19,7 @@ class VllmWeightTarget:
     tied_embeddings: bool
     lora_request: Any
     weight_updates: int
-
-    def _check_awake(self, what: str, weights_only: bool = False) -> None:  # RolloutEngine's
-        raise NotImplementedError
+    _check_awake: Callable[..., None]  # RolloutEngine's: raise unless built and awake (for weights at least)
 
     def local_model(self) -> Any:
         """This rank's vLLM model (in this process with vLLM's ``external_launcher``): what a direct weight transport
