@@ -87,6 +87,8 @@ class TrainBatch:
     # The optimal-token-baseline estimators: Σ_v π_old(v)² at each response token (algo/logprobs.py)
     sum_pi_squared: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
     ref_log_probs: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
+    # On-policy distillation: the routed teacher's log-prob of each response token (distill/teacher.py)
+    teacher_log_probs: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
     # --- advantages
     token_level_rewards: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)  # scores - KL (in reward)
     advantages: Optional[torch.Tensor] = field(default=None, metadata=_RESPONSE)
@@ -190,6 +192,7 @@ class MicroBatch:
     advantages: Optional[torch.Tensor] = None
     old_log_probs: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
+    teacher_log_probs: Optional[torch.Tensor] = None
     rollout_log_probs: Optional[torch.Tensor] = None
     rollout_is_weights: Optional[torch.Tensor] = None
     padding_mask: Optional[torch.Tensor] = None  # [b, S] True on padding tokens (MoE routers leave them out)
@@ -259,6 +262,7 @@ def make_micro_batch(batch: TrainBatch, rows: Sequence[int], seq_multiple: int =
         advantages=rows_of(batch.advantages),
         old_log_probs=rows_of(batch.old_log_probs),
         ref_log_probs=rows_of(batch.ref_log_probs),
+        teacher_log_probs=rows_of(batch.teacher_log_probs),
         rollout_log_probs=rows_of(batch.rollout_log_probs),
         rollout_is_weights=rows_of(batch.rollout_is_weights),
         routed_experts=routed,

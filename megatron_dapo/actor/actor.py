@@ -21,6 +21,7 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.actor.extra_loss import EXTRA_LOSS, ExtraLossTerm, reduce_term_metrics
 from megatron_dapo.actor.moe import MoEMeter
 from megatron_dapo.actor.router_replay import RouterReplayer
 from megatron_dapo.algo.logprobs import response_log_probs, response_sum_pi_squared
@@ -164,7 +165,9 @@ def guarded_step(optimizer, loss_ok: bool, inputs_ok: bool) -> tuple[bool, float
 def _loss_inputs_finite(local: TrainBatch) -> bool:
     """Whether this rank's loss inputs are finite wherever the loss mask lets them into the loss."""
     mask = local.loss_mask.bool()
-    for value in (local.old_log_probs, local.advantages, local.ref_log_probs, local.rollout_is_weights):
+    for value in (
+        local.old_log_probs, local.advantages, local.ref_log_probs, local.rollout_is_weights, local.teacher_log_probs
+    ):  # fmt: skip
         if value is not None and not bool(torch.isfinite(value[mask]).all()):
             return False
     return True
@@ -416,10 +419,12 @@ class MegatronActor:
         optimizer=None,
         packed: Optional[bool] = None,
         explicit_causal_mask: Optional[bool] = None,
+        extra_loss: Optional[ExtraLossTerm] = None,
     ):
         """``packed``: packed (THD) micro-batches, the run's ``RunPlan.use_remove_padding``; None = as
         ``actor.use_remove_padding`` says (off when unset: tests and tools outside a training run).
-        ``explicit_causal_mask``: the run's ``RunPlan.explicit_causal_mask``; None = the platform's default."""
+        ``explicit_causal_mask``: the run's ``RunPlan.explicit_causal_mask``; None = the platform's default.
+        ``extra_loss``: a term the update's loss hook joins to the policy loss (``actor/extra_loss.py``)."""
         from megatron.core.distributed import finalize_model_grads  # heavy: megatron-core
 
         self.chunks = chunks
@@ -430,6 +435,7 @@ class MegatronActor:
         self.true_vocab_size = true_vocab_size
         self.cfg = actor_cfg
         self.optimizer = optimizer
+        self.extra_loss = extra_loss
         self.model_config = unwrap(chunks[0]).config
         self.moe: Optional[MoEMeter] = None
         if getattr(self.model_config, "num_moe_experts", None) and optimizer is not None:
@@ -450,10 +456,16 @@ class MegatronActor:
 
     @classmethod
     def for_plan(
-        cls, chunks: list, true_vocab_size: int, actor_cfg: ActorConfig, plan: RunPlan, optimizer=None
+        cls,
+        chunks: list,
+        true_vocab_size: int,
+        actor_cfg: ActorConfig,
+        plan: RunPlan,
+        optimizer=None,
+        extra_loss: Optional[ExtraLossTerm] = None,
     ) -> MegatronActor:
-        """The actor (with ``optimizer``) or a frozen reference of a run: its micro-batch layout and causal mask as
-        the run's plan resolved them."""
+        """The actor (with ``optimizer``, and ``extra_loss`` when the run adds a term to the policy loss) or a
+        frozen model of a run: its micro-batch layout and causal mask as the run's plan resolved them."""
         return cls(
             chunks,
             true_vocab_size,
@@ -461,6 +473,7 @@ class MegatronActor:
             optimizer,
             packed=plan.use_remove_padding,
             explicit_causal_mask=plan.explicit_causal_mask,
+            extra_loss=extra_loss,
         )
 
     @property
@@ -584,9 +597,14 @@ class MegatronActor:
         the batch's response width).
         """
         grads = self.compute_gradients(mini_batch, temperature, rollout_is_threshold, max_response_length)
-        loss_ok = all(math.isfinite(float(res["pg_loss"])) for res in grads.micro_batch_sums)
+        loss_ok = all(
+            math.isfinite(float(res["pg_loss"])) and math.isfinite(float(res.get(EXTRA_LOSS, 0.0)))
+            for res in grads.micro_batch_sums
+        )
         applied, grad_norm, nonfinite = guarded_step(self.optimizer, loss_ok, grads.inputs_finite)
         metrics = reduce_update_metrics(grads.micro_batch_sums, self.cfg, self.device)
+        if self.extra_loss is not None:
+            metrics.update(self._extra_metrics(grads.micro_batch_sums))
         metrics["actor/grad_norm"] = grad_norm
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["actor/update_ok"] = float(applied)
@@ -595,6 +613,21 @@ class MegatronActor:
         metrics["perf/padding_ratio/update"] = grads.padding_ratio
         metrics["perf/update_guard_s"] = grads.guard_s
         return UpdateResult(metrics, tuple(nonfinite))
+
+    def _extra_metrics(self, results: list[dict]) -> dict[str, float]:
+        """The extra loss term's metrics of a mini-batch, reduced as the term says (``actor/extra_loss.py``)."""
+        from megatron.core import (
+            parallel_state as ps,
+        )  # heavy: megatron-core
+
+        return reduce_term_metrics(
+            results,
+            self.extra_loss.metric_reductions,
+            self.device,
+            ps.is_pipeline_last_stage(ignore_virtual=True),
+            from_last_stage,
+            ps.get_data_parallel_group(with_context_parallel=True),
+        )
 
     def compute_gradients(
         self,
@@ -650,6 +683,9 @@ class MegatronActor:
                 rollout_is_threshold=rollout_is_threshold,
                 row_sum=row_sum,
             )
+            if self.extra_loss is not None:  # e.g. on-policy distillation's term (distill/loss_term.py)
+                loss, extra = self.extra_loss.combine(loss, log_probs, mb, norm)
+                sums.update(extra)
             return loss * scale, sums
 
         started = time.perf_counter()

@@ -20,9 +20,11 @@ from typing import Any, Optional
 from megatron_dapo.algo.logprobs import response_log_probs
 from megatron_dapo.config.plan import HandoffPlan, RunPlan
 from megatron_dapo.config.schema import ActorConfig, ExperimentConfig, ModelConfig, ParallelConfig, RolloutConfig
+from megatron_dapo.distill.teacher_memory import teacher_archs
 from megatron_dapo.models.families import ModelArch
 from megatron_dapo.models.lora import resolve_targets
 from megatron_dapo.rm.memory_term import reward_model_bytes
+from megatron_dapo.weights.layout import padded_vocab_size
 
 __all__ = [
     "GIB",
@@ -583,6 +585,8 @@ def edge_phase_terms(
         (host if handoff.reference else dev)["reference"] = terms["reference"]
     if name == "save" and terms.get("reward model"):  # built after the engine, like the reference; never offloaded
         dev["reward model"] = terms["reward model"]
+    if name == "save" and terms.get("teachers"):  # distillation: counted on the device throughout (an upper bound)
+        dev["teachers"] = terms["teachers"]
     if name == "startup" or not sleeps:
         dev["vLLM weights"] = terms["vLLM weights"]
         dev["vLLM KV cache"] = terms["vLLM KV cache"]
@@ -612,6 +616,8 @@ def step_phase_terms(
         (host if handoff.reference and name != "ref" else dev)["reference"] = terms["reference"]
     if terms.get("reward model"):  # reward.reward_model: frozen weights, resident in every phase (no hand-off yet)
         dev["reward model"] = terms["reward model"]
+    if terms.get("teachers"):  # distillation: on the device in every phase (an upper bound where they are offloaded)
+        dev["teachers"] = terms["teachers"]
     if not sleeps or name in ("sync", "gen"):
         dev["vLLM weights"] = terms["vLLM weights"]
         if not sleeps or name == "gen":
@@ -965,6 +971,16 @@ def _optimizer_shards(plan: RunPlan, p: ParallelConfig) -> tuple[int, int]:
     return (plan.dp_size, plan.expert_dp_size) if p.use_distributed_optimizer else (1, 1)
 
 
+def _teacher_bytes(plan: RunPlan, cfg: ExperimentConfig, divisible: int) -> float:
+    """Device bytes of the distillation teachers' frozen weights on one rank: each at the actor's layout, on its
+    largest pipeline stage (0 without distillation, or where no teacher's config is readable)."""
+    total = 0
+    for arch in teacher_archs(cfg.distillation):
+        own = replace(plan, padded_vocab_size=padded_vocab_size(arch.vocab_size, divisible, plan.tp))
+        total += rank_params(own, arch).actor
+    return float(total * plan.param_bytes)
+
+
 def memory_model(
     plan: RunPlan, arch: ModelArch, cfg: ExperimentConfig, device_memory_bytes: Optional[float] = None
 ) -> MemoryModel:
@@ -976,6 +992,7 @@ def memory_model(
     state = _resident_state(plan, params, cfg.actor, cfg.parallel, arch)
     divisible = cfg.model.make_vocab_size_divisible_by
     state["reward model"] = reward_model_bytes(cfg.reward.reward_model, plan.tp, plan.param_bytes, divisible)
+    state["teachers"] = _teacher_bytes(plan, cfg, divisible)
     kv, problems = _kv_cache(plan, arch, cfg.rollout, state["vLLM weights"], capacity)
     state["vLLM KV cache"] = kv.size
     act = _activations(plan, arch, cfg.actor, cfg.parallel, cfg.model, params.counts)

@@ -37,7 +37,7 @@ from megatron_dapo.config.schema import (
     RolloutConfig,
     TrainerConfig,
 )
-from megatron_dapo.distill.config_checks import distillation_problems
+from megatron_dapo.distill.config_checks import distillation_problems, distillation_run_problems
 from megatron_dapo.rm.rm_rules import reward_model_problems
 
 # --------------------------------------------------------------------------------------------------- value checks
@@ -646,6 +646,7 @@ CROSS_RULES: tuple[Rule, ...] = (
     Rule(_gdpo_problems, ("algorithm",)),
     Rule(algorithm_name_problems, ("algorithm", "actor"), after_ranges=False),
     Rule(distillation_problems, ("distillation",), after_ranges=False),  # after the user file is imported
+    Rule(distillation_run_problems, ("distillation", "parallel", "algorithm", "trainer", "rollout")),
     Rule(reward_model_problems, ("reward", "parallel", "trainer"), after_ranges=False),  # its ranges and layouts
 )
 

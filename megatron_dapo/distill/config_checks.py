@@ -19,7 +19,9 @@ SINGLE_TEACHER = "teacher_model"  # verl's default entry name; alone it scores e
 DEFAULT_KEY = "default"
 PG_POLICY_LOSSES = ("vanilla",)  # verl 0.9.1 refuses any other policy loss on the distillation path
 
-__all__ = ["distillation_problems", "teacher_for", "teachers_by_key"]
+ROUTING_FIELDS = ("data_source",)  # the row fields a training batch carries (batch.TrainBatch) to route by
+
+__all__ = ["distillation_problems", "distillation_run_problems", "teacher_for", "teachers_by_key"]
 
 
 def _loss_problems(loss: Any) -> list[str]:
@@ -149,6 +151,80 @@ def distillation_problems(d: DistillationConfig) -> list[str]:
     out += _routing_problems(d)
     if not out:
         out += _pool_problems(d)
+    return out
+
+
+def _teacher_layout_problems(name: str, teacher: DistillationTeacherConfig, parallel: Any) -> list[str]:
+    """The teacher runs inside the training ranks at the actor's layout: megatron-core holds one parallel state per
+    process, so a teacher ``inference`` layout other than the actor's cannot be honoured."""
+    key = f"{SECTION}.teacher_models.{name}.inference"
+    i = teacher.inference
+    pairs = (
+        ("tensor_model_parallel_size", i.tensor_model_parallel_size, "parallel.tensor_model_parallel_size",
+         parallel.tensor_model_parallel_size),
+        ("pipeline_model_parallel_size", i.pipeline_model_parallel_size, "parallel.pipeline_model_parallel_size",
+         parallel.pipeline_model_parallel_size),
+        ("expert_parallel_size", i.expert_parallel_size, "parallel.expert_model_parallel_size",
+         parallel.expert_model_parallel_size),
+    )  # fmt: skip
+    out = [
+        f"{key}.{field}={value}: expected {ours} ({actor_field}): the teacher runs on the training ranks at the"
+        " actor's layout (megatron-core holds one parallel layout per process)"
+        for field, value, actor_field, ours in pairs
+        if value != ours
+    ]
+    if i.data_parallel_size != 1:
+        out.append(
+            f"{key}.data_parallel_size={i.data_parallel_size}: expected 1: the teacher runs data-parallel over the"
+            " training ranks, as the actor"
+        )
+    if i.dtype != "auto":
+        out.append(f"{key}.dtype={i.dtype!r}: expected 'auto': the teacher runs in the actor's model.params_dtype")
+    return out
+
+
+def distillation_run_problems(
+    d: DistillationConfig, parallel: Any, algorithm: Any, trainer: Any, rollout: Any
+) -> list[str]:
+    """What the colocated teacher stage (``distill/teacher.py``, ``distill/loss_term.py``) cannot honour with
+    ``distillation.enabled``: one line each naming the key and the reason."""
+    if not d.enabled:
+        return []
+    out = [p for name, t in d.teacher_models.items() for p in _teacher_layout_problems(name, t, parallel)]
+    loss = d.distillation_loss
+    if loss_settings(loss.loss_mode).use_topk if loss.loss_mode in DISTILLATION_LOSSES else False:
+        out.append(
+            f"{SECTION}.distillation_loss.loss_mode={loss.loss_mode!r} with {SECTION}.enabled=true: not wired into"
+            " training yet (it needs the teacher's top-k log-probs and the student's whole-vocabulary logits in the"
+            " loss hook); use k3/low_var_kl, k2/mse, abs, or k1 with use_policy_gradient=true"
+        )
+    if d.n_gpus_per_node * d.nnodes > 0 or any(t.num_replicas for t in d.teacher_models.values()):
+        out.append(
+            f"{SECTION}.n_gpus_per_node/nnodes/teacher_models.*.num_replicas: expected 0: the teachers run on the"
+            " training ranks (no separate teacher pool)"
+        )
+    if len(d.teacher_models) > 1 and d.teacher_key not in ROUTING_FIELDS:
+        out.append(
+            f"{SECTION}.teacher_key={d.teacher_key!r}: expected one of {', '.join(ROUTING_FIELDS)} (the row fields a"
+            " training batch carries) with several teachers"
+        )
+    if parallel.context_parallel_size != 1:
+        out.append(
+            f"parallel.context_parallel_size={parallel.context_parallel_size} with {SECTION}.enabled=true: expected 1"
+            " (the distillation loss's per-sequence normalisers are not split over context-parallel ranks)"
+        )
+    if not loss.use_task_rewards and algorithm.filter_groups.enable:
+        out.append(
+            f"algorithm.filter_groups.enable=true with {SECTION}.distillation_loss.use_task_rewards=false: expected"
+            " false: the rewards only feed metrics then, and keeping the groups whose rewards differ would drop"
+            " teacher signal for nothing (verl's distillation trainer has no dynamic sampling)"
+        )
+    if trainer.mode != "sync" or rollout.partial_rollout.enable:
+        which = f"trainer.mode={trainer.mode!r}" if trainer.mode != "sync" else "rollout.partial_rollout.enable=true"
+        out.append(
+            f"{which} with {SECTION}.enabled=true: expected the synchronous colocated step (trainer.mode=sync,"
+            " no partial rollout): the teacher stage is built and verified there only"
+        )
     return out
 
 

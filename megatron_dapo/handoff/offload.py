@@ -68,7 +68,7 @@ import torch
 from megatron_dapo.config.plan import HandoffPlan
 from megatron_dapo.platform import Platform
 
-COMPONENTS = ("params", "grads", "optimizer", "reference")
+COMPONENTS = ("params", "grads", "optimizer", "reference", "teacher")
 ACTOR = ("params", "grads", "optimizer")
 # The hand-off's phases (``MemoryHandoff.phase``, ``perf/peak_memory_gb/*``) as check's memory model names them
 # (``config/memory.PHASES``): what measured peaks are held against.
@@ -327,8 +327,8 @@ def offload_optimizer(off: StorageOffloader, optimizer, chunks: list) -> int:
     return off.offload("optimizer", optimizer_tensors(optimizer, exclude=param_tensors(chunks)))
 
 
-def offload_reference(off: StorageOffloader, ref_chunks: list) -> int:
-    return off.offload("reference", reference_tensors(ref_chunks), frozen=True)
+def offload_reference(off: StorageOffloader, ref_chunks: list, component: str = "reference") -> int:
+    return off.offload(component, reference_tensors(ref_chunks), frozen=True)
 
 
 class MemoryHandoff:
@@ -370,6 +370,7 @@ class MemoryHandoff:
         self.actor_chunks = actor_chunks
         self.optimizer = optimizer
         self.ref_chunks = ref_chunks or []
+        self.teacher_chunks: list = []  # on-policy distillation's teachers (distill/teacher.py), moved as the reference
         self.offloader = StorageOffloader(platform)
         self.phase_peaks_gb: dict[str, float] = {}
         self.phase: Optional[str] = None
@@ -403,6 +404,8 @@ class MemoryHandoff:
             offload_optimizer(self.offloader, self.optimizer, self.actor_chunks)
         if p.reference and self.ref_chunks:
             offload_reference(self.offloader, self.ref_chunks)
+        if p.reference and self.teacher_chunks:
+            offload_reference(self.offloader, self.teacher_chunks, "teacher")
         self._empty_cache()
 
     def _onload(self, components: Iterable[str]) -> None:
@@ -433,6 +436,15 @@ class MemoryHandoff:
         self.platform.observe_handoff(self)
         if self.plan.reference and self.ref_chunks:
             offload_reference(self.offloader, self.ref_chunks)
+            self._empty_cache()
+
+    def attach_teachers(self, teacher_chunks: list) -> None:
+        """The distillation teachers' chunks (every teacher's), built after the engine: planned as the reference
+        (``HandoffPlan.reference``), they leave the device at once and come back for their forward only."""
+        self.teacher_chunks = teacher_chunks
+        self.platform.observe_handoff(self)
+        if self.plan.reference and self.teacher_chunks:
+            offload_reference(self.offloader, self.teacher_chunks, "teacher")
             self._empty_cache()
 
     def restore_actor(self) -> None:
@@ -485,6 +497,16 @@ class MemoryHandoff:
     def after_reference(self) -> None:
         if self.plan.reference and self.ref_chunks:
             offload_reference(self.offloader, self.ref_chunks)
+            self._empty_cache()
+        self._enter("between")
+
+    def before_teacher(self) -> None:
+        self._enter("teacher")
+        self._onload(["teacher"])
+
+    def after_teacher(self) -> None:
+        if self.plan.reference and self.teacher_chunks:
+            offload_reference(self.offloader, self.teacher_chunks, "teacher")
             self._empty_cache()
         self._enter("between")
 

@@ -3,7 +3,8 @@
 The old policy is the *proximal* one (the actor's weights before the update) unless ``algorithm.off_policy.mode`` is
 ``tis``, where it is the *behaviour* policy (the rollout log-probs, no forward). The proximal forward is skipped
 when it cannot differ from the update's own forward (``RunPlan.on_policy_update``) and no token of the batch is
-stale (partial rollout records each token's policy version; algo/off_policy.py).
+stale (partial rollout records each token's policy version; algo/off_policy.py). With on-policy distillation the
+teachers score the sampled tokens too (``distill/teacher.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from megatron_dapo.algo.off_policy import is_weight_metrics, staleness_metrics
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import ActorConfig, CheckpointConfig, ModelConfig, ParallelConfig
 from megatron_dapo.config.plan import RunPlan
+from megatron_dapo.distill.teacher import DistillationTeachers
 from megatron_dapo.handoff.offload import MemoryHandoff
 from megatron_dapo.models.builder import build_gpt_chunks, freeze
 from megatron_dapo.models.families import ModelArch
@@ -34,8 +36,10 @@ def batch_log_probs(
     temperature: float,
     timings: dict[str, float],
     sum_pi_squared: bool = False,
+    teachers: Optional[DistillationTeachers] = None,
 ) -> dict[str, float]:
-    """Fill ``batch.old_log_probs`` (None on the on-policy path) and ``batch.ref_log_probs`` (with a reference);
+    """Fill ``batch.old_log_probs`` (None on the on-policy path), ``batch.ref_log_probs`` (with a reference) and
+    ``batch.teacher_log_probs`` (with distillation's ``teachers``);
     ``version`` is the policy version the actor holds. With ``sum_pi_squared`` (the optimal-token-baseline
     estimators) the proximal forward always runs and also fills ``batch.sum_pi_squared``. Returns the staleness,
     mismatch and IS-weight metrics."""
@@ -63,6 +67,12 @@ def batch_log_probs(
         batch.ref_log_probs = out["log_probs"]
         metrics["perf/padding_ratio/ref"] = out["padding_ratio"]
         metrics.update(nonfinite_count(batch.ref_log_probs, batch, "actor/num_nonfinite_ref_log_probs"))
+    if teachers is not None:
+        with timed("teacher", timings):
+            handoff.before_teacher()
+            metrics.update(teachers.score(batch))
+            handoff.after_teacher()
+        metrics.update(nonfinite_count(batch.teacher_log_probs, batch, "actor/num_nonfinite_teacher_log_probs"))
     return metrics
 
 

@@ -27,6 +27,8 @@ from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.checkpointing.checkpoint import CheckpointManager
 from megatron_dapo.config import ActorConfig, ConfigError, ExperimentConfig, TrainerConfig, to_dict
+from megatron_dapo.distill.loss_term import DistillationLossTerm
+from megatron_dapo.distill.teacher import DistillationTeachers
 from megatron_dapo.handoff.offload import MemoryHandoff
 from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
 from megatron_dapo.models.lora import apply_lora
@@ -82,6 +84,9 @@ class DAPOTrainer:
         sections = (cfg.model, cfg.parallel, cfg.actor, cfg.checkpoint)
         self.ref = build_reference(*sections, self.plan, self.arch, self.actor, self.handoff)
         self.startup.mark("reference")
+        # On-policy distillation's frozen teachers (None without), built and offloaded as the reference.
+        d = cfg.distillation
+        self.teachers = DistillationTeachers.build(d, *sections[:3], self.plan, run.tokenizer, self.handoff)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.counters = RunCounters()
@@ -103,7 +108,10 @@ class DAPOTrainer:
             apply_lora(actor_chunks, cfg.actor.lora)
         actor_chunks = wrap_for_training(actor_chunks, cfg.parallel)
         optimizer, self.scheduler = build_optimizer(actor_chunks, cfg.actor.optim, self.total_steps)
-        self.actor = MegatronActor.for_plan(actor_chunks, self.arch.vocab_size, cfg.actor, plan, optimizer)
+        # On-policy distillation: its loss joins the policy loss in the actor's loss hook (distill/loss_term.py).
+        d = cfg.distillation
+        extra = DistillationLossTerm(d.distillation_loss, cfg.actor.loss_agg_mode) if d.enabled else None
+        self.actor = MegatronActor.for_plan(actor_chunks, self.arch.vocab_size, cfg.actor, plan, optimizer, extra)
         self.handoff = MemoryHandoff(self.platform, plan.handoff, self.actor.chunks, self.actor.optimizer)
 
     def _build_rollout(
@@ -283,10 +291,12 @@ class DAPOTrainer:
     # ================================================================================================ phases
 
     def compute_log_probs(self, batch: TrainBatch, timings: dict[str, float]) -> dict[str, float]:
-        """The old policy's (proximal or behaviour, per ``algorithm.off_policy``) and the reference's log-probs."""
+        """The old policy's (proximal or behaviour, per ``algorithm.off_policy``), the reference's and the
+        distillation teachers' log-probs."""
         t = self.cfg.rollout.temperature
         sq = ADV_ESTIMATORS.needs(self.cfg.algorithm.adv_estimator).sum_pi_squared
-        return batch_log_probs(batch, self.actor, self.ref, self.handoff, self.plan, self.global_step, t, timings, sq)
+        parts = (self.handoff, self.plan, self.global_step, t, timings, sq, self.teachers)
+        return batch_log_probs(batch, self.actor, self.ref, *parts)
 
     def update_actor(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """``ppo_epochs`` × mini-batches of guarded optimizer steps. A skipped update (non-finite loss, gradient
