@@ -46,8 +46,8 @@ class Placement:
     """trainer.mode=async (docs/async.md): the job's ranks split into two worlds. The first ``train_ranks`` ranks train
     and the last ``rollout_ranks`` generate; each side's default process group holds its own ranks only (megatron-core
     and vLLM each see their side as the world). Between the sides: the job's key-value ``store`` (torchrun's; the
-    queue of scored groups and the control messages) and the ``bridge``, a gloo group of the first training rank and
-    every rollout rank that carries the weights (None on the other training ranks)."""
+    queue of scored groups and the control messages) and the weight bridge: one group per sending training rank and
+    every rollout rank, opened once the training side knows which ranks send (``open_bridge``)."""
 
     role: str  # "train" or "rollout"
     global_rank: int
@@ -55,12 +55,22 @@ class Placement:
     train_ranks: int
     rollout_ranks: int
     store: Any
-    bridge: Any  # torch.distributed.ProcessGroupGloo, or None
+    platform: Any  # whose backend the bridge takes (Platform.bridge_group)
+    timeout_s: float = 600.0
 
     @property
     def bridge_rank(self) -> int:
-        """This rank in the bridge: the first training rank is 0, rollout rank k is k + 1."""
+        """This rank in a bridge group: the sending training rank is 0, rollout rank k is k + 1."""
         return 0 if self.role == "train" else self.global_rank - self.train_ranks + 1
+
+
+def open_bridge(place: Placement, key: str) -> Any:
+    """One weight bridge group (``rollout/remote.py``): a sending training rank and every rollout rank, over the job's
+    store under ``bridge/<key>``, with the platform's backend for tensors on its device (``Platform.bridge_group``:
+    gloo on CPU, NCCL/HCCL on accelerators). Only its members call it; it returns once all of them have."""
+    store = dist.PrefixStore(f"bridge/{key}", place.store)
+    timeout = datetime.timedelta(seconds=place.timeout_s)
+    return place.platform.bridge_group(store, place.bridge_rank, place.rollout_ranks + 1, timeout)
 
 
 def placement() -> Optional[Placement]:
@@ -118,8 +128,8 @@ def attempt_store(info: DistInfo, timeout: datetime.timedelta) -> dist.Store:
 
 
 def _init_disaggregated(platform: Platform, info: DistInfo, rollout_ranks: int, timeout_s: float) -> DistInfo:
-    """Rendezvous on the job's store, then this side's default group and (first training rank, rollout ranks) the
-    bridge; returns this rank's place in its side."""
+    """Rendezvous on the job's store, then this side's default group (the weight bridge opens at the first push:
+    ``open_bridge``); returns this rank's place in its side."""
     global _PLACEMENT
     timeout = datetime.timedelta(seconds=timeout_s)
     store = attempt_store(info, timeout)
@@ -134,11 +144,7 @@ def _init_disaggregated(platform: Platform, info: DistInfo, rollout_ranks: int, 
         world_size=side.world_size,
         timeout=timeout,
     )
-    bridge = None
-    if role == "rollout" or info.rank == 0:
-        bridge_rank = 0 if role == "train" else info.rank - train_ranks + 1
-        bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), bridge_rank, rollout_ranks + 1, timeout)
-    _PLACEMENT = Placement(role, info.rank, info.world_size, train_ranks, rollout_ranks, store, bridge)
+    _PLACEMENT = Placement(role, info.rank, info.world_size, train_ranks, rollout_ranks, store, platform, timeout_s)
     alive = liveness.start(store, info.rank, info.world_size, "training" if role == "train" else "rollout")
     if role == "rollout":
         alive.announce_place(f"rollout rank {side.rank} of {side.world_size}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import random
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -212,6 +213,11 @@ class Platform:
 
     def synchronize(self) -> None:
         """Wait for queued device work (timing)."""
+
+    def bridge_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        """A group of ``size`` processes of an asynchronous job's two sides (a sending training rank and the rollout
+        ranks: ``parallel.open_bridge``), over ``store``, for tensors on ``device()``: gloo here."""
+        return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
 
     def prefers_fused_reductions(self, device: torch.device) -> bool:
         """Whether a check over many tensors on ``device`` (``weights.integrity.first_non_finite``) should run one

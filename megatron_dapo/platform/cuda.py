@@ -6,6 +6,7 @@ the CUDA calls below are torch's documented allocator/stream API.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
@@ -35,6 +36,12 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def bridge_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        """NCCL: the weights go device to device (never run here: docs/async.md)."""
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return torch.distributed.ProcessGroupNCCL(store, rank, size, options)
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()

@@ -8,6 +8,7 @@ megatron-core model module so that its patches replace megatron-core's implement
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import importlib.util
 import os
@@ -91,6 +92,14 @@ class NpuPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.npu.synchronize()
+
+    def bridge_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        """HCCL: the weights go device to device (never run here: docs/async.md)."""
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # optional: torch-npu exists on Ascend only
+
+        options = ProcessGroupHCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupHCCL(store, rank, size, options)
 
     def empty_cache(self) -> None:
         torch.npu.empty_cache()

@@ -2,17 +2,22 @@
 
 Two channels (``parallel.Placement``):
 
-* the **bridge**, a gloo group of the first training rank (bridge rank 0) and every rollout rank, carries the weights:
-  ``BridgeSender`` is ``WeightSync``'s target on the training side, through the ``reload`` transport
-  (``rollout/weight_transfer/reload_transport.py``; one header and one flat tensor per bucket of HF tensors, already
-  resharded and cast as for a colocated engine); ``BridgeReceiver`` loads them into the rollout ranks' engines.
-  Every rollout rank receives every bucket, as every colocated rank does (vLLM slices its TP shard);
+* the **bridge** carries the weights: one group per *sending* training rank with every rollout rank
+  (``parallel.open_bridge``; gloo on CPU, NCCL/HCCL for device tensors on accelerators: ``Platform.bridge_group``).
+  ``rollout/weight_transfer/owner_push.OwnerPush`` decides which training rank sends which tensor (the rank that owns
+  it: its pipeline stage, its expert-parallel rank, TP rank 0 after a gather to it) and hands each of its parts of a
+  bucket, HF tensors already resharded and cast as for a colocated engine, to ``BridgeSender``, which broadcasts it
+  without waiting: the trainer goes on while the push is in flight. ``BridgeReceiver`` takes a bucket's parts from
+  their senders in the plan's order and loads them into the rollout ranks' engines as one reload call (a bucket is
+  whole vLLM layers). Every rollout rank receives every bucket, as every colocated rank does (vLLM slices its TP
+  shard);
 * the job's **store** (torchrun's key-value store) carries the small things: ``StoreQueue``, the bounded queue of
-  scored groups (one key per group, FIFO), and ``Control``, named JSON messages (the start, weight versions,
-  validation and snapshot requests and their results, statistics, stop).
+  scored groups (one key per group, FIFO), and ``Control``, named JSON messages (the start, weight versions, the
+  bridge's plan, validation and snapshot requests and their results, statistics, stop).
 
 A push is announced first (``Control`` key ``weights``); the rollout ranks take it at their next round boundary, so
-the trainer waits at most one segment's generation for them, and generation never drains.
+generation never drains. The training ranks announce a push only once the previous one has arrived
+(``BridgeSender.wait``): one push is in flight at most.
 """
 
 from __future__ import annotations
@@ -27,76 +32,117 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import dtypes
+from megatron_dapo.parallel import Placement, broadcast_object, open_bridge
 from megatron_dapo.rollout.weight_transfer.reload_transport import quiet_partial_reload_logs
 
 PREFIX = "async/"
+BRIDGE_PLAN = "bridge/plan"  # Control: {"key", "senders": training ranks, "buckets": [[sender index, ...], ...]}
 
 
-def _broadcast(pg: Any, tensor: torch.Tensor) -> None:
+def _broadcast(pg: Any, tensor: torch.Tensor) -> Any:
+    """From bridge rank 0 (the sender) to the others; returns the work, not waited for."""
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
-    pg.broadcast([tensor], opts).wait()
-
-
-def bridge_object(pg: Any, obj: Any = None, root: bool = False) -> Any:
-    """``obj`` from bridge rank 0 on every bridge rank (pickled; a length, then the bytes)."""
-    data = pickle.dumps(obj) if root else b""
-    size = torch.tensor([len(data)], dtype=torch.long)
-    _broadcast(pg, size)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if root else torch.empty(int(size), dtype=torch.uint8)
-    _broadcast(pg, buf)
-    return obj if root else pickle.loads(buf.numpy().tobytes())
+    return pg.broadcast([tensor], opts)
 
 
 class BridgeSender:
-    """The training side's end of a weight push, in the place of a colocated engine for ``WeightSync``: on bridge rank
-    0 each bucket goes over the bridge; the other training ranks take part in the gathers only."""
+    """The training side's end of a weight push, ``OwnerPush``'s target. On a sending rank each ``load_weights``
+    (its part of a bucket: a header, then one flat tensor on the platform's device) is broadcast over its bridge group
+    and not waited for; the flat tensor is a copy, so the next step may change the weights meanwhile. ``wait`` waits
+    for everything in flight. Without a placement (``place`` None) or on a rank that sends nothing it sends nothing."""
 
-    def __init__(self, bridge: Any, rollout_plan: Any, platform: Any) -> None:
-        self.bridge, self.rollout_plan, self.platform = bridge, rollout_plan, platform
+    def __init__(self, place: Optional[Placement], rollout_plan: Any, platform: Any) -> None:
+        self.place, self.rollout_plan, self.platform = place, rollout_plan, platform
+        self.group: Any = None
+        self.sent_bytes = 0  # over the bridge, by this rank, over the run
+        self._in_flight: list[tuple[Any, torch.Tensor]] = []
+
+    def open(self, senders: list[int], buckets: list[list[int]]) -> None:
+        """Every training rank, once the senders are known (``senders``: training ranks; ``buckets``: per bucket the
+        indices of its senders, in the order the rollout ranks receive them): the first training rank posts the plan
+        under a new key, each sender opens its group (it returns once the rollout ranks have opened theirs)."""
+        if self.place is None:
+            return
+        rank = dist.get_rank()
+        key = None
+        if rank == 0:
+            key = str(int(self.place.store.add(PREFIX + "bridge/plans", 1)))  # a new plan opens new groups
+            plan = {"key": key, "senders": senders, "buckets": buckets}
+            Control(self.place.store, self.place.timeout_s).post(BRIDGE_PLAN, plan)
+        key = broadcast_object(key)
+        if rank in senders:
+            self.group = open_bridge(self.place, f"{key}/{senders.index(rank)}")
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        if self.bridge is None:
+        if self.group is None:
             return
-        header = [(name, tuple(t.shape), dtypes.config_name(t.dtype)) for name, t in weights]
-        bridge_object(self.bridge, header, root=True)
-        flat = torch.cat([t.reshape(-1) for _, t in weights]).cpu()  # gloo carries host tensors
-        _broadcast(self.bridge, flat)
+        device = self.platform.device()
+        header = pickle.dumps([(name, tuple(t.shape), dtypes.config_name(t.dtype)) for name, t in weights])
+        data = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], dtype=torch.long, device=device)
+        flat = torch.cat([t.reshape(-1).to(device) for _, t in weights])  # a copy, sent while training goes on
+        for tensor in (size, data, flat):
+            self._in_flight.append((_broadcast(self.group, tensor), tensor))
+        self.sent_bytes += flat.numel() * flat.element_size()
 
     def after_weight_update(self) -> None:
-        if self.bridge is not None:
-            bridge_object(self.bridge, None, root=True)  # the end of this push
+        """Nothing to mark: the rollout ranks know a push's buckets and senders from the plan."""
+
+    def wait(self) -> float:
+        """Wait until the push in flight has reached the rollout ranks; returns the seconds waited."""
+        started = time.perf_counter()
+        for work, _ in self._in_flight:
+            work.wait()
+        if self._in_flight:
+            self.platform.synchronize()  # NCCL/HCCL: wait() orders streams; the host waits here
+        self._in_flight = []
+        return time.perf_counter() - started
 
 
 class BridgeReceiver:
-    """The rollout side's end: buckets from the bridge into the engine until the end mark, then the engine's
-    post-update (``RolloutEngine.after_weight_update``)."""
+    """The rollout side's end: a push's buckets, each from its senders, into the engine (one reload call per
+    bucket), then the engine's post-update (``RolloutEngine.after_weight_update``)."""
 
-    def __init__(self, bridge: Any, engine: Any) -> None:
-        self.bridge, self.engine = bridge, engine
+    def __init__(self, place: Placement, engine: Any, platform: Any) -> None:
+        self.place, self.engine, self.platform = place, engine, platform
+        self.key: Optional[str] = None
+        self.groups: list[Any] = []
 
     def receive(self) -> int:
-        """One whole push; returns the bytes received."""
+        """One whole push (collective over the rollout ranks); returns the bytes received."""
+        leader = dist.get_rank() == 0
+        control = Control(self.place.store, self.place.timeout_s)
+        plan = broadcast_object(control.wait(BRIDGE_PLAN, "the weight bridge's plan") if leader else None)
+        if plan["key"] != self.key:  # the training side planned anew: its senders' groups, in order
+            self.groups = [open_bridge(self.place, f"{plan['key']}/{i}") for i in range(len(plan["senders"]))]
+            self.key = plan["key"]
+        received = 0
         with quiet_partial_reload_logs():
-            received = self._buckets()
+            for senders in plan["buckets"]:
+                weights: list[tuple[str, torch.Tensor]] = []
+                for s in senders:
+                    received += self._part(self.groups[s], weights)
+                self.engine.load_weights(weights)
         self.engine.after_weight_update()
         return received
 
-    def _buckets(self) -> int:
-        received = 0
-        while True:
-            header = bridge_object(self.bridge)
-            if header is None:
-                return received
-            dtype = dtypes.from_config_name(header[0][2], "weight push") if header else torch.float32
-            flat = torch.empty(sum(_numel(shape) for _, shape, _ in header), dtype=dtype)
-            _broadcast(self.bridge, flat)
-            tensors, offset = [], 0
-            for name, shape, _ in header:
-                tensors.append((name, flat[offset : offset + _numel(shape)].view(shape)))
-                offset += _numel(shape)
-            self.engine.load_weights(tensors)
-            received += flat.numel() * flat.element_size()
+    def _part(self, group: Any, out: list[tuple[str, torch.Tensor]]) -> int:
+        """One sender's part of a bucket, appended to ``out``; returns its bytes."""
+        device = self.platform.device()
+        size = torch.empty(1, dtype=torch.long, device=device)
+        _broadcast(group, size).wait()
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        _broadcast(group, data).wait()
+        header = pickle.loads(data.cpu().numpy().tobytes())
+        dtype = dtypes.from_config_name(header[0][2], "weight push")
+        flat = torch.empty(sum(_numel(shape) for _, shape, _ in header), dtype=dtype, device=device)
+        _broadcast(group, flat).wait()
+        offset = 0
+        for name, shape, _ in header:
+            out.append((name, flat[offset : offset + _numel(shape)].view(shape)))
+            offset += _numel(shape)
+        return flat.numel() * flat.element_size()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -2,7 +2,9 @@
 of the rollout ranks (``training/rollout_worker.py``), with the interface of the colocated ``RolloutPhase``.
 
 * ``prepare_engine`` pushes the actor's weights of a version to the rollout ranks (once per version), over the
-  bridge (``rollout/remote.py``); the rollout ranks apply them between two segments;
+  bridge (``rollout/remote.py``, each tensor from its owner: ``rollout/weight_transfer/owner_push.py``); the push
+  returns once it is in the send buffers, and the rollout ranks apply it between two segments. The next push is
+  announced only after the previous one has arrived (``push_done``);
 * ``collect`` takes scored groups from the queue until the batch is full, dropping (and counting) every group that
   would be trained more than ``async.max_staleness`` versions after its oldest token was generated; dynamic sampling
   is counted per trained batch on the rollout ranks, whose filler groups or exhausted message it turns into what
@@ -92,8 +94,10 @@ class RemoteRolloutPhase:
         push_weights: Callable[[], Any],
         dumper: Optional[RolloutDumper] = None,
         is_main: bool = False,
+        push_done: Callable[[], Any] = lambda: None,
     ) -> None:
         self.plan, self.push_weights, self.dumper, self.is_main = plan, push_weights, dumper, is_main
+        self.push_done = push_done  # waits until the push in flight has reached the rollout ranks
         self.batch_size = data_cfg.train_batch_size
         timeout_s = trainer.collective_timeout_s
         self.queue = StoreQueue(place.store, timeout_s)
@@ -132,6 +136,7 @@ class RemoteRolloutPhase:
             timings.setdefault("update_weights", 0.0)
             return
         with timed("update_weights", timings):
+            self.push_done()  # the rollout ranks take one push per announcement: the previous one has arrived
             if self.is_main:
                 self.control.post("weights", weights_step)  # announced; the rollout ranks join at a round boundary
             self.push_weights()
@@ -238,5 +243,6 @@ class RemoteRolloutPhase:
         return bool(self.is_main and self.control.read("stop_requested"))
 
     def close(self) -> None:
+        self.push_done()  # the rollout ranks take a push before the stop; its buffers must live until then
         if self.is_main:
             self.control.post("stop", True)

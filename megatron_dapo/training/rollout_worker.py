@@ -77,7 +77,7 @@ class RolloutWorker:
         self.buffer = PartialRollout(self.engine, segments, budget, conversations)
         self.sampling = SamplingSpec.for_training(cfg.rollout, budget, ids.eos)
         self.val_sampling = SamplingSpec.for_validation(cfg.rollout, budget, ids.eos)
-        self.receiver = BridgeReceiver(self.place.bridge, self.engine)
+        self.receiver = BridgeReceiver(self.place, self.engine, run.platform)
         self.leader = self.info.rank == 0
         self.queue, self.control = StoreQueue(self.place.store, timeout_s), Control(self.place.store, timeout_s)
         self.version = self.start_version = -1

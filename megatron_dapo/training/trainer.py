@@ -42,7 +42,7 @@ from megatron_dapo.rm.scorer import RewardModelScorer
 from megatron_dapo.rollout.engine import RolloutEngine, freeze_heap_before_engine
 from megatron_dapo.rollout.protocol import ColocatedEngine, EngineFactory
 from megatron_dapo.rollout.remote import BridgeSender
-from megatron_dapo.rollout.weight_transfer.factory import build_weight_sync
+from megatron_dapo.rollout.weight_transfer.factory import build_bridge_push, build_weight_sync
 from megatron_dapo.training.advantage_stage import batch_advantages
 from megatron_dapo.training.async_phase import RemoteRolloutPhase
 from megatron_dapo.training.failure import PeerFailure, StopRequest, dead_peer_report, record_failure
@@ -122,11 +122,12 @@ class DAPOTrainer:
         cfg, plan, is_main = self.cfg, self.plan, run.info.is_main
         if plan.mode == "async":
             place = placement()
-            # LoRA: the bridge has no adapter path; the weights go merged (rollout/weight_transfer/factory.py, "merge").
-            bridge = BridgeSender(place.bridge, plan.rollout, self.platform)
-            pushes = build_weight_sync(bridge, self.arch, plan, cfg.rollout, cfg.actor.lora)
+            # Each tensor from its owner; LoRA: the bridge has no adapter path, the weights go merged (factory.py).
+            bridge = BridgeSender(place, plan.rollout, self.platform)
+            pushes = build_bridge_push(bridge, self.arch, cfg.rollout, cfg.actor.lora)
             push = lambda: pushes.sync(self.actor.chunks)  # noqa: E731 - the one call back into the actor
-            return None, RemoteRolloutPhase(cfg.trainer, cfg.data, plan, place, push, self.dumper, is_main)
+            parts = (place, push, self.dumper, is_main, bridge.wait)
+            return None, RemoteRolloutPhase(cfg.trainer, cfg.data, plan, *parts)
         self.handoff.before_engine_start()  # collects what it released (accelerators) before the heap is frozen
         freeze_heap_before_engine()
         ids = run.ids

@@ -44,7 +44,7 @@ from megatron_dapo.models.families import ModelArch, ParamMapping, param_mapping
 from megatron_dapo.models.lora import is_adapter_param, lora_modules_present, merge_adapters, unmerge_adapters
 from megatron_dapo.parallel import control_group
 from megatron_dapo.rollout.sync import WeightSync
-from megatron_dapo.rollout.weight_transfer.transport import WeightTarget, numel
+from megatron_dapo.rollout.weight_transfer.transport import ActorWeightSync, WeightTarget, numel
 from megatron_dapo.weights.layout import tp_merge
 from megatron_dapo.weights.lora_hf import mcore_adapters_to_peft, peft_adapter_config
 from megatron_dapo.weights.model_io import global_named_parameters, shard_group
@@ -252,9 +252,9 @@ class LoraAdapterSync:
         ]
 
 
-def merged_sync(weight_sync: WeightSync, actor_chunks: list) -> dict[str, float]:
+def merged_sync(weight_sync: ActorWeightSync, actor_chunks: list) -> dict[str, float]:
     """``weight_sync.sync`` of the actor with its LoRA adapters merged into the base weights (a target without LoRA
-    support: the async bridge), unmerged right after, also when the sync fails. A model without adapters syncs as
+    support; the async bridge's push), unmerged right after, also when the sync fails. A model without adapters syncs as
     is. Collective over all ranks (merging gathers the adapters' other TP shard)."""
     if not lora_modules_present(actor_chunks):
         return weight_sync.sync(actor_chunks)
