@@ -217,7 +217,12 @@ def term_lines(
         f"    vLLM weights       {gib(m.vllm_weights)}  = full model / rollout TP {rtp} x {br} B"
         + (all_experts if moe else ""),
         f"    vLLM KV cache      {gib(m.kv.size)}  = {m.kv.formula}; {m.kv.tokens:,} tokens = {m.kv.tokens // seq} "
-        "full sequences",
+        "full sequences"
+        + (
+            f", each with {m.kv.state_bytes_per_seq:,} B of Gated DeltaNet conv + recurrent state"
+            if m.kv.state_bytes_per_seq
+            else ""
+        ),
         f"    update activations {gib(act.update_bytes)}  = {activation_text(m, arch, a, p)}"
         + (f"; / CP {plan.cp}" if plan.cp > 1 else "")
         + stage,

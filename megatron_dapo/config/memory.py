@@ -52,6 +52,7 @@ __all__ = [
     "param_counts",
     "phase_unit",
     "rank_params",
+    "recurrent_state_bytes",
     "rollout_params_per_rank",
     "size_text",
     "stage_layers",
@@ -91,6 +92,20 @@ class ParamCounts:
     moe_layer_replicated: int = 0  # per MoE layer, replicated over TP: the norms, the router E x h, the shared gate h
     expert_layer: int = 0  # per MoE layer, the routed experts: E x 3 x h x f_e, split over EP x ETP
     expert_active_layer: int = 0  # per MoE layer, the routed experts one token goes through: topk x 3 x h x f_e
+    # A hybrid (Qwen3-Next / Qwen3.5): ``linear_layers`` of the layers are Gated DeltaNet, whose token mixer differs
+    # from full attention's (the ``*_split`` and ``*_replicated`` fields above count full attention) by these deltas.
+    linear_layers: int = 0
+    linear_split_delta: int = 0  # in-projections, conv1d, A_log, dt_bias and out-projection, less qkv and o
+    linear_replicated_delta: int = 0  # the gated norm (head_v_dim), less the q/k norms
+
+    def layer_split_of(self, moe: bool, linear: bool) -> int:
+        """The TP-split parameters of one decoder layer of that kind."""
+        return (self.moe_layer_split if moe else self.layer_split) + (self.linear_split_delta if linear else 0)
+
+    def layer_replicated_of(self, moe: bool, linear: bool) -> int:
+        """The TP-replicated parameters of one decoder layer of that kind."""
+        base = self.moe_layer_replicated if moe else self.layer_replicated
+        return base + (self.linear_replicated_delta if linear else 0)
 
     @property
     def layer(self) -> int:
@@ -118,6 +133,7 @@ class ParamCounts:
             + self.output_layer
             + self.dense_layers * self.layer
             + self.moe_layers * self.moe_layer
+            + self.linear_layers * (self.linear_split_delta + self.linear_replicated_delta)
             + self.final_norm
         )
 
@@ -138,7 +154,8 @@ def param_counts(arch: ModelArch) -> ParamCounts:
     model the router, the shared expert and the routed experts of its MoE layers)."""
     h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
-    qkv = h * (q + 2 * kv) + ((q + 2 * kv) if arch.qkv_bias else 0)
+    q_rows = 2 * q if arch.attention_output_gate else q  # the gate's rows come out of the same projection
+    qkv = h * (q_rows + 2 * kv) + ((q + 2 * kv) if arch.qkv_bias else 0)
     attn_out = q * h
     mlp = 3 * h * f  # gate, up, down
     norms = 2 * h + (2 * d if arch.qk_layernorm else 0)
@@ -155,6 +172,7 @@ def param_counts(arch: ModelArch) -> ParamCounts:
             "expert_active_layer": arch.moe_router_topk * one_expert,
         }
     return ParamCounts(
+        **_linear_attention_deltas(arch, qkv + attn_out, 2 * d if arch.qk_layernorm else 0),
         embedding=vh,
         output_layer=0 if arch.tie_word_embeddings else vh,
         layer_split=qkv + attn_out + mlp,
@@ -163,6 +181,24 @@ def param_counts(arch: ModelArch) -> ParamCounts:
         num_layers=arch.num_layers,
         **moe,
     )
+
+
+def _linear_attention_deltas(arch: ModelArch, attention_split: int, qk_norms: int) -> dict[str, int]:
+    """``ParamCounts``' hybrid fields: a Gated DeltaNet layer's token mixer (HF ``linear_attn``: ``in_proj_qkv``/
+    ``z``/``b``/``a`` or Qwen3-Next's grouped ``in_proj_qkvz``/``ba``, ``conv1d`` without bias, ``A_log``,
+    ``dt_bias``, the gated ``norm`` and ``out_proj``) against full attention's."""
+    g = arch.gated_delta_net
+    if g is None:
+        return {}
+    h, nv = arch.hidden_size, g.num_value_heads
+    in_proj = h * sum(g.in_proj_sections)
+    conv = sum(g.conv_sections) * g.conv_kernel_dim
+    split = in_proj + conv + 2 * nv + g.v_dim * h
+    return {
+        "linear_layers": len(g.linear_layers),
+        "linear_split_delta": split - attention_split,
+        "linear_replicated_delta": g.value_head_dim - qk_norms,
+    }
 
 
 def stage_layers(num_layers: int, pp: int, vpp: Optional[int], stage: int) -> list[list[int]]:
@@ -205,8 +241,10 @@ def actor_stage_params(
     etp = tp if etp is None else etp
     layers = [i for chunk in stage_layers(arch.num_layers, pp, vpp, stage) for i in chunk]
     n_moe = sum(arch.is_moe_layer(i) for i in layers) if counts.moe_layers else 0
-    n = (len(layers) - n_moe) * (counts.layer_split // tp + counts.layer_replicated)
-    n += n_moe * (counts.moe_layer_split // tp + counts.moe_layer_replicated)
+    n = 0
+    for i in layers:
+        moe, linear = bool(counts.moe_layers) and arch.is_moe_layer(i), arch.is_linear_layer(i)
+        n += counts.layer_split_of(moe, linear) // tp + counts.layer_replicated_of(moe, linear)
     experts = n_moe * (counts.expert_layer // (ep * etp))
     vocab_shard = padded_vocab * arch.hidden_size // tp
     if stage == 0:
@@ -227,8 +265,10 @@ def rollout_params_per_rank(counts: ParamCounts, rollout_tp: int) -> int:
         + counts.output_layer
         + counts.dense_layers * counts.layer_split
         + counts.moe_layers * (counts.moe_layer_split + counts.expert_layer)
+        + counts.linear_layers * counts.linear_split_delta
     )
     replicated = counts.dense_layers * counts.layer_replicated + counts.moe_layers * counts.moe_layer_replicated
+    replicated += counts.linear_layers * counts.linear_replicated_delta
     return split // rollout_tp + replicated + counts.final_norm
 
 
@@ -639,6 +679,9 @@ class KVCache:
     formula: str
     bytes_per_token: int
     tokens: int
+    # A hybrid's Gated DeltaNet layers: their conv and recurrent state per sequence (vLLM's mamba cache, taken from
+    # the same memory); 0 without them.
+    state_bytes_per_seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -773,15 +816,33 @@ def _kv_cache(
     else:
         size = r.kv_cache_memory_mb * MIB
         formula = f"rollout.kv_cache_memory_mb={r.kv_cache_memory_mb}"
-    per_token = 2 * arch.num_layers * max(1, arch.num_query_groups // rtp) * arch.head_dim * plan.rollout_bytes
-    tokens = int(size // per_token) if per_token else 0
+    attention_layers = arch.num_layers - (len(arch.gated_delta_net.linear_layers) if arch.gated_delta_net else 0)
+    kv_heads = max(1, arch.num_query_groups // rtp)
+    per_token = 2 * attention_layers * kv_heads * arch.head_dim * plan.rollout_bytes
+    state = recurrent_state_bytes(arch, rtp, plan.rollout_bytes)
+    # Each sequence holds its state beside its tokens' K and V: count whole sequences when there is a state.
+    tokens = int(size // per_token) if per_token and not state else int(size // (state + seq * per_token)) * seq
     if tokens < seq:
+        state_text = f" and {state} bytes of recurrent state per sequence" if state else ""
         problems.append(
             f"the rollout KV cache ({formula} = {size / MIB:.0f} MiB per rank) holds {tokens} tokens at "
-            f"{per_token} bytes per token, fewer than one sequence of data.max_prompt_length + "
+            f"{per_token} bytes per token{state_text}, fewer than one sequence of data.max_prompt_length + "
             f"data.max_response_length = {seq}; vLLM would refuse to start: give the KV cache more memory"
         )
-    return KVCache(size, formula, per_token, tokens), problems
+    return KVCache(size, formula, per_token, tokens, state), problems
+
+
+def recurrent_state_bytes(arch: ModelArch, rollout_tp: int, state_bytes: int) -> int:
+    """Bytes of one sequence's Gated DeltaNet state in vLLM (its mamba cache, ``gated_delta_net_state_shape``), summed
+    over the linear-attention layers on one rollout rank: the conv state (the q, k, v channels / TP x the kernel's
+    width - 1) and the recurrent state (value heads / TP x head_v_dim x head_k_dim), in the rollout dtype (vLLM's
+    ``mamba_ssm_cache_dtype=auto``). 0 for a model without such layers."""
+    g = arch.gated_delta_net
+    if g is None:
+        return 0
+    conv = sum(g.conv_sections) // rollout_tp * (g.conv_kernel_dim - 1)
+    recurrent = g.num_value_heads // rollout_tp * g.value_head_dim * g.key_head_dim
+    return len(g.linear_layers) * (conv + recurrent) * state_bytes
 
 
 def kv_cache(plan: RunPlan, arch: ModelArch, r: RolloutConfig, capacity: Optional[float] = None) -> KVCache:
