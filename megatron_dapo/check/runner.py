@@ -22,6 +22,7 @@ from megatron_dapo.config import (
 from megatron_dapo.config.memory import GIB, MemoryModel, memory_model
 from megatron_dapo.config.plan import RunPlan, build_plan, plan_problems, uses_reference
 from megatron_dapo.config.run_rules import layout_sizes_usable
+from megatron_dapo.judge.judge_memory import judge_lines, judge_terms
 from megatron_dapo.models.families import ModelArch, UnsupportedModelError, model_arch_from_hf
 from megatron_dapo.platform import Platform, make_platform
 from megatron_dapo.weights.checkpoint_errors import CheckpointError
@@ -167,11 +168,15 @@ class _Checker:
         """The plan's memory on a device of ``--device-memory-gb``; its problems and warnings join the report's."""
         if plan is None:
             return None
-        capacity = self.device_memory_gb * GIB if self.device_memory_gb else None
-        model = memory_model(plan, self.arch, self.cfg, capacity)
+        model = memory_model(plan, self.arch, self.cfg, self.capacity)
         self.problems.extend(model.problems)
         self.warnings.extend(model.warnings)
         return model
+
+    @property
+    def capacity(self) -> Optional[float]:
+        """The device's bytes (``--device-memory-gb``), None when not given."""
+        return self.device_memory_gb * GIB if self.device_memory_gb else None
 
     def plan_text(self, model: MemoryModel) -> list[str]:
         cfg, nproc = self.cfg, self.nproc_per_node
@@ -180,6 +185,7 @@ class _Checker:
             ["plan:"]
             + plan_lines(model.plan, p, a, r, d, cfg.algorithm, self.nnodes, nproc)
             + memory_lines(model, self.arch, a, p, r, d, self.hf_dir, nproc)
+            + judge_lines(cfg.reward.judge, model.plan, judge_terms(cfg.reward.judge, model.plan, self.capacity))
         )
 
     # ----------------------------------------------------------------------------------------- driver

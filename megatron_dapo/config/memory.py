@@ -21,6 +21,7 @@ from megatron_dapo.algo.logprobs import response_log_probs
 from megatron_dapo.config.plan import HandoffPlan, RunPlan
 from megatron_dapo.config.schema import ActorConfig, ExperimentConfig, ModelConfig, ParallelConfig, RolloutConfig
 from megatron_dapo.distill.teacher_memory import teacher_archs
+from megatron_dapo.judge.judge_memory import judge_terms, place_judge
 from megatron_dapo.models.families import ModelArch
 from megatron_dapo.models.lora import resolve_targets
 from megatron_dapo.rm.memory_term import reward_model_bytes
@@ -627,6 +628,7 @@ def edge_phase_terms(
         dev["reward model"] = terms["reward model"]
     if name == "save" and terms.get("teachers"):  # distillation: counted on the device throughout (an upper bound)
         dev["teachers"] = terms["teachers"]
+    place_judge(name, terms, sleeps, dev, host)  # reward.judge: its own engine, asleep as the rollout's
     if name == "startup" or not sleeps:
         dev["vLLM weights"] = terms["vLLM weights"]
         dev["vLLM KV cache"] = terms["vLLM KV cache"]
@@ -664,6 +666,7 @@ def step_phase_terms(
             dev["vLLM KV cache"] = terms["vLLM KV cache"]
     elif handoff.sleep_level == 1:
         host["vLLM weights"] = terms["vLLM weights"]
+    place_judge(name, terms, sleeps, dev, host)  # reward.judge: awake while it scores, in generation
     dev.update(work)
     return dev, host
 
@@ -1054,6 +1057,7 @@ def memory_model(
     divisible = cfg.model.make_vocab_size_divisible_by
     state["reward model"] = reward_model_bytes(cfg.reward.reward_model, plan.tp, plan.param_bytes, divisible)
     state["teachers"] = _teacher_bytes(plan, cfg, divisible)
+    state.update(judge_terms(cfg.reward.judge, plan, capacity))  # reward.judge: weights and KV cache
     kv, problems = _kv_cache(plan, arch, cfg.rollout, state["vLLM weights"], capacity)
     state["vLLM KV cache"] = kv.size
     act = _activations(plan, arch, cfg.actor, cfg.parallel, cfg.model, params.counts)

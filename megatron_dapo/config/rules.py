@@ -38,6 +38,7 @@ from megatron_dapo.config.schema import (
     TrainerConfig,
 )
 from megatron_dapo.distill.config_checks import distillation_problems, distillation_run_problems
+from megatron_dapo.judge.judge_rules import judge_problems
 from megatron_dapo.rm.rm_rules import reward_model_problems
 
 # --------------------------------------------------------------------------------------------------- value checks
@@ -648,6 +649,7 @@ CROSS_RULES: tuple[Rule, ...] = (
     Rule(distillation_problems, ("distillation",), after_ranges=False),  # after the user file is imported
     Rule(distillation_run_problems, ("distillation", "parallel", "algorithm", "trainer", "rollout")),
     Rule(reward_model_problems, ("reward", "parallel", "trainer"), after_ranges=False),  # its ranges and layouts
+    Rule(judge_problems, ("reward", "trainer"), after_ranges=False),  # reward.judge: ranges, template, parser, mode
 )
 
 

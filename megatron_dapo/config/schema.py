@@ -372,6 +372,37 @@ class RewardModelConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """A generative LLM judge (docs/judge.md): a second vLLM engine in every rollout process reads each response
+    through ``prompt_template`` and answers; ``parser`` turns the answer into a score and each response's reward
+    gains ``weight x`` that score (``reward.error_score`` where it does not parse). Off while ``model_path`` is
+    unset."""
+
+    model_path: Optional[str] = None  # an HF causal-LM directory
+    tokenizer_path: Optional[str] = None  # the judge's tokenizer directory (default: model_path)
+    # Fields: {prompt} (the user's prompt text), {response} (required), {ground_truth}; literal braces doubled.
+    prompt_template: str = (
+        "Question:\n{prompt}\n\nReference answer: {ground_truth}\n\nResponse:\n{response}\n\n"
+        "Rate the response from 0 to 10. Answer with the number only."
+    )
+    apply_chat_template: bool = True  # the filled template as one user turn of the judge tokenizer's chat template
+    parser: str = "last_number"  # last_number | regex | choice (megatron_dapo/judge/parsers.py)
+    pattern: Optional[str] = None  # parser=regex: its first group (or the whole match) is the score
+    choices: dict[str, float] = field(default_factory=dict)  # parser=choice: label -> score, first label found wins
+    weight: float = 1.0  # its score's weight against the rule-based reward
+    score_range: Optional[list[float]] = None  # [low, high]: a parsed score is clamped into it
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 16  # the judge's answer, in its tokens
+    seed: int = 0  # with the judge input's tokens, each request's seed: the same input gets the same answer
+    max_prompt_length: int = 4096  # judge input tokens; a longer input is not judged (reward.error_score, counted)
+    dtype: str = "bf16"  # fp32 | bf16 | fp16
+    max_num_seqs: int = 64
+    kv_cache_memory_mb: int = 256  # vLLM-CPU: the judge engine's KV cache
+    gpu_memory_utilization: float = 0.2  # GPU/NPU: the judge engine's share of the device (it sleeps between uses)
+
+
+@dataclass
 class RewardConfig:
     custom_function: CustomFunctionConfig = field(default_factory=CustomFunctionConfig)
     extra_functions: list[dict] = field(default_factory=list)  # [{path, name, weight}] combined with weights
@@ -386,6 +417,7 @@ class RewardConfig:
     # or trainer.mode=async, which score the groups a round completes). Rewards are the same either way.
     overlap_generation: bool = True
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass

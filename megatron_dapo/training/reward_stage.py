@@ -21,6 +21,7 @@ from megatron_dapo.algo.registry import ADV_ESTIMATORS
 from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.data.tokens import decode_responses
+from megatron_dapo.judge.judge_scorer import JudgeScorer, score_judge
 from megatron_dapo.parallel import control_group
 from megatron_dapo.reward.manager import RewardManager, RewardResult, merge_results
 from megatron_dapo.rm.scorer import RewardModelScorer, score_rollout
@@ -92,9 +93,11 @@ class RolloutScorer:
         rank: int,
         replica: Optional[tuple[int, int]] = None,
         reward_model: Optional[RewardModelScorer] = None,
+        judge: Optional[JudgeScorer] = None,
     ) -> None:
         self.reward, self.world_size, self.rank, self.replica = reward, world_size, rank, replica
         self.reward_model = reward_model  # reward.reward_model: its weighted score added to every response's reward
+        self.judge = judge  # reward.judge: a generative judge's weighted score added too (judge/judge_scorer.py)
 
     def start(self, items: list[dict], n: int) -> Optional[ScoringInFlight]:
         """The sink that scores a generation batch of ``items`` x ``n`` responses as they end; None without
@@ -168,6 +171,8 @@ class RolloutScorer:
 
     def close(self) -> None:
         self.reward.close()
+        if self.judge is not None:
+            self.judge.close()
 
 
 def score_to_batch(
@@ -184,6 +189,7 @@ def score_to_batch(
     rows = rollout.prompt_index.tolist()
     result = scorer(rollout, items, in_flight)
     score_rollout(scorer.reward_model, result, rollout)  # every training rank: the reward model's forward is collective
+    score_judge(scorer.judge, result, rollout, items)  # every rollout rank: the judge's generate is collective
     # Multi-turn: only the tokens the model sampled are trained (tool turns are not).
     loss_mask = (rollout.response_mask if rollout.loss_mask is None else rollout.loss_mask).clone()
     if scorer.reward.config.overlong_filter:  # reward.overlong_filter

@@ -30,6 +30,7 @@ from megatron_dapo.config import ActorConfig, ConfigError, ExperimentConfig, Tra
 from megatron_dapo.distill.loss_term import DistillationLossTerm
 from megatron_dapo.distill.teacher import DistillationTeachers
 from megatron_dapo.handoff.offload import MemoryHandoff
+from megatron_dapo.judge.judge_scorer import JudgeScorer
 from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
 from megatron_dapo.models.lora import apply_lora
 from megatron_dapo.parallel import any_rank, init_model_parallel, placement, role_of, teardown
@@ -143,7 +144,11 @@ class DAPOTrainer:
         reward_model = None  # a frozen reward model: one more reward term (rm/scorer.py), built as the engine sleeps
         if cfg.reward.reward_model.load_dir:
             reward_model = RewardModelScorer.build(cfg.reward.reward_model, plan, cfg.model, cfg.parallel)
-        scorer = RolloutScorer(reward, run.info.world_size, run.info.rank, overlap, reward_model)
+        judge = None  # a generative judge: its own vLLM engine beside this one (judge/), one more reward term
+        if cfg.reward.judge.model_path:
+            timeout = cfg.trainer.collective_timeout_s
+            judge = JudgeScorer.build(cfg.reward, plan.rollout, self.platform, run.tokenizer, timeout)
+        scorer = RolloutScorer(reward, run.info.world_size, run.info.rank, overlap, reward_model, judge)
         sync = lambda: weight_sync.sync(self.actor.chunks)  # noqa: E731 - the one call back into the actor
         phase = RolloutPhase(cfg.rollout, cfg.data, cfg.algorithm, run, engine, sync, self.handoff, scorer, self.dumper)
         return engine, phase
