@@ -16,7 +16,8 @@ Layout ``ep<E>-pp<P>[-vpp<V>][-tp<T>-sp]`` (DP = world / (TP x PP)). Each rank, 
 4. ``update``: a routing that never uses expert 7 replayed in ``compute_gradients`` (recompute on): every local
    expert's gradient norm; then ``actor.update`` on it.
 
-Writes ``<out>/rank<r>.pt``.
+``--layouts`` (comma-separated) runs several layouts of one world size in one launch, each from scratch (its own
+default group and model, torn down before the next). Writes ``<out>/<layout>/rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -210,11 +211,22 @@ def mismatch(actor, hf64, hf_routing, moe_layers, b: TrainBatch, plain: torch.Te
 
 
 def main() -> None:
+    """Each layout as a fresh job would see it: the process RNG as at start-up and a torchrun attempt number of its
+    own, which names the default group's store prefix (``parallel.attempt_store``): nothing of the layout before is
+    read again."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--layout", default="ep1-pp1")
+    ap.add_argument("--layouts", default="ep1-pp1")
     args = ap.parse_args()
-    ep, pp, vpp, tp = re.fullmatch(r"ep(\d+)-pp(\d+)(?:-vpp(\d+))?(?:-tp(\d+)-sp)?", args.layout).groups()
+    seed = torch.initial_seed()
+    for k, layout in enumerate(args.layouts.split(",")):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(k)
+        torch.manual_seed(seed)
+        run_layout(layout, os.path.join(args.out, layout))
+
+
+def run_layout(layout: str, out: str) -> None:
+    ep, pp, vpp, tp = re.fullmatch(r"ep(\d+)-pp(\d+)(?:-vpp(\d+))?(?:-tp(\d+)-sp)?", layout).groups()
     ep, pp, tp = int(ep), int(pp), int(tp or 1)
 
     from megatron.core import parallel_state as ps
@@ -224,7 +236,7 @@ def main() -> None:
     from megatron_dapo.config import load_config
     from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
     from megatron_dapo.models.families import model_arch_from_hf
-    from megatron_dapo.parallel import init_distributed, init_model_parallel
+    from megatron_dapo.parallel import init_distributed, init_model_parallel, teardown
     from megatron_dapo.testing.tiny_models import make_tiny_hf_model
     from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size, unfuse_hf_experts
     from megatron_dapo.weights.model_io import load_full_tensors
@@ -267,7 +279,7 @@ def main() -> None:
     gates = ForcedGates(hf64, moe_layers)
     b = TrainBatch(**make_batch())
     mask = b.response_mask.bool()
-    result: dict = {"layout": args.layout, "rank": info.rank}
+    result: dict = {"layout": layout, "rank": info.rank}
 
     # 1. own routing: record, replay -> bit-identical.
     hf_own, hf_routing = batch_log_probs(gates, hf64, b)
@@ -333,9 +345,10 @@ def main() -> None:
     metrics = actor.update(update_batch, TEMPERATURE).metrics
     result["update_ok"] = metrics["actor/update_ok"]
     result["pg_loss"] = metrics["actor/pg_loss"]
-    torch.save(result, os.path.join(args.out, f"rank{info.rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    os.makedirs(out, exist_ok=True)
+    torch.save(result, os.path.join(out, f"rank{info.rank}.pt"))
+    teardown(None)  # megatron-core's groups, then the default group: the next layout starts from none
+    RouterReplay.clear_global_router_replay_instances()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """MoE routing replay (``actor.router_replay=rollout``).
 
 Distributed (``router_replay_worker.py``, a tiny Qwen3-MoE through the real ``MegatronActor`` with recompute=full) at
-EP 1, EP 2, PP 2, PP 2 x VPP 2 and TP 2 + SP, against float64 HF transformers with the routing forced by hand:
+EP 1, EP 2, PP 2, PP 2 x VPP 2 and TP 2 + SP (the layouts of one world size in one launch, each from scratch),
+against float64 HF transformers with the routing forced by hand:
   * replaying the routing the actor recorded gives bit-identical log-probs; replaying a random routing gives the HF
     log-probs of that routing (<= 1e-5) — far from the model's own (> 0.1);
   * a rollout policy that is a perturbed copy of the weights (routing flips at 13 of 201 token x layer choices):
@@ -31,15 +32,41 @@ WORKER = Path(__file__).with_name("router_replay_worker.py")
 VLLM_WORKER = Path(__file__).with_name("router_replay_vllm_worker.py")
 
 
-@pytest.mark.parametrize(
-    "layout,world",
-    [("ep1-pp1", 1), ("ep2-pp1", 2), ("ep1-pp2", 2), ("ep1-pp2-vpp2", 2), ("ep1-pp1-tp2-sp", 2)],
-    ids=lambda v: str(v),
-)
-def test_router_replay_against_forced_hf_routing(layout, world, tmp_path):
-    run_torchrun(WORKER, world, ["--out", str(tmp_path), "--layout", layout], port=29783, timeout=600)
-    for rank in range(world):
-        r = torch.load(tmp_path / f"rank{rank}.pt")
+LAYOUTS = [("ep1-pp1", 1), ("ep2-pp1", 2), ("ep1-pp2", 2), ("ep1-pp2-vpp2", 2), ("ep1-pp1-tp2-sp", 2)]
+
+
+@pytest.fixture(scope="module")
+def replay_results(request, tmp_path_factory):
+    """``results(layout, world)``: every rank's results. The first call for a world size runs the layouts of that size
+    the session selected in one torchrun launch (one after the other, each from scratch)."""
+    selected = [
+        item.callspec.params["layout"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec") and "layout" in item.callspec.params
+    ]
+    root = tmp_path_factory.mktemp("router_replay")
+    launched: dict[int, str] = {}
+
+    def results(layout: str, world: int) -> list[dict]:
+        if world not in launched:
+            group = [x for x, w in LAYOUTS if w == world and x in selected]
+            launched[world] = ""
+            try:
+                args = ["--out", str(root), "--layouts", ",".join(group)]
+                run_torchrun(WORKER, world, args, port=29783, timeout=300 + 150 * len(group))
+            except pytest.fail.Exception as e:
+                launched[world] = str(e)
+        files = [root / layout / f"rank{rank}.pt" for rank in range(world)]
+        if not all(f.exists() for f in files):
+            pytest.fail(f"no results for this layout: its launch at world {world} failed\n{launched[world]}")
+        return [torch.load(f) for f in files]
+
+    return results
+
+
+@pytest.mark.parametrize("layout,world", LAYOUTS, ids=lambda v: str(v))
+def test_router_replay_against_forced_hf_routing(layout, world, replay_results):
+    for r in replay_results(layout, world):
         # (a) own routing replayed: bit-identical; the actor routes as HF float64 does.
         assert r["own_max_abs"] == 0.0
         assert r["own_vs_hf_routing_equal"]
