@@ -624,8 +624,8 @@ def edge_phase_terms(
             host[key] = terms[key]
     if name == "save" and terms["reference"]:
         (host if handoff.reference else dev)["reference"] = terms["reference"]
-    if name == "save" and terms.get("reward model"):  # built after the engine, like the reference; never offloaded
-        dev["reward model"] = terms["reward model"]
+    if name == "save" and terms.get("reward model"):  # built after the engine; moved as the reference is
+        (host if handoff.reference else dev)["reward model"] = terms["reward model"]
     if name == "save" and terms.get("teachers"):  # distillation: counted on the device throughout (an upper bound)
         dev["teachers"] = terms["teachers"]
     place_judge(name, terms, sleeps, dev, host)  # reward.judge: its own engine, asleep as the rollout's
@@ -656,8 +656,8 @@ def step_phase_terms(
             dev[key] = terms[key]
     if plan.uses_reference:
         (host if handoff.reference and name != "ref" else dev)["reference"] = terms["reference"]
-    if terms.get("reward model"):  # reward.reward_model: frozen weights, resident in every phase (no hand-off yet)
-        dev["reward model"] = terms["reward model"]
+    if terms.get("reward model"):  # reward.reward_model scores during generation (rm/scorer.py); elsewhere offloaded
+        (host if handoff.reference and name != "gen" else dev)["reward model"] = terms["reward model"]
     if terms.get("teachers"):  # distillation: on the device in every phase (an upper bound where they are offloaded)
         dev["teachers"] = terms["teachers"]
     if not sleeps or name in ("sync", "gen"):

@@ -362,8 +362,9 @@ class CustomFunctionConfig:
 @dataclass
 class RewardModelConfig:
     """A discriminative reward model (docs/reward_model.md): an HF ``*ForSequenceClassification`` (num_labels=1) run
-    frozen on the training ranks, at the actor's tensor-parallel size (one pipeline stage); each response's reward
-    gains ``weight x`` its score. Off while ``load_dir`` is unset."""
+    frozen on the training ranks, at the actor's tensor-parallel size (one pipeline stage), moved by the memory
+    hand-off as the reference; each response's reward gains ``weight x`` its score. Off while ``load_dir`` is
+    unset."""
 
     load_dir: Optional[str] = None  # the HF classifier's directory or its `megatron-dapo convert hf-to-mcore` output
     weight: float = 1.0  # its score's weight against the rule-based reward

@@ -60,6 +60,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -68,8 +69,12 @@ import torch
 from megatron_dapo.config.plan import HandoffPlan
 from megatron_dapo.platform import Platform
 
-COMPONENTS = ("params", "grads", "optimizer", "reference", "teacher")
 ACTOR = ("params", "grads", "optimizer")
+# The frozen models beside the actor, each built after the engine and moved as ``HandoffPlan.reference`` plans: copied
+# out once, on the device only for their own forward (``frozen_forward``). ``teacher``: on-policy distillation's
+# teachers (distill/teacher.py); ``reward_model``: reward.reward_model (rm/scorer.py).
+FROZEN = ("reference", "teacher", "reward_model")
+COMPONENTS = ACTOR + FROZEN
 # The hand-off's phases (``MemoryHandoff.phase``, ``perf/peak_memory_gb/*``) as check's memory model names them
 # (``config/memory.PHASES``): what measured peaks are held against.
 PLAN_PHASE_OF = {
@@ -369,8 +374,8 @@ class MemoryHandoff:
         self.plan = plan
         self.actor_chunks = actor_chunks
         self.optimizer = optimizer
-        self.ref_chunks = ref_chunks or []
-        self.teacher_chunks: list = []  # on-policy distillation's teachers (distill/teacher.py), moved as the reference
+        self.frozen: dict[str, list] = {name: [] for name in FROZEN}  # each frozen model's chunks, once attached
+        self.frozen["reference"] = ref_chunks or []
         self.offloader = StorageOffloader(platform)
         self.phase_peaks_gb: dict[str, float] = {}
         self.phase: Optional[str] = None
@@ -402,10 +407,9 @@ class MemoryHandoff:
             offload_actor_grads(self.offloader, self.actor_chunks, self.optimizer, keep_values=p.keep_grad_values)
         if p.optimizer and self.optimizer is not None:
             offload_optimizer(self.offloader, self.optimizer, self.actor_chunks)
-        if p.reference and self.ref_chunks:
-            offload_reference(self.offloader, self.ref_chunks)
-        if p.reference and self.teacher_chunks:
-            offload_reference(self.offloader, self.teacher_chunks, "teacher")
+        for name, chunks in self.frozen.items():
+            if p.reference and chunks:
+                offload_reference(self.offloader, chunks, name)
         self._empty_cache()
 
     def _onload(self, components: Iterable[str]) -> None:
@@ -430,22 +434,31 @@ class MemoryHandoff:
         self._empty_cache()
         self._enter(None)
 
-    def attach_reference(self, ref_chunks: list) -> None:
-        """The frozen reference, built after the engine: it leaves the device at once when planned."""
-        self.ref_chunks = ref_chunks
+    @property
+    def ref_chunks(self) -> list:
+        return self.frozen["reference"]
+
+    @property
+    def teacher_chunks(self) -> list:
+        return self.frozen["teacher"]
+
+    def attach_frozen(self, name: str, chunks: list) -> None:
+        """A frozen model (one of ``FROZEN``), built after the engine: it leaves the device at once when planned and
+        comes back for its own forward only (``frozen_forward``)."""
+        if name not in FROZEN:
+            raise ValueError(f"memory hand-off: unknown frozen model {name!r}; expected one of {FROZEN}")
+        self.frozen[name] = chunks
         self.platform.observe_handoff(self)
-        if self.plan.reference and self.ref_chunks:
-            offload_reference(self.offloader, self.ref_chunks)
+        if self.plan.reference and chunks:
+            offload_reference(self.offloader, chunks, name)
             self._empty_cache()
 
+    def attach_reference(self, ref_chunks: list) -> None:
+        self.attach_frozen("reference", ref_chunks)
+
     def attach_teachers(self, teacher_chunks: list) -> None:
-        """The distillation teachers' chunks (every teacher's), built after the engine: planned as the reference
-        (``HandoffPlan.reference``), they leave the device at once and come back for their forward only."""
-        self.teacher_chunks = teacher_chunks
-        self.platform.observe_handoff(self)
-        if self.plan.reference and self.teacher_chunks:
-            offload_reference(self.offloader, self.teacher_chunks, "teacher")
-            self._empty_cache()
+        """Every distillation teacher's chunks, as one frozen model."""
+        self.attach_frozen("teacher", teacher_chunks)
 
     def restore_actor(self) -> None:
         """Bring every offloaded part of the actor back (a checkpoint load or save reads it). Only while the engine
@@ -490,25 +503,41 @@ class MemoryHandoff:
         self._enter("old_log_probs")  # each phase's window holds what it brings back, not what the last one freed
         self._onload(["params"])
 
+    def before_frozen(self, name: str, own_phase: bool = True) -> None:
+        """A frozen model's forward starts: it comes back to the device, in a phase of its own (``own_phase``) or
+        inside the current one (the reward model scores between generation rounds: the rollout phase's window)."""
+        if own_phase:
+            self._enter(name)
+        self._onload([name])
+
+    def after_frozen(self, name: str, own_phase: bool = True) -> None:
+        """Its forward is done: it leaves again, as planned."""
+        if self.plan.reference and self.frozen[name]:
+            offload_reference(self.offloader, self.frozen[name], name)
+            self._empty_cache()
+        if own_phase:
+            self._enter("between")
+
+    @contextmanager
+    def frozen_forward(self, name: str, own_phase: bool = True) -> Iterator[None]:
+        """``before_frozen`` ... ``after_frozen`` around a frozen model's forward."""
+        self.before_frozen(name, own_phase)
+        try:
+            yield
+        finally:
+            self.after_frozen(name, own_phase)
+
     def before_reference(self) -> None:
-        self._enter("reference")
-        self._onload(["reference"])
+        self.before_frozen("reference")
 
     def after_reference(self) -> None:
-        if self.plan.reference and self.ref_chunks:
-            offload_reference(self.offloader, self.ref_chunks)
-            self._empty_cache()
-        self._enter("between")
+        self.after_frozen("reference")
 
     def before_teacher(self) -> None:
-        self._enter("teacher")
-        self._onload(["teacher"])
+        self.before_frozen("teacher")
 
     def after_teacher(self) -> None:
-        if self.plan.reference and self.teacher_chunks:
-            offload_reference(self.offloader, self.teacher_chunks, "teacher")
-            self._empty_cache()
-        self._enter("between")
+        self.after_frozen("teacher")
 
     def before_update(self) -> None:
         """Bring grads and optimizer state back for the actor update."""

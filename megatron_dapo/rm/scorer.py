@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Optional
+from contextlib import nullcontext
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,13 @@ class RewardModelScorer:
     """A loaded, frozen reward model and how to run it (its config section, the run's causal-mask choice)."""
 
     def __init__(
-        self, model, head: ScoreHeadSpec, cfg: RewardModelConfig, vocab_size: int, explicit_causal_mask: bool = True
+        self,
+        model,
+        head: ScoreHeadSpec,
+        cfg: RewardModelConfig,
+        vocab_size: int,
+        explicit_causal_mask: bool = True,
+        handoff: Optional[Any] = None,
     ) -> None:
         if head.shape[0] != 1:
             raise ValueError(
@@ -40,19 +47,30 @@ class RewardModelScorer:
         self.model, self.head, self.cfg = model, head, cfg
         self.vocab_size = vocab_size
         self.explicit_causal_mask = explicit_causal_mask
+        # The memory hand-off (handoff/offload.MemoryHandoff) that moves the weights off the device between scorings.
+        self.handoff = handoff
+        if handoff is not None:
+            handoff.attach_frozen("reward_model", [model])
 
     @classmethod
     def build(
-        cls, cfg: RewardModelConfig, plan: RunPlan, model_cfg: ModelConfig, parallel: ParallelConfig
+        cls,
+        cfg: RewardModelConfig,
+        plan: RunPlan,
+        model_cfg: ModelConfig,
+        parallel: ParallelConfig,
+        handoff: Optional[Any] = None,
     ) -> RewardModelScorer:
         """Build and load ``cfg.load_dir`` on this rank at the actor's tensor-parallel size (``parallel``; the
-        ``model`` section's dtype and attention backend). Collective for a Megatron checkpoint."""
+        ``model`` section's dtype and attention backend) and hand it to ``handoff`` (off the device until it scores,
+        where the plan offloads the reference). Call it once the engine sleeps. Collective for a Megatron
+        checkpoint."""
         if not cfg.load_dir:
             raise ValueError("reward.reward_model.load_dir is unset: there is no reward model to build")
         arch, head = reward_model_arch(cfg.load_dir)
         model = build_reward_model(arch, model_cfg, parallel, plan.transformer_impl)
         load_reward_model(model, arch, cfg.load_dir)
-        return cls(model, head, cfg, arch.vocab_size, plan.explicit_causal_mask)
+        return cls(model, head, cfg, arch.vocab_size, plan.explicit_causal_mask, handoff)
 
     def sequences(
         self, prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor
@@ -81,8 +99,11 @@ class RewardModelScorer:
         mine = rows[dp_rank * block : (dp_rank + 1) * block]
         local = torch.zeros(block, dtype=torch.float32, device=get_platform().device())
         mbs = self.cfg.micro_batch_size
-        for start in range(0, len(mine), mbs):
-            local[start : start + len(mine[start : start + mbs])] = self._forward(mine[start : start + mbs])
+        # On the device for its forward only, inside the rollout phase that scores (the engine is awake then).
+        on_device = self.handoff.frozen_forward("reward_model", own_phase=False) if self.handoff else nullcontext()
+        with on_device:
+            for start in range(0, len(mine), mbs):
+                local[start : start + len(mine[start : start + mbs])] = self._forward(mine[start : start + mbs])
         if dp > 1 and block:
             parts = [torch.empty_like(local) for _ in range(dp)]
             dist.all_gather(parts, local, group=ps.get_data_parallel_group())

@@ -10,8 +10,8 @@ would have raised:
   state, activations, autograd graphs, logits, buffers. ``release_storage`` / ``restore_storage`` (the seams the
   CUDA platform frees and re-allocates through) re-read the storage's bytes, so the ledger follows every offload and
   onload. For the messages, the bytes are split into what the memory hand-off's components hold
-  (``state_holders``: the actor's params, grads and optimizer state and the reference it announces through
-  ``Platform.observe_handoff``) and the rest, unnamed.
+  (``state_holders``: the actor's params, grads and optimizer state and the frozen models, reference, teachers and
+  reward model, it announces through ``Platform.observe_handoff``) and the rest, unnamed.
 * **Host copies**: ``host_buffer`` / ``free_host_buffer`` are charged to host memory, buffer by buffer.
 * **The engine**, as vLLM charges it: at construction (``create_llm``) free memory must be at least
   ``gpu_memory_utilization`` x capacity, else vLLM's start-up error (``request_memory`` in
@@ -37,14 +37,22 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_dapo.handoff.offload import grad_tensors, optimizer_tensors, param_tensors, reference_tensors
+from megatron_dapo.handoff.offload import (
+    FROZEN,
+    grad_tensors,
+    optimizer_tensors,
+    param_tensors,
+    reference_tensors,
+)
 from megatron_dapo.platform.base import HandoffDefaults
 from megatron_dapo.platform.cpu import CpuPlatform
 from megatron_dapo.testing.allocation_meter import AllocationMeter
 
 CUDA_PLAN = HandoffDefaults(params=False, grads=True, optimizer=True, reference=True, sleep_level=2)
 GIB = 2**30
-STATE_HOLDERS = ("actor params", "actor grads", "optimizer", "reference")
+# The actor's state, then every frozen model the hand-off holds (handoff/offload.FROZEN: reference, teacher,
+# reward_model).
+STATE_HOLDERS = ("actor params", "actor grads", "optimizer", *FROZEN)
 
 
 class DeviceOutOfMemory(RuntimeError):
@@ -83,8 +91,8 @@ class LedgerRecord:
 
 def state_holders(handoff: Any) -> dict[str, int]:
     """Bytes the memory hand-off's components hold now: the distinct live storages of the actor's params, grads and
-    optimizer state and of the reference (a storage shared by two components counts for the first). On a GPU this is
-    what ``torch.cuda.memory_allocated`` counts for them (``tests/gpu/gpu_check.py`` compares the two)."""
+    optimizer state and of every frozen model (a storage shared by two components counts for the first). On a GPU
+    this is what ``torch.cuda.memory_allocated`` counts for them (``tests/gpu/gpu_check.py`` compares the two)."""
     out = dict.fromkeys(STATE_HOLDERS, 0)
     for name, nbytes in state_storages(handoff).values():
         out[name] += nbytes
@@ -102,7 +110,7 @@ def state_storages(handoff: Any) -> dict[int, tuple[str, int]]:
                 params,
                 grad_tensors(h.actor_chunks, h.optimizer),
                 optimizer_tensors(h.optimizer, exclude=params) if h.optimizer is not None else [],
-                reference_tensors(h.ref_chunks),
+                *(reference_tensors(h.frozen[name]) for name in FROZEN),
             ),
         )
     )

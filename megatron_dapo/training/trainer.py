@@ -143,7 +143,7 @@ class DAPOTrainer:
         overlap = (engine.tp_rank, engine.tp_size) if plan.reward_overlap else None  # scored while generated
         reward_model = None  # a frozen reward model: one more reward term (rm/scorer.py), built as the engine sleeps
         if cfg.reward.reward_model.load_dir:
-            reward_model = RewardModelScorer.build(cfg.reward.reward_model, plan, cfg.model, cfg.parallel)
+            reward_model = RewardModelScorer.build(cfg.reward.reward_model, plan, cfg.model, cfg.parallel, self.handoff)
         judge = None  # a generative judge: its own vLLM engine beside this one (judge/), one more reward term
         if cfg.reward.judge.model_path:
             timeout = cfg.trainer.collective_timeout_s

@@ -110,12 +110,14 @@ def run_component(cfg, load_dir: Path) -> dict[str, Any]:
     ``RunPlan``, then the reward stage's hook ``score_rollout`` on a ``RolloutBatch`` of ``SEQUENCES`` (each split
     into a prompt and a response; the last has an empty response) whose rule-based rewards are all ``BASE_REWARD``."""
     from megatron_dapo.config import load_config
-    from megatron_dapo.config.plan import resolve
+    from megatron_dapo.config.plan import resolve, resolve_handoff_plan
+    from megatron_dapo.handoff.offload import MemoryHandoff, reference_tensors
     from megatron_dapo.platform import get_platform
     from megatron_dapo.reward.scoring import RewardResult
     from megatron_dapo.rm.reward_model import reward_model_arch
     from megatron_dapo.rm.scorer import RewardModelScorer, score_rollout
     from megatron_dapo.rollout.types import build_rollout_batch
+    from tests.training.offload_worker import CountingPlatform
 
     overrides = [
         f"parallel.tensor_model_parallel_size={cfg.parallel.tensor_model_parallel_size}",
@@ -131,7 +133,14 @@ def run_component(cfg, load_dir: Path) -> dict[str, Any]:
     run_cfg = load_config(TINY, overrides)
     arch, _ = reward_model_arch(load_dir)
     plan = resolve(run_cfg, arch, dist.get_world_size(), get_platform(), probe_imports=False)
-    scorer = RewardModelScorer.build(run_cfg.reward.reward_model, plan, run_cfg.model, run_cfg.parallel)
+    # Through a memory hand-off that offloads frozen models (the CPU platform counting its moves, as a device's
+    # would): the weights leave at once, come back for the scoring and leave again.
+    platform = CountingPlatform()
+    handoff_plan = resolve_handoff_plan(run_cfg.actor, run_cfg.ref, run_cfg.rollout, run_cfg.trainer, platform)
+    handoff = MemoryHandoff(platform, handoff_plan, [], None)
+    scorer = RewardModelScorer.build(run_cfg.reward.reward_model, plan, run_cfg.model, run_cfg.parallel, handoff)
+    held = lambda: sum(t.untyped_storage().nbytes() for t in reference_tensors([scorer.model]))  # noqa: E731
+    held_after_build = held()
     split = [max(1, len(s) // 2) for s in SEQUENCES]
     rollout = build_rollout_batch(
         prompts=[s[:k] for s, k in zip(SEQUENCES, split)],
@@ -148,6 +157,12 @@ def run_component(cfg, load_dir: Path) -> dict[str, Any]:
     result = RewardResult(token_level, torch.full((batch,), BASE_REWARD), {}, {}, lengths)
     score_rollout(scorer, result, rollout)
     return {
+        "handoff_reference_planned": handoff_plan.reference,
+        "held_after_build": held_after_build,
+        "held_after_scoring": held(),
+        "restored_bytes": platform.restored_bytes,
+        "released_bytes": platform.released_bytes,
+        "rm_bytes": sum(t.numel() * t.element_size() for t in reference_tensors([scorer.model])),
         "scores": result.scores.tolist(),
         "token_level_row_sums": result.token_level_scores.sum(-1).tolist(),
         "rm_score": result.extra["rm_score"],

@@ -87,6 +87,11 @@ def test_scorer_built_from_its_section_adds_the_weighted_score(reports, layout):
             expected = [BASE_REWARD + RM_WEIGHT * x for x in c["rm_score"]]
             assert c["scores"] == pytest.approx(expected, abs=1e-6), (rank, family)
             assert c["token_level_row_sums"] == pytest.approx(expected, abs=1e-6), (rank, family)
+            # Through the hand-off (offloading frozen models): off the device after the build and after scoring,
+            # back (every byte) for the scoring, whose scores are HF's above.
+            assert c["handoff_reference_planned"] and c["rm_bytes"] > 0
+            assert c["held_after_build"] == c["held_after_scoring"] == 0
+            assert c["restored_bytes"] == c["rm_bytes"] and c["released_bytes"] == 2 * c["rm_bytes"]
             assert c["metrics"] == {
                 "reward/rm_score/mean": pytest.approx(sum(c["rm_score"]) / len(ref), abs=1e-5),
                 "reward/rm_score/max": pytest.approx(max(c["rm_score"]), abs=1e-6),

@@ -146,10 +146,12 @@ def test_config_rules_name_the_reward_model_fields():
     ]
 
 
-def test_memory_model_holds_the_reward_model_weights_in_every_step_phase(tmp_path):
+def test_memory_model_holds_the_reward_model_weights_where_it_scores(tmp_path):
     """Tiny qwen2 classifier at TP 2, per rank: the embedding 256 x 64 / 2 (vocabulary 100 padded to 128 x TP), 2
     layers of (qkv 128 x 64 + bias 128 + proj 64 x 64 + MLP 3 x 96 x 64) / 2 + norms 2 x 64, the final norm 64, the
-    head 64: 39424 parameters, in bf16 (tests/models/test_reward_model.py checks the count on built models)."""
+    head 64: 39424 parameters, in bf16 (tests/models/test_reward_model.py checks the count on built models). On CUDA
+    the hand-off offloads frozen models: the weights are on the device while it scores (generation), in host memory
+    in the other phases."""
     from megatron_dapo.config import load_config
     from megatron_dapo.config.memory import STEP_PHASES, memory_model
     from megatron_dapo.config.plan import resolve
@@ -177,5 +179,7 @@ def test_memory_model_holds_the_reward_model_weights_in_every_step_phase(tmp_pat
     assert per_rank == 39424
     for name, phase in models["with"].items():
         added = phase.device_total - models["without"][name].device_total
-        expected = per_rank * 2 if name in STEP_PHASES or name == "save" else 0
+        expected = per_rank * 2 if name == "gen" else 0
         assert added == expected and phase.device.get("reward model", 0) == expected, (name, added)
+        on_host = per_rank * 2 if (name in STEP_PHASES or name == "save") and name != "gen" else 0
+        assert phase.host.get("reward model", 0) == on_host, (name, phase.host)
