@@ -17,8 +17,17 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from safetensors import safe_open
 
+from megatron_dapo.config import load_config
+from megatron_dapo.models.families import model_arch_from_hf
+from megatron_dapo.platform import make_platform
+from megatron_dapo.rollout.remote import BridgeSender
+from megatron_dapo.rollout.weight_transfer.factory import MergedPush, build_bridge_push
+from megatron_dapo.rollout.weight_transfer.owner_push import OwnerPush
+from tests.config.test_run_plan import _in_repo, tiny_plan  # noqa: F401 - _in_repo: the autouse fixture
+from tests.config.test_run_validation import TINY, TINY_HF
 from tests.helpers import run_torchrun
 
 WORKER = Path(__file__).with_name("bridge_push_worker.py")
@@ -87,3 +96,18 @@ def test_owner_push_bytes_and_log_probs(tiny_checkpoints, tmp_path):
     # a2: the push returned while the rollout rank slept, and arrived once it woke.
     assert r0["a2"]["returned_s"] < DELAY_S / 2 < r0["a2"]["wait_s"]
     assert r1["a2"]["returned_s"] < DELAY_S / 2 and r1["a2"]["wait_s"] < 0.1  # rank 1 has nothing in flight
+
+
+@pytest.mark.parametrize(("lora", "kind"), [([], OwnerPush), (["actor.lora.rank=4"], MergedPush)])
+def test_the_trainer_builds_the_owner_push(lora, kind):
+    """What the trainer's async branch builds (``factory.build_bridge_push``): the owner push with the config's bucket
+    size and the plan's rollout dtype; a LoRA actor's merged into every push."""
+    overrides = ["trainer.mode=async", "placement.rollout_ranks=1", "rollout.weight_sync_bucket_mb=3", *lora]
+    cfg = load_config(TINY, overrides)
+    plan = tiny_plan(overrides, world=3)
+    bridge = BridgeSender(None, plan.rollout, make_platform("cpu"))  # no placement: opens and sends nothing
+    push = build_bridge_push(bridge, model_arch_from_hf(TINY_HF), cfg.rollout, cfg.actor.lora)
+    assert type(push) is kind
+    owner = push.push if kind is MergedPush else push
+    assert (owner.bucket_bytes, owner.bridge, owner.transport.target) == (3 * 2**20, bridge, bridge)
+    assert str(owner.transport.dtype) == "torch.float32"  # tiny_cpu.yaml: fp32 model, rollout.dtype auto
