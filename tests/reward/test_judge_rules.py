@@ -119,3 +119,26 @@ def test_memory_model_counts_the_judge_where_it_is_awake(tmp_path):
             hosted = phase.host.get("judge weights", 0)
             assert hosted == (weights if sleeps and not awake and name != "startup" else 0), (platform, name)
         assert any(name in STEP_PHASES for name in phases["with"])
+
+
+def test_a_second_engines_start_up_messages_are_known_benign():
+    """What vLLM logs when the judge's engine starts after the rollout engine (a 2-rank training run's rank log):
+    kept off the console; a reworded message is not."""
+    from megatron_dapo.log_filters import known_benign
+
+    second_start = [
+        ("vllm.platforms.interface", "Unknown vLLM environment variable detected: VLLM_DIST_IDENT"),
+        (
+            "vllm.engine.arg_utils",
+            "The global random seed is set to 0. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False, this may"
+            " affect the random state of the Python process that launched vLLM.",
+        ),
+        (
+            "vllm.triton_utils.dispatcher",
+            "Kernel vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel is already registered. Overwriting.",
+        ),
+    ]
+    for logger, message in second_start:
+        assert known_benign(logger, message) is not None, message
+    assert known_benign("vllm.platforms.interface", "Unknown vLLM environment variable detected: VLLM_FOO") is None
+    assert known_benign("vllm.triton_utils.dispatcher", "Kernel my_kernel is already registered. Overwriting.") is None
