@@ -7,6 +7,7 @@ refusals of what the colocated teacher stage cannot honour (``distill/config_che
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +192,49 @@ def test_gate_refuses_dynamic_sampling_without_task_rewards_and_the_async_step()
     assert any(p.startswith("algorithm.filter_groups.enable=true with distillation.distillation_loss.use_task_rewards")
                for p in found), found  # fmt: skip
     assert any(p.startswith("rollout.partial_rollout.enable=true with distillation.enabled=true") for p in found)
+
+
+def test_check_plans_the_teachers_weights(tmp_path):
+    """``check``'s memory model counts each teacher's frozen weights at the actor's layout (TP 2 here): its HF
+    parameters, with the embedding and untied LM head padded to the actor's vocabulary multiple and split over TP,
+    on the device in every step phase and the save (an upper bound where the hand-off offloads them), not at the
+    start (the teachers are built after the engine)."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.config.memory import STEP_PHASES, memory_model
+    from megatron_dapo.config.plan import resolve
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.platform import make_platform
+    from megatron_dapo.testing.tiny_models import make_tiny_hf_model
+
+    shape = dict(hidden_size=96, num_layers=3, num_heads=6, num_kv_heads=2, intermediate_size=160)
+    teacher = make_tiny_hf_model("qwen2", vocab_size=100, tie_word_embeddings=False, **shape)
+    teacher.config.save_pretrained(tmp_path / "teacher")
+    student = make_tiny_hf_model("qwen2", vocab_size=100, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    student.config.save_pretrained(tmp_path / "student")
+    base = [
+        f"model.hf_config_dir={tmp_path / 'student'}",
+        "model.make_vocab_size_divisible_by=64",
+        "parallel.tensor_model_parallel_size=2",
+        "rollout.tensor_model_parallel_size=2",
+        "reward.custom_function.path=null",
+        "algorithm.filter_groups.enable=false",
+    ]
+    teacher_on = [
+        "distillation.enabled=true",
+        f"distillation.teacher_models.teacher_model.model_path={tmp_path / 'teacher'}",
+        "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=2",
+    ]
+    arch = model_arch_from_hf(tmp_path / "student")
+    phases = {}
+    for name, extra in (("without", []), ("with", teacher_on)):
+        cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml", base + extra)
+        plan = resolve(cfg, arch, 2, make_platform("cpu"), probe_imports=False)
+        phases[name] = {ph.name: ph for ph in memory_model(plan, arch, cfg, None).phases}
+    hf_params = sum(p.numel() for p in teacher.parameters())
+    h, tp = 96, 2
+    replicated = 3 * 2 * h + h  # whole on every TP rank: 2 norms per layer and the final norm (qwen2: no q/k norms)
+    per_rank = (hf_params - replicated + (128 - 100) * h * 2) // tp + replicated  # vocab 100 -> 128 rows
+    for name, phase in phases["with"].items():
+        expected = per_rank * 4 if name in STEP_PHASES or name == "save" else 0  # fp32
+        assert phase.device.get("teachers", 0) == expected, (name, phase.device)
+        assert phase.device_total - phases["without"][name].device_total == expected, name
