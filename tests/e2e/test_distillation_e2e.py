@@ -11,7 +11,7 @@ student's greedy validation accuracy (vLLM, the whole table) well above chance.
 
 Why the teacher is not one-hot: a sampled-token estimator only sees the teacher's log-prob of what the student
 sampled; a one-hot teacher gives every wrong answer about -20, so ``k1`` pushes wrong answers down with nothing to
-pull the right one up but its rare samples (the student's entropy grew and it learnt nothing in 20 steps), and
+pull the right one up but its rare samples (the student's entropy grew and it did not learn), and
 ``k3``'s clamp at 10 leaves those tokens without gradient (it collapsed onto wrong answers). A teacher that keeps a
 tenth of its mass on the other answers, as a real one would, gives balanced signals.
 """
