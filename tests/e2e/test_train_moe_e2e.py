@@ -6,6 +6,7 @@ split over EP ranks, resume, and an HF export that transformers loads.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -66,13 +67,16 @@ def test_moe_ep2_run_metrics_sync_and_export(demo_moe, straight_moe, tmp_path):
 
 
 def test_moe_ep2_resume_continues_where_it_stopped(demo_moe, straight_moe, tmp_path):
+    # The EP-split step-2 checkpoint of the straight run (its first two steps are what a 2-step run would train),
+    # the later ones removed; a stopped-then-extended dense run: tests/e2e/test_train_e2e.py.
     resumed = tmp_path / "resumed"
-    wait_ok(launch("run_local.sh", overrides(demo_moe, resumed, steps=2), ENV, CONFIG))
+    shutil.copytree(straight_moe / "checkpoints" / "global_step_2", resumed / "checkpoints" / "global_step_2")
+    (resumed / "checkpoints" / "latest").write_text("global_step_2\n")
     wait_ok(
         launch(
             "run_local.sh", overrides(demo_moe, resumed, steps=3, **{"trainer.val_before_train": "false"}), ENV, CONFIG
         )
     )
     rows = read_metrics(resumed)
-    assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in rows if "actor/pg_loss" in r] == [3]  # continued at 3, not restarted at 1
     assert_same_as_straight(straight_moe, resumed, (3,), tmp_path)
