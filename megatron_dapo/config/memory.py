@@ -1015,14 +1015,19 @@ def lora_stage_params(arch: ModelArch, lora_cfg: Any, plan: RunPlan, stage: int)
     def mlp(f: int) -> int:  # gated: fc1 is h -> 2f
         return 0 if not f else ("linear_fc1" in targets) * r * (h + 2 * f) + ("linear_fc2" in targets) * r * (f + h)
 
-    attn = ("linear_qkv" in targets) * r * (h + q + 2 * kv) + ("linear_proj" in targets) * r * (q + h)
+    q_rows = 2 * q if arch.attention_output_gate else q  # the output gate's rows come out of linear_qkv too
+    attn = ("linear_qkv" in targets) * r * (h + q_rows + 2 * kv) + ("linear_proj" in targets) * r * (q + h)
+    g = arch.gated_delta_net  # a hybrid's Gated DeltaNet layers: in_proj h -> q, k, v, z, beta, alpha; out_proj v -> h
+    gdn = 0 if g is None else ("in_proj" in targets) * r * (h + sum(g.in_proj_sections))
+    gdn += 0 if g is None else ("out_proj" in targets) * r * (g.v_dim + h)
     dense = experts = 0
     for i in (i for chunk in stage_layers(arch.num_layers, plan.pp, plan.vpp, stage) for i in chunk):
+        mixer = gdn if arch.is_linear_layer(i) else attn
         if arch.is_moe and arch.is_moe_layer(i):
-            dense += (attn + mlp(arch.moe_shared_expert_ffn_hidden_size or 0)) // plan.tp
+            dense += (mixer + mlp(arch.moe_shared_expert_ffn_hidden_size or 0)) // plan.tp
             experts += arch.num_experts // plan.ep * mlp(arch.moe_ffn_hidden_size)
         else:
-            dense += (attn + mlp(arch.ffn_hidden_size)) // plan.tp
+            dense += (mixer + mlp(arch.ffn_hidden_size)) // plan.tp
     return dense, experts
 
 

@@ -370,9 +370,7 @@ def plan_problems(
         problems += router_replay_problems(cfg.actor, arch, platform)
         # What megatron-core cannot shard or feed for this model (Qwen3.5's Gated DeltaNet: docs/qwen35.md).
         a = cfg.actor
-        problems += layout_problems(
-            arch, p.tensor_model_parallel_size, p.context_parallel_size, a.use_remove_padding, a.lora.rank
-        )
+        problems += layout_problems(arch, p.tensor_model_parallel_size, p.context_parallel_size, a.use_remove_padding)
     in_range = own.out_of_range.isdisjoint(("actor", "trainer"))
     if total_steps is not None and cfg.trainer.total_training_steps is None and in_range:  # else config_problems'
         problems += lr_schedule_problems(cfg.actor.optim, total_steps)
@@ -536,13 +534,16 @@ def weight_transport(
     if t.mode == "async":
         merged = f"; actor.lora.rank={rank}: adapters merged into each push (no adapter path)" if rank > 0 else ""
         return "reload", f"trainer.mode=async: HF tensors over the bridge to the rollout ranks' engines{merged}"
-    if rank > 0:
+    if rank > 0 and arch.gated_delta_net is None:
         return "lora_adapters", f"actor.lora.rank={rank}: the base once by reload, then the adapters into vLLM's LoRA"
+    # A hybrid's fused Gated DeltaNet in_proj adapter is several vLLM LoRA modules, which no transport maps yet.
+    merged = f"; actor.lora.rank={rank}: adapters merged into each push (Gated DeltaNet in_proj)" if rank > 0 else ""
     if not platform.direct_weight_sync:
-        return "reload", f"the {platform.name} platform has not run the direct path (Platform.direct_weight_sync)"
+        why = f"the {platform.name} platform has not run the direct path (Platform.direct_weight_sync)"
+        return "reload", why + merged
     if groups % rtp:
-        return "reload", f"{groups} query groups do not split over rollout TP {rtp} (vLLM replicates KV heads)"
-    return "direct", "colocated engine: each rank writes its rollout shard into the engine's layers"
+        return "reload", f"{groups} query groups do not split over rollout TP {rtp} (vLLM replicates KV heads){merged}"
+    return "direct", "colocated engine: each rank writes its rollout shard into the engine's layers" + merged
 
 
 def _remove_padding(a: ActorConfig, p: ParallelConfig, impl: str) -> bool:

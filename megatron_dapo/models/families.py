@@ -619,12 +619,10 @@ def layout_problems(
     tensor_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     packed_sequences: Optional[bool] = False,
-    lora_rank: int = 0,
 ) -> list[str]:
     """What megatron-core 0.16.1 cannot shard or feed for ``arch`` under these sizes, one message per piece (empty for
     a model without Gated DeltaNet layers). ``packed_sequences``: ``actor.use_remove_padding`` (None, the automatic
-    choice, is not refused here); ``lora_rank``: ``actor.lora.rank``. The run's rules (``config/plan.py``) report
-    these with the others."""
+    choice, is not refused here). The run's rules (``config/plan.py``) report these with the others."""
     gdn = arch.gated_delta_net
     if gdn is None:
         return []
@@ -639,12 +637,6 @@ def layout_problems(
         problems.append(
             f"actor.use_remove_padding=true: {what} take no packed (THD) sequences (the recurrent state is not reset "
             "per sequence); set actor.use_remove_padding=false"
-        )
-    if lora_rank > 0:
-        problems.append(
-            f"actor.lora.rank={lora_rank}: {what} take no LoRA adapters yet (their in_proj and out_proj are not among "
-            "actor.lora.target_modules' linear layers), so an adapter would train only part of every layer; set "
-            "actor.lora.rank=0 (full fine-tuning)"
         )
     for key, heads in (("linear_num_key_heads", gdn.num_key_heads), ("linear_num_value_heads", gdn.num_value_heads)):
         if heads % tensor_model_parallel_size:

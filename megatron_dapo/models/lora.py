@@ -12,13 +12,16 @@ shapes. ``state_dict`` keeps the base weights at their unwrapped keys (``...line
 
 Forward: ``base(x) + alpha/rank * B(A(dropout(x)))``; ``x`` is the base layer's input (its norm's output for TE's
 fused ``TELayerNormColumnParallelLinear``). Tensor parallelism, as Megatron-Bridge's ``ParallelLinearAdapter``:
-  * column-parallel base (``linear_qkv``, ``linear_fc1``): A is a ``ColumnParallelLinear`` split along the rank with
-    its output gathered (every rank sees the whole ``A x``; with sequence parallelism ``x`` is first gathered along
-    the sequence as the base layer does), B a ``ColumnParallelLinear`` split along the output like the base weight:
-    rank r's B rows are the rows of rank r's base shard (fc1: ``cat(gate_r, up_r)``; qkv: rank r's query groups);
-  * row-parallel base (``linear_proj``, ``linear_fc2``): A is a ``RowParallelLinear`` split along the input like the
-    base weight, its partial outputs all-reduced; B a ``ColumnParallelLinear`` split along the output and gathered;
-    with sequence parallelism the result is scattered along the sequence as the base layer's reduce-scatter does.
+  * column-parallel base (``linear_qkv``, ``linear_fc1``, a Gated DeltaNet's ``in_proj``): A is a
+    ``ColumnParallelLinear`` split along the rank with its output gathered (every rank sees the whole ``A x``; with
+    sequence parallelism ``x`` is first gathered along the sequence as the base layer does), B a
+    ``ColumnParallelLinear`` split along the output like the base weight: rank r's B rows are the rows of rank r's
+    base shard (fc1: ``cat(gate_r, up_r)``; qkv: rank r's query groups; in_proj: rank r's q, k, v, z, beta and alpha
+    sections);
+  * row-parallel base (``linear_proj``, ``linear_fc2``, ``out_proj``): A is a ``RowParallelLinear`` split along the
+    input like the base weight, its partial outputs all-reduced; B a ``ColumnParallelLinear`` split along the output
+    and gathered; with sequence parallelism the result is scattered along the sequence as the base layer's
+    reduce-scatter does.
 So ``rank`` must be divisible by TP (A of a column-parallel base is split along it). Every adapter weight is a
 TP-sharded parameter whose gradient is complete on its rank (no extra TP reduction).
 MoE: megatron-core's local ``SequentialMLP`` experts (``...experts.local_experts.<i>.linear_fc{1,2}``) get one
@@ -39,12 +42,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# Attention and MLP; then a hybrid's Gated DeltaNet token mixer (Qwen3-Next / Qwen3.5: its fused ``in_proj``, column-
+# parallel, and ``out_proj``, row-parallel), which a model without such layers does not have.
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
 _EXPERT_LINEAR = re.compile(r".*mlp\..*experts.*\.linear_fc[1-2]$")  # Megatron-Bridge's is_expert_linear
 
 
 def resolve_targets(target_modules: Sequence[str]) -> tuple[str, ...]:
-    """``target_modules`` → the layer names to wrap (``all-linear``, peft's spelling, = all four)."""
+    """``target_modules`` → the layer names to wrap (``all-linear``, peft's spelling, = all of them)."""
     if "all-linear" in target_modules:
         return LORA_TARGETS
     unknown = sorted(set(target_modules) - set(LORA_TARGETS))

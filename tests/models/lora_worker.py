@@ -76,7 +76,7 @@ def local_shards(name: str, a: torch.Tensor, b: torch.Tensor, tp: int, r: int) -
     from megatron_dapo.weights.layout import tp_shard
 
     name = name.split(".ep")[0]
-    if name.endswith(("linear_proj", "linear_fc2")):  # row-parallel base
+    if name.endswith(("linear_proj", "linear_fc2", "out_proj")):  # row-parallel base
         return torch.chunk(a, tp, dim=1)[r], torch.chunk(b, tp, dim=0)[r]
     kind = "gate_up" if name.endswith("linear_fc1") else "copy"
     return torch.chunk(a, tp, dim=0)[r], tp_shard(b, kind, 0, tp, r)
@@ -224,13 +224,15 @@ def base_grad_report(model: list) -> dict[str, Any]:
     return {"leaked": leaked, "adapters_trainable": adapters, "base_params": frozen}
 
 
-def merge_report(model: list, chunks: list, mbs: list, lora_logits: dict) -> dict[str, Any]:
+def merge_report(model: list, chunks: list, mbs: list, lora_logits: dict, forward=None) -> dict[str, Any]:
+    """Merge, the merged model's logits (``forward(model)``; default: ``run_model`` forward-only) against the LoRA
+    logits, unmerge."""
     from megatron_dapo.models.lora import lora_modules, merge_adapters, unmerge_adapters
 
     before = [m.to_wrap.weight.detach().clone() for m in lora_modules(chunks)]
     merged_count = merge_adapters(model)
     moved = max((m.to_wrap.weight - w).abs().max().item() for m, w in zip(lora_modules(chunks), before))
-    merged_logits, _ = run_model(model, mbs, True)
+    merged_logits = forward(model) if forward is not None else run_model(model, mbs, True)[0]
     unmerge_adapters(model)
     restored = max((m.to_wrap.weight - w).abs().max().item() for m, w in zip(lora_modules(chunks), before))
     return {
@@ -358,6 +360,67 @@ def run_moe_layout(cfg) -> dict[str, Any]:
     }
 
 
+def run_hybrid_layout(cfg) -> dict[str, Any]:
+    """A tiny Qwen3.5 (``tests/models/qwen35_worker.py``: 5 Gated DeltaNet layers, 1 gated full-attention layer),
+    ``all-linear``: each GDN layer's fused ``in_proj`` and ``out_proj`` and the attention layer's ``linear_qkv`` and
+    ``linear_proj`` wrapped, every MLP's fc1/fc2. As for the MoE layouts, the LoRA forward must equal the merged
+    model's, whose forward ``test_models_qwen35`` compares with HF at these layouts; the untrained adapters change
+    nothing and every adapter gets a gradient."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_dapo.config.schema import LoRAConfig
+    from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.models.lora import adapters_enabled, apply_lora
+    from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size
+    from megatron_dapo.weights.model_io import load_full_tensors
+    from tests.models import qwen35_worker as q35
+
+    hf = q35.tiny_hybrid_model("qwen3_5")
+    arch = model_arch_from_hf(hf.config.to_dict())
+    tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    padded = padded_vocab_size(arch.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    weights = {n: p.detach() for n, p in hf.named_parameters()}
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
+    load_full_tensors(chunks, arch, lambda m: hf_to_mcore(m, [weights[n] for n in m.hf], arch, padded))
+    mbs = q35.make_micro_batches(ps.get_data_parallel_rank())
+
+    def run(model: list, forward_only: bool) -> dict:
+        logits, _ = run_schedule(
+            model, mbs, q35.VOCAB, q35.SEQ, q35.BATCH, q35.token_loss, forward_only=forward_only, mask_key="mask"
+        )
+        return logits
+
+    base_logits = run(chunks, True)
+    apply_lora(chunks, LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"]))
+    untrained_logits = run(chunks, True)
+    names = set_adapters(chunks, random_full, tp, r)
+    model = wrap_for_training(chunks, cfg.parallel)
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    lora_logits = run(model, False)
+    finalize_model_grads(model)
+    grads = [(n, p.main_grad.abs().max().item()) for c in model for n, p in c.named_parameters() if ".adapter." in n]
+    with adapters_enabled(model, False):
+        off_logits = run(model, True)
+    merge = merge_report(model, chunks, mbs, lora_logits, forward=lambda m: run(m, True))
+    return {
+        "wrapped": sorted(names),
+        "linear_layers": list(arch.gated_delta_net.linear_layers),
+        "untrained_vs_base": max_diff(untrained_logits, base_logits, mbs),
+        "lora_vs_base": max_diff(lora_logits, base_logits, mbs),
+        "disabled_vs_base": max_diff(off_logits, base_logits, mbs),
+        "zero_grad_adapters": sorted(n for n, g in grads if g == 0.0),
+        "adapter_params": len(grads),
+        "adapter_numel": sum(p.numel() for c in model for n, p in c.named_parameters() if ".adapter." in n),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "base_grads": base_grad_report(model),
+        "merge": merge,
+        "last_stage": ps.is_pipeline_last_stage(ignore_virtual=True),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", required=True, help="comma-separated, e.g. tp2-pp1-sp,tp1-pp2")
@@ -372,8 +435,8 @@ def main() -> None:
     report: dict[str, Any] = {"layouts": {}}
     info = None
     for name in args.layouts.split(","):
-        moe = name.startswith("moe-")
-        lay = parse_moe_layout(name[4:]) if moe else parse_layout(name)
+        moe, hybrid = name.startswith("moe-"), name.startswith("hybrid-")
+        lay = parse_moe_layout(name[4:]) if moe else parse_layout(name[7:] if hybrid else name)
         overrides = [
             f"parallel.tensor_model_parallel_size={lay['tp']}",
             f"parallel.pipeline_model_parallel_size={lay['pp']}",
@@ -387,11 +450,12 @@ def main() -> None:
         cfg = load_config(None, overrides)
         info, _ = init_distributed(cfg.parallel)
         init_model_parallel(cfg.parallel, seed=1)
-        entry = (
-            run_moe_layout(cfg)
-            if moe
-            else run_layout(cfg, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
-        )
+        if moe:
+            entry = run_moe_layout(cfg)
+        elif hybrid:
+            entry = run_hybrid_layout(cfg)
+        else:
+            entry = run_layout(cfg, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
         entry.update(
             rank=info.rank, tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank()
         )

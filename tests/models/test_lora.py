@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from megatron_dapo.config import config_problems, load_config
+from megatron_dapo.config.memory import lora_stage_params
 from megatron_dapo.config.schema import LoRAConfig
 from megatron_dapo.models.lora import LORA_TARGETS, apply_lora, base_param_name, resolve_targets
 from tests.helpers import run_torchrun
@@ -22,10 +24,14 @@ WORKER = Path(__file__).with_name("lora_worker.py")
 PORT = 29840  # this area's range is 29800-29849
 DENSE = ["tp1-pp1", "tp2-pp1", "tp2-pp1-sp", "tp1-pp2"]
 MOE = ["moe-ep2-tp2-pp1-etp1-sp", "moe-ep1-tp2-pp1-sp"]
+HYBRID = ["hybrid-tp2-pp1-sp", "hybrid-tp1-pp2"]  # a tiny Qwen3.5: Gated DeltaNet layers 0-2, 4, 5; attention 3
 LOGITS_ATOL = 1e-5  # ours + LoRA vs HF + LoRA, fp32 logits on the non-pad positions (measured ~2.4e-7)
 GRAD_RTOL = 1e-5  # adapter gradient: max|Δ| / max|g_hf| (measured < 1e-6)
 LOSS_ATOL = 1e-5
 MERGE_ATOL = 1e-5  # merged weights' logits vs the adapters' (fp32 rounding only)
+# The hybrid's: its gated delta rule compounds the rounding over the sequence (measured 1.4e-5 at TP 2 + SP); a merge
+# into the wrong rows would move them as much as the adapters do (lora_vs_base > 1e-2).
+HYBRID_MERGE_ATOL = 5e-5
 UNMERGE_ATOL = 1e-6  # base weights after merge + unmerge (entries ~0.05; rounding of W + Δ - Δ)
 LAYERS = 4  # the tiny models' layers
 
@@ -33,11 +39,11 @@ LAYERS = 4  # the tiny models' layers
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("lora")
-    run_torchrun(WORKER, 2, ["--layouts", ",".join(DENSE + MOE), "--out", str(out)], port=PORT, timeout=480)
+    run_torchrun(WORKER, 2, ["--layouts", ",".join(DENSE + MOE + HYBRID), "--out", str(out)], port=PORT, timeout=480)
     return [json.loads((out / f"rank{r}.json").read_text())["layouts"] for r in range(2)]
 
 
-def _common_problems(where: str, r: dict) -> list[str]:
+def _common_problems(where: str, r: dict, merge_atol: float = MERGE_ATOL) -> list[str]:
     """What every wrapped layout must show: bit-exact no-ops, grads on adapters only, merge/unmerge."""
     problems = []
     if r["last_stage"]:
@@ -46,7 +52,7 @@ def _common_problems(where: str, r: dict) -> list[str]:
                 problems.append(f"{where}: {key} = {r[key]}")
         if not r["lora_vs_base"] > 1e-2:
             problems.append(f"{where}: the adapters barely change the logits ({r['lora_vs_base']})")
-        if not r["merge"]["merged_vs_lora_logits"] <= MERGE_ATOL:
+        if not r["merge"]["merged_vs_lora_logits"] <= merge_atol:
             problems.append(f"{where}: merged logits differ by {r['merge']['merged_vs_lora_logits']}")
     g = r["base_grads"]
     if g["leaked"] or g["adapters_trainable"] != r["adapter_params"] or g["base_params"] == 0:
@@ -104,6 +110,42 @@ def test_lora_moe_sequential_experts(reports):
         if r["zero_grad_adapters"]:
             problems.append(f"{where}: adapters without gradient {r['zero_grad_adapters']}")
     assert not problems, json.dumps(problems, indent=1)
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_lora_on_gated_delta_net_layers(reports, name):
+    """``all-linear`` on a hybrid wraps each Gated DeltaNet layer's in_proj and out_proj, the attention layer's
+    linear_qkv and linear_proj, and every MLP; the LoRA forward equals the merged model's (which
+    ``test_models_qwen35`` compares with transformers at these layouts) and every adapter gets a gradient."""
+    problems, wrapped = [], set()
+    for rank, layouts in enumerate(reports):
+        r = layouts[name]
+        where = f"{name} rank {rank}"
+        problems += _common_problems(where, r, HYBRID_MERGE_ATOL)
+        wrapped.update(r["wrapped"])
+        if r["zero_grad_adapters"]:
+            problems.append(f"{where}: adapters without gradient {r['zero_grad_adapters']}")
+        # check's memory model counts this rank's adapter parameters (config/memory.lora_stage_params)
+        tp, pp = (2, 1) if "tp2" in name else (1, 2)
+        plan = SimpleNamespace(tp=tp, pp=pp, vpp=None, ep=1)
+        lora = LoRAConfig(rank=4, target_modules=["all-linear"])  # the worker's RANK
+        counted = lora_stage_params(_hybrid_arch(), lora, plan, r["pp_rank"])
+        if sum(counted) != r["adapter_numel"]:
+            problems.append(f"{where}: check counts {counted} adapter parameters, the model has {r['adapter_numel']}")
+    linear = reports[0][name]["linear_layers"]
+    expected = {f"decoder.layers.{i}.self_attention.{m}" for i in linear for m in ("in_proj", "out_proj")}
+    expected |= {f"decoder.layers.{i}.self_attention.{m}" for i in (3,) for m in ("linear_qkv", "linear_proj")}
+    expected |= {f"decoder.layers.{i}.mlp.{m}" for i in range(6) for m in ("linear_fc1", "linear_fc2")}
+    if linear != [0, 1, 2, 4, 5] or wrapped != expected:
+        problems.append(f"{name}: wrapped {sorted(wrapped ^ expected)} differ from the expected names")
+    assert not problems, json.dumps(problems, indent=1)
+
+
+def _hybrid_arch():
+    from megatron_dapo.models.families import model_arch_from_hf
+    from tests.models.qwen35_worker import tiny_hybrid_config
+
+    return model_arch_from_hf(tiny_hybrid_config("qwen3_5").to_dict())
 
 
 def test_lora_refuses_expert_tensor_parallelism(reports):

@@ -109,3 +109,20 @@ def test_weight_sync_refuses_an_unknown_transport():
     target = BridgeSender(None, plan.rollout, make_platform("cpu"))
     with pytest.raises(ValueError, match="WeightSync transport 'lora_adapters'"):
         WeightSync(target, model_arch_from_hf(TINY_HF), 1, "lora_adapters")
+
+
+def test_a_hybrid_with_lora_merges_its_adapters_into_each_push():
+    """A Qwen3.5's fused Gated DeltaNet in_proj adapter is several vLLM LoRA modules, which no transport maps: its
+    adapters are merged into the platform's full-weight transport (``build_weight_sync`` builds a LoRA actor's sync in
+    merge mode for any transport but lora_adapters)."""
+    from tests.models.qwen35_worker import tiny_hybrid_config
+
+    arch = model_arch_from_hf(tiny_hybrid_config("qwen3_5").to_dict())
+    cfg = load_config(TINY, ["actor.lora.rank=4"])
+    merged = "; actor.lora.rank=4: adapters merged into each push (Gated DeltaNet in_proj)"
+    direct = "colocated engine: each rank writes its rollout shard into the engine's layers"
+    assert transport_of(cfg, arch, make_platform("cpu")) == ("direct", direct + merged)
+    why = "the cuda platform has not run the direct path (Platform.direct_weight_sync)"
+    assert transport_of(cfg, arch, make_platform("cuda")) == ("reload", why + merged)
+    plain = load_config(TINY, [])
+    assert transport_of(plain, arch, make_platform("cpu")) == ("direct", direct)
