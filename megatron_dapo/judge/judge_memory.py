@@ -69,7 +69,7 @@ def judge_lines(cfg: JudgeConfig, plan: RunPlan, terms: dict[str, float]) -> lis
         return []
     rp = plan.rollout
     size = (
-        f"weights {terms[WEIGHTS] / 2**30:.3f} GiB + KV cache {terms[KV] / 2**30:.3f} GiB per rank"
+        f"weights {terms[WEIGHTS] / 2**20:.2f} MiB + KV cache {terms[KV] / 2**20:.2f} MiB per rank"
         if terms.get(WEIGHTS)
         else "size unknown (its checkpoint is not readable here)"
     )

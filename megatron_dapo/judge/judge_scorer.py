@@ -44,7 +44,7 @@ class JudgeVerdicts:
 class JudgeScorer:
     """The judge's tokenizer, parser and engine, with its config section and ``reward.error_score``."""
 
-    def __init__(self, cfg: JudgeConfig, error_score: float, tokenizer: Any, engine: Any, actor_tokenizer: Any):
+    def __init__(self, cfg: JudgeConfig, error_score: float, tokenizer: Any, engine: Any, actor_tokenizer: Any) -> None:
         self.cfg, self.error_score = cfg, float(error_score)
         self.tokenizer, self.engine, self.actor_tokenizer = tokenizer, engine, actor_tokenizer
         self.parser: Parser = build_parser(cfg.parser, cfg.pattern, cfg.choices)

@@ -87,6 +87,7 @@ def test_memory_model_counts_the_judge_where_it_is_awake(tmp_path):
     phases; on vLLM-CPU (no sleep) both stay on the device, start-up excepted (the judge is built after it)."""
     from megatron_dapo.config.memory import STEP_PHASES, memory_model
     from megatron_dapo.config.plan import resolve
+    from megatron_dapo.judge.judge_memory import judge_lines, judge_terms
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.platform import make_platform
     from megatron_dapo.testing.tiny_models import make_tiny_hf_model
@@ -119,6 +120,13 @@ def test_memory_model_counts_the_judge_where_it_is_awake(tmp_path):
             hosted = phase.host.get("judge weights", 0)
             assert hosted == (weights if sleeps and not awake and name != "startup" else 0), (platform, name)
         assert any(name in STEP_PHASES for name in phases["with"])
+        # what `megatron-dapo check` prints for it
+        lines = judge_lines(cfg.reward.judge, plan, judge_terms(cfg.reward.judge, plan, None))
+        assert (
+            f"a second vLLM engine at rollout TP 2 in each of the 2 replica(s); weights {weights / 2**20:.2f} MiB"
+            in lines[0]
+        )
+        assert ("asleep except while it scores" if sleeps else "resident (no vLLM sleep mode here)") in lines[0]
 
 
 def test_a_second_engines_start_up_messages_are_known_benign():
