@@ -144,6 +144,8 @@ def test_student_learns_the_table_from_the_teacher(demo, teacher, tmp_path):
         "data.gen_batch_size": 16,
         "actor.ppo_mini_batch_size": 8,
         "actor.optim.lr": 1e-3,
+        # The hand-off moves the teacher as the reference: on host memory outside its forward (CPU keeps it by default).
+        "ref.offload": "true",
     }
     started = time.perf_counter()
     wait_ok(launch("run_local.sh", overrides(demo, out, steps=steps, **distill), ENV))
@@ -157,6 +159,10 @@ def test_student_learns_the_table_from_the_teacher(demo, teacher, tmp_path):
     for r in trained:
         assert r["actor/update_ok"] == 1.0
         assert r["actor/num_nonfinite_teacher_log_probs"] == 0
+        # On host memory outside its forward: back for it and off again (the last move of a step that validates is
+        # the rollout's, which finds it off already).
+        assert r["perf/offload_host_buffer_gb/teacher"] > 0
+        assert r["perf/offload_gb/teacher"] > 0 or VAL_KEY in r
         assert r["distillation/loss_max"] >= r["distillation/loss_min"]
     # The distillation loss (the mean reverse-KL estimate on the student's samples) falls as the student comes to
     # agree with the teacher; one step is noisy, five are not.
