@@ -210,7 +210,9 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    offload: Optional[bool] = None  # the frozen reference's weights on host memory outside its forward; None = platform
+    # the frozen reference's (and the distillation teachers') weights on host memory outside their forward; None =
+    # the platform's default
+    offload: Optional[bool] = None
 
 
 @dataclass
