@@ -1050,6 +1050,14 @@ def _teacher_bytes(plan: RunPlan, cfg: ExperimentConfig, divisible: int) -> floa
     return float(total * plan.param_bytes)
 
 
+def _push_in_flight(plan: RunPlan, arch: ModelArch, params: RankParams) -> dict[str, float]:
+    """trainer.mode=async: the sender of a pipeline stage (rollout/weight_transfer/owner_push.py) keeps a copy of its
+    stage's full HF tensors, in the rollout dtype, until the rollout ranks have taken them; the next step runs
+    meanwhile, so every phase after start-up may hold it (counted for the largest stage)."""
+    stage = actor_stage_params(arch, params.counts, 1, plan.pp, arch.vocab_size, plan.ep, 1, plan.vpp, params.stage)
+    return {"push in flight": float(sum(stage) * plan.rollout_bytes)}
+
+
 def memory_model(
     plan: RunPlan, arch: ModelArch, cfg: ExperimentConfig, device_memory_bytes: Optional[float] = None
 ) -> MemoryModel:
@@ -1080,9 +1088,13 @@ def memory_model(
     gathered = 8 * rows * cfg.data.max_response_length + own
     mask = plan.max_model_len**2 if plan.explicit_causal_mask else 0  # one [s, s] bool mask, the longest s
     phases = _phases(plan, state, _step_work(act, buckets, own, gathered, mask), act.update_stage, capacity)
-    if rollout_rank is not None:  # a training rank's phases: no engine term at all
+    if rollout_rank is not None:  # a training rank's phases: no engine term at all, and the push it has in flight
+        push = _push_in_flight(plan, arch, params)
         phases = tuple(
-            replace(ph, device={k: v for k, v in ph.device.items() if not k.startswith("vLLM")}) for ph in phases
+            replace(ph, device={**{k: v for k, v in ph.device.items() if not k.startswith("vLLM")}, **push})
+            if ph.name != "startup"
+            else replace(ph, device={k: v for k, v in ph.device.items() if not k.startswith("vLLM")})
+            for ph in phases
         )
     startup = None
     if plan.on_device and capacity is not None and rollout_rank is None:  # vLLM's start-up rule beside the actor

@@ -259,7 +259,13 @@ def test_async_splits_the_engine_off_the_training_ranks():
     for phase in m.phases:
         assert not [k for k in phase.device if k.startswith("vLLM")], phase
         assert phase.host == {}, phase
-    assert m.phase("gen").device == {"actor weights": P_RANK * BF16, "grads": P_RANK * 4, "optimizer": P_RANK * 12 / 4}
+    # The push it sent keeps a copy of the stage's HF tensors (bf16) until the rollout ranks take it, through the
+    # next step: the whole unpadded model at PP 1, 8 x (590336 + 512) + 2 x 1000 x 256 + 256 = 5239040 parameters.
+    push = {"push in flight": 5239040 * BF16}
+    assert m.phase("gen").device == {
+        "actor weights": P_RANK * BF16, "grads": P_RANK * 4, "optimizer": P_RANK * 12 / 4, **push
+    }  # fmt: skip
+    assert "push in flight" not in m.phase("startup").device
     assert m.phase("sync").device["sync buckets"] == 16 * MIB  # the gathered bucket only: no staging copy here
     assert m.rollout_rank == P_VLLM * BF16 + (0.5 * GIB - P_VLLM * BF16) + 2 * 16 * MIB
     assert m.numbers()["memory_rollout_rank_bytes"] == m.rollout_rank and m.startup is None
