@@ -84,12 +84,11 @@ def test_check_prints_the_transport():
     [
         ([], 2, "cpu", WeightSync, "direct"),
         ([], 2, "cuda", WeightSync, "reload"),
-        (ASYNC, 3, "cpu", WeightSync, "reload"),
         (["actor.lora.rank=4"], 2, "cpu", LoraAdapterSync, "vllm_lora"),
-        ([*ASYNC, "actor.lora.rank=4"], 3, "cpu", LoraAdapterSync, "merge"),
     ],
 )
 def test_factory_builds_the_planned_sync(overrides, world, platform, kind, detail):
+    """The colocated engine's sync (an async job's push is ``build_bridge_push``'s: test_bridge_owner_push.py)."""
     overrides = [*overrides, "rollout.weight_sync_bucket_mb=3"]
     cfg = load_config(TINY, overrides)
     plan = tiny_plan(overrides, world=world, platform=platform)
