@@ -41,6 +41,7 @@ from megatron_dapo.config.schema import (
     TrainerConfig,
 )
 from megatron_dapo.dtypes import dtype_bytes
+from megatron_dapo.judge.judge_files import judge_file_problems
 from megatron_dapo.models.families import ModelArch, layout_problems
 from megatron_dapo.platform.base import HandoffDefaults, Platform
 from megatron_dapo.weights.layout import padded_vocab_size
@@ -376,6 +377,7 @@ def plan_problems(
         problems += lr_schedule_problems(cfg.actor.optim, total_steps)
     if reward_files:
         problems += reward_function_problems(cfg.reward)
+    problems += judge_file_problems(cfg.reward.judge, cfg.rollout.tensor_model_parallel_size)  # reward.judge's files
     problems += _attention_problems(cfg.model, p, cfg.actor, platform, probe_imports)
     return PlanProblems(problems, layout_ok)
 

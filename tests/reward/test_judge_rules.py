@@ -91,10 +91,12 @@ def test_memory_model_counts_the_judge_where_it_is_awake(tmp_path):
     from megatron_dapo.models.families import model_arch_from_hf
     from megatron_dapo.platform import make_platform
     from megatron_dapo.testing.tiny_models import make_tiny_hf_model
+    from megatron_dapo.testing.tokenizer import build_tiny_tokenizer
     from tests.helpers.hf_configs import SMALL_QWEN2
 
     judge = make_tiny_hf_model("qwen2", seed=2, vocab_size=128, num_layers=2, hidden_size=64, intermediate_size=96)
     judge.save_pretrained(tmp_path / "judge", safe_serialization=True)
+    build_tiny_tokenizer(tmp_path / "tok")
     weights = sum(p.numel() for p in judge.state_dict().values()) * 2 / 2
     arch = model_arch_from_hf(SMALL_QWEN2)
     base = [
@@ -104,10 +106,13 @@ def test_memory_model_counts_the_judge_where_it_is_awake(tmp_path):
         "rollout.tensor_model_parallel_size=2",
         "reward.custom_function.path=null",
         "reward.judge.kv_cache_memory_mb=3",
+        "reward.judge.max_prompt_length=48",
+        "reward.judge.max_tokens=16",
     ]
     for platform in ("cuda", "cpu"):
         phases = {}
-        for name, extra in (("without", []), ("with", [f"reward.judge.model_path={tmp_path / 'judge'}"])):
+        judged = [f"reward.judge.model_path={tmp_path / 'judge'}", f"reward.judge.tokenizer_path={tmp_path / 'tok'}"]
+        for name, extra in (("without", []), ("with", judged)):
             cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", base + [f"parallel.platform={platform}", *extra])
             plan = resolve(cfg, arch, 4, make_platform(platform), probe_imports=False)
             phases[name] = {ph.name: ph for ph in memory_model(plan, arch, cfg, None).phases}
@@ -150,3 +155,40 @@ def test_a_second_engines_start_up_messages_are_known_benign():
         assert known_benign(logger, message) is not None, message
     assert known_benign("vllm.platforms.interface", "Unknown vLLM environment variable detected: VLLM_FOO") is None
     assert known_benign("vllm.triton_utils.dispatcher", "Kernel my_kernel is already registered. Overwriting.") is None
+
+
+def test_the_judges_files_are_checked_with_the_run(tmp_path):
+    """``config/plan.plan_problems`` reads the judge's config.json: its context against the input and answer
+    lengths, its heads against the rollout's TP, and a tokenizer where the config says."""
+    from megatron_dapo.config.schema import JudgeConfig
+    from megatron_dapo.judge.judge_files import judge_file_problems
+    from megatron_dapo.testing.tiny_models import save_tiny_hf_checkpoint
+    from megatron_dapo.testing.tokenizer import build_tiny_tokenizer
+
+    judge = save_tiny_hf_checkpoint(
+        tmp_path / "judge",
+        "qwen2",
+        vocab_size=128,
+        num_layers=1,
+        hidden_size=64,
+        intermediate_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=64,
+    )
+    build_tiny_tokenizer(tmp_path / "tok")
+    fits = JudgeConfig(model_path=str(judge), tokenizer_path=str(tmp_path / "tok"), max_prompt_length=48, max_tokens=16)
+    assert judge_file_problems(fits, 2) == []
+    assert judge_file_problems(JudgeConfig(), 2) == []  # off
+    long, no_tok = JudgeConfig(**{**fits.__dict__, "max_tokens": 17}), JudgeConfig(model_path=str(judge))
+    (line,) = judge_file_problems(long, 2)
+    assert "reward.judge.max_prompt_length=48 + reward.judge.max_tokens=17 = 65: more than" in line
+    assert "max_position_embeddings=64" in line
+    assert judge_file_problems(fits, 4) == []  # 4 heads over 4 ranks; 2 KV heads, each on 2 ranks
+    heads, kv = judge_file_problems(fits, 3)
+    assert "num_attention_heads=4 is not split by rollout.tensor_model_parallel_size=3" in heads
+    assert "num_key_value_heads=2 is neither split by nor a divisor of rollout.tensor_model_parallel_size=3" in kv
+    (line,) = judge_file_problems(JudgeConfig(**{**no_tok.__dict__, "max_prompt_length": 8}), 1)
+    assert line.startswith(f"reward.judge.model_path={str(judge)!r}: no tokenizer files")
+    (line,) = judge_file_problems(JudgeConfig(model_path=str(tmp_path / "nothing")), 1)
+    assert "no readable config.json" in line
