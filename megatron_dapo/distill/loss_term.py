@@ -58,5 +58,7 @@ class DistillationLossTerm:
             old_log_probs=old,
             is_weights=mb.rollout_is_weights,
         )
+        if not bool(mb.loss_mask.any()):  # no token to describe: its 0s would pull the extremes and means over the step
+            metrics = {"distillation/loss": metrics["distillation/loss"]}
         metrics[EXTRA_LOSS] = loss.detach()
         return combine_with_task_loss(task_loss, loss, self.cfg), metrics

@@ -238,3 +238,12 @@ def test_check_plans_the_teachers_weights(tmp_path):
         expected = per_rank * 4 if name in STEP_PHASES or name == "save" else 0  # fp32
         assert phase.device.get("teachers", 0) == expected, (name, phase.device)
         assert phase.device_total - phases["without"][name].device_total == expected, name
+
+
+def test_a_fully_masked_micro_batch_reports_only_its_zero_loss():
+    """Its extremes and means would otherwise enter the step's min/max/mean as 0s (``objective._extreme``)."""
+    term = DistillationLossTerm(DistillationLossConfig(loss_mode="k3"), "token-mean")
+    mb, student = _micro_batch(3, rows=1)
+    assert not bool(mb.loss_mask.any())
+    _, metrics = term.combine(torch.tensor(0.0, dtype=torch.float64), student, mb, LossNormalisers(5.0, 2.0, 5))
+    assert set(metrics) == {"distillation/loss", EXTRA_LOSS} and float(metrics["distillation/loss"]) == 0.0
