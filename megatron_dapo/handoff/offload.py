@@ -13,6 +13,8 @@ follows it without being re-pointed:
   (``shard_fp32_from_float16_groups``). Main parameters that *are* model parameters or views of them (fp32 training)
   are left to **params**: moving them twice would break the aliasing the optimizer step relies on.
 * **reference**: the frozen reference chunks' parameters and buffers.
+* **teacher**: on-policy distillation's frozen teachers (``distill/teacher.py``), moved as the reference is and when
+  it is (``HandoffPlan.reference``): ``attach_teachers``, ``before_teacher`` / ``after_teacher`` around their forward.
 
 How. Each component has one host byte buffer, exactly the size of its storages (each slice aligned to
 ``HOST_ALIGN`` bytes), pinned on CUDA/NPU and kept between cycles (pinning is slow; one buffer per storage would
