@@ -40,6 +40,7 @@ from megatron_dapo.config.schema import (
     RolloutConfig,
     TrainerConfig,
 )
+from megatron_dapo.distill.teacher_memory import teacher_layout_problems
 from megatron_dapo.dtypes import dtype_bytes
 from megatron_dapo.judge.judge_files import judge_file_problems
 from megatron_dapo.models.families import ModelArch, layout_problems
@@ -363,6 +364,7 @@ def plan_problems(
             cp = max(1, p.context_parallel_size)
             dp = train_world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * cp)
             problems += batch_layout_problems(cfg.actor, cfg.rollout, cfg.data, p, dp)
+            problems += teacher_layout_problems(cfg.distillation, p, train_world)
         positions = arch.max_position_embeddings
         rollout = rollout_layout_problems(cfg.rollout, cfg.data, rollout_world, positions, arch, world_desc, platform)
         problems += rollout

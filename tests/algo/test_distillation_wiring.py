@@ -247,3 +247,47 @@ def test_a_fully_masked_micro_batch_reports_only_its_zero_loss():
     assert not bool(mb.loss_mask.any())
     _, metrics = term.combine(torch.tensor(0.0, dtype=torch.float64), student, mb, LossNormalisers(5.0, 2.0, 5))
     assert set(metrics) == {"distillation/loss", EXTRA_LOSS} and float(metrics["distillation/loss"]) == 0.0
+
+
+def test_gate_refuses_a_teacher_the_actor_layout_cannot_shard_or_read(tmp_path):
+    """The teachers run at the actor's TP/PP: ``config/plan.plan_problems`` reads each teacher's config.json."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.config.plan import plan_problems
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.platform import make_platform
+    from megatron_dapo.testing.tiny_models import tiny_hf_config
+
+    tiny_hf_config("qwen2", vocab_size=100, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2).save_pretrained(
+        tmp_path / "student"
+    )
+    # 6 heads, 3 KV heads, 3 layers: neither TP 2 nor PP 2 splits it
+    odd = dict(vocab_size=100, hidden_size=96, num_layers=3, num_heads=6, num_kv_heads=3, intermediate_size=160)
+    tiny_hf_config("qwen2", **odd).save_pretrained(tmp_path / "teacher")
+    overrides = [
+        f"model.hf_config_dir={tmp_path / 'student'}",
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2",
+        "rollout.tensor_model_parallel_size=2",
+        "reward.custom_function.path=null",
+        "algorithm.filter_groups.enable=false",
+        "distillation.enabled=true",
+        f"distillation.teacher_models.good.model_path={tmp_path / 'student'}",
+        "distillation.teacher_models.good.key=a",
+        f"distillation.teacher_models.odd.model_path={tmp_path / 'teacher'}",
+        "distillation.teacher_models.odd.key=b",
+        f"distillation.teacher_models.gone.model_path={tmp_path / 'nowhere'}",
+        "distillation.teacher_models.gone.key=c",
+    ] + [f"distillation.teacher_models.{n}.inference.{k}=2" for n in ("good", "odd", "gone")
+         for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")]  # fmt: skip
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml", overrides)
+    arch = model_arch_from_hf(tmp_path / "student")
+    found = [p for p in plan_problems(cfg, arch, 4, make_platform("cpu"), probe_imports=False) if "teacher" in p]
+    odd_key = "distillation.teacher_models.odd (the teacher runs at the actor's layout): "
+    assert (
+        odd_key + "parallel.tensor_model_parallel_size=2 does not divide the model's num_attention_heads=6" not in found
+    )
+    assert any(p.startswith(odd_key + "parallel.tensor_model_parallel_size=2 does not divide the model's "
+                            "num_key_value_heads=3") for p in found), found  # fmt: skip
+    assert any(p.startswith(odd_key) and "num_hidden_layers=3" in p for p in found), found
+    assert any(p.startswith("distillation.teacher_models.gone.model_path=") and "not readable" in p for p in found)
+    assert not [p for p in found if ".good" in p], found
