@@ -81,11 +81,12 @@ class DistillationTeachers:
         if not d.enabled:
             return None
         models, chunks = {}, []
+        names = {id(teacher): name for name, teacher in d.teacher_models.items()}
+        student_name = model.tokenizer_dir or model.hf_config_dir
         for key, teacher in teachers_by_key(d).items():
             hf_dir = teacher_hf_dir(teacher)
-            name = f"{SECTION}.teacher_models.{_entry_name(d, teacher)}"
-            check_same_tokenizer(student_tokenizer, load_tokenizer(None, hf_dir), model.tokenizer_dir or
-                                 model.hf_config_dir, f"{name} ({hf_dir})")  # fmt: skip
+            name = f"{SECTION}.teacher_models.{names[id(teacher)]} ({hf_dir})"
+            check_same_tokenizer(student_tokenizer, load_tokenizer(None, hf_dir), student_name, name)
             arch = model_arch_from_hf(hf_dir)
             models[key] = _build_one(arch, teacher, model, parallel, actor_cfg, plan, hf_dir)
             chunks += models[key].chunks
@@ -107,10 +108,6 @@ class DistillationTeachers:
             padding.append(result["padding_ratio"])
         batch.teacher_log_probs = out
         return {"perf/padding_ratio/teacher": sum(padding) / max(len(padding), 1)}
-
-
-def _entry_name(d: DistillationConfig, teacher: Any) -> str:
-    return next(name for name, t in d.teacher_models.items() if t is teacher)
 
 
 def _build_one(
