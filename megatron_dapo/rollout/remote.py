@@ -31,12 +31,31 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_dapo import dtypes
+from megatron_dapo import dtypes, liveness
 from megatron_dapo.parallel import Placement, broadcast_object, open_bridge
 from megatron_dapo.rollout.weight_transfer.reload_transport import quiet_partial_reload_logs
 
 PREFIX = "async/"
 BRIDGE_PLAN = "bridge/plan"  # Control: {"key", "senders": training ranks, "buckets": [[sender index, ...], ...]}
+# A wait for the other side looks this often whether a rank of the job died (liveness.py): with a peer gone the wait
+# would last trainer.collective_timeout_s, and a torchrun restart with it. A peer on another host costs a check
+# liveness.STALE_BEATS heartbeats, hence not every poll.
+PEER_CHECK_S = 5.0
+
+
+_DEATHS: list[str] = []  # the ranks this process found dead: a later wait (the save after the failure) fails at once
+
+
+def raise_if_peer_died(what: str) -> None:
+    """``RuntimeError`` naming the ranks of the job that are gone (either side), while this rank waits for ``what``;
+    ``run_training`` then reports the dead rank first (``training/failure.dead_peer_report``)."""
+    if not _DEATHS:
+        alive = liveness.current()
+        dead = alive.dead_peers() if alive is not None else []
+        if dead:
+            _DEATHS.append(", ".join(f"rank {d.rank} ({d.role})" for d in dead))
+    if _DEATHS:
+        raise RuntimeError(f"{_DEATHS[0]} died while this rank waited for {what}")
 
 
 def _broadcast(pg: Any, tensor: torch.Tensor) -> Any:
@@ -169,15 +188,25 @@ class StoreQueue:
         self.produced = int(self.store.add(f"{PREFIX}q/produced", 1))
 
     def get(self) -> bytes:
-        """The next group; waits up to the timeout for the producer (``RuntimeError`` naming the wait)."""
+        """The next group; waits up to the timeout for the producer (``RuntimeError`` naming the wait, or the rank
+        that died meanwhile)."""
         key = self._key(self.consumed)
-        try:
-            self.store.wait([key], self.timeout)
-        except Exception as exc:  # noqa: BLE001 - the store raises its own error types per backend
-            raise RuntimeError(
-                f"no scored group came from the rollout ranks within trainer.collective_timeout_s="
-                f"{self.timeout.total_seconds():.0f} s (waiting for group #{self.consumed}): {exc}"
-            ) from exc
+        if _DEATHS:
+            raise_if_peer_died(f"scored group #{self.consumed}")
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            chunk = max(0.001, min(PEER_CHECK_S, deadline - time.monotonic()))
+            began = time.monotonic()
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=chunk))
+                break
+            except Exception as exc:  # noqa: BLE001 - the store raises its own error types per backend
+                if time.monotonic() >= deadline or time.monotonic() - began < 0.5 * chunk:  # timed out, or broken
+                    raise RuntimeError(
+                        f"no scored group came from the rollout ranks within trainer.collective_timeout_s="
+                        f"{self.timeout.total_seconds():.0f} s (waiting for group #{self.consumed}): {exc}"
+                    ) from exc
+                raise_if_peer_died(f"scored group #{self.consumed}")
         payload = self.store.get(key)
         self.store.delete_key(key)
         self.consumed = int(self.store.add(f"{PREFIX}q/consumed", 1))
@@ -213,9 +242,13 @@ class Control:
     def wait(self, name: str, what: str, poll_s: float = 0.01) -> Any:
         """The message, once posted; ``RuntimeError`` naming ``what`` was awaited after the timeout."""
         deadline = time.monotonic() + self.timeout_s
+        checked = time.monotonic()
         while time.monotonic() < deadline:
             value = self.read(name)
             if value is not None:
                 return value
+            if _DEATHS or time.monotonic() - checked > PEER_CHECK_S:
+                raise_if_peer_died(what)
+                checked = time.monotonic()
             time.sleep(poll_s)
         raise RuntimeError(f"waited trainer.collective_timeout_s={self.timeout_s:.0f} s for {what}")

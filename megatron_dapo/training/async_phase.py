@@ -11,8 +11,9 @@ of the rollout ranks (``training/rollout_worker.py``), with the interface of the
   ``algorithm.filter_groups.on_exhausted`` does in a synchronous step;
 * ``validate`` asks the rollout ranks to validate the current weights and waits for the result;
 * ``before_save`` asks them for a snapshot of everything not trained yet — the data position, the responses in
-  flight and the scored groups in the queue — which the checkpoint holds as its ``rollout_state`` component and
-  gives back to them on resume: no prompt is lost or drawn twice.
+  flight and the scored groups in the queue, and the groups this side took for a step that failed — which the
+  checkpoint holds as its ``rollout_state`` component and gives back to them on resume: no prompt is lost or drawn
+  twice, also when the save is the one after a failure (``run_state.StepCheckpoints.save_after_failure``).
 
 Only the first training rank talks to the store; the others receive what it read through their own side's group.
 """
@@ -49,11 +50,20 @@ SAMPLING_KEYS = ("gen_batches", "generated", "kept")
 
 class RolloutState:
     """The ``rollout_state`` checkpoint component: the last snapshot the rollout ranks sent (``before_save``), and
-    on resume the snapshot to hand back to them."""
+    on resume the snapshot to hand back to them.
+
+    ``in_hand`` (first training rank): the groups taken from the queue for the step under way. They left the queue,
+    so no snapshot of the rollout ranks holds them: a save of the last completed step after a failure puts them back
+    in front of the snapshot's queued groups. ``step_completed`` (``run_state.StepCheckpoints.mark_boundary``) drops
+    them once the step's update is applied."""
 
     def __init__(self) -> None:
         self.latest: dict[str, Any] = {}
         self.restored: Optional[dict[str, Any]] = None
+        self.in_hand: list[dict[str, Any]] = []
+
+    def step_completed(self) -> None:
+        self.in_hand = []
 
     def state_dict(self) -> dict[str, Any]:
         return self.latest
@@ -193,6 +203,8 @@ class RemoteRolloutPhase:
                 dropped += 1
                 continue
             groups.append(last)
+            if not last.get("filler"):  # a filler is a dropped group: no snapshot holds those
+                self.state.in_hand.append(last["group"])
         end = {k: v for k, v in last.items() if k in ("totals", "exhausted", "error")}  # what is read of it
         return groups, dropped, self.queue.length(), self.control.read("stats") or {}, end
 
@@ -227,7 +239,8 @@ class RemoteRolloutPhase:
 
     def before_save(self) -> None:
         """A snapshot of the rollout side for the checkpoint (the trainer is at a step boundary: it takes nothing
-        from the queue meanwhile)."""
+        from the queue meanwhile), with the groups taken for a step that did not complete (``RolloutState.in_hand``)
+        queued first."""
         if not self.started:
             return  # nothing was generated yet: the restored snapshot (or none) still holds
         self.snapshots += 1
@@ -235,6 +248,8 @@ class RemoteRolloutPhase:
             started = time.perf_counter()
             self.control.post("snap/request", self.snapshots)
             state = self.control.wait(f"snap/result/{self.snapshots}", "the rollout ranks' snapshot")
+            if self.state.in_hand:  # a save after a failure: the failed step's groups are not trained
+                state = {**state, "queued": self.state.in_hand + state["queued"]}
             self.state.latest = state
             self.snapshot_s = time.perf_counter() - started
 
@@ -243,6 +258,9 @@ class RemoteRolloutPhase:
         return bool(self.is_main and self.control.read("stop_requested"))
 
     def close(self) -> None:
-        self.push_done()  # the rollout ranks take a push before the stop; its buffers must live until then
+        try:
+            self.push_done()  # the rollout ranks take a push before the stop; its buffers must live until then
+        except RuntimeError as exc:  # a rollout rank died with the push in flight: the run's own error is reported
+            log.warning("the weight push in flight did not arrive: %s", exc)
         if self.is_main:
             self.control.post("stop", True)

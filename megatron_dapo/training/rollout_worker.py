@@ -40,7 +40,7 @@ from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.rollout.engine import RolloutEngine, freeze_heap_before_engine
 from megatron_dapo.rollout.multi_turn import MultiTurnRollout, build_generator
 from megatron_dapo.rollout.partial import Group, PartialRollout, group_from_dict, groups_to_rollout
-from megatron_dapo.rollout.remote import BridgeReceiver, Control, StoreQueue
+from megatron_dapo.rollout.remote import PEER_CHECK_S, BridgeReceiver, Control, StoreQueue, raise_if_peer_died
 from megatron_dapo.rollout.types import SamplingSpec
 from megatron_dapo.training.failure import StopRequest
 from megatron_dapo.training.reward_stage import RolloutScorer, greedy_baselines, score_to_batch
@@ -99,9 +99,14 @@ class RolloutWorker:
         self.start_version = int(start["version"])  # the engine holds dummy weights until the first push
         if start["state"]:
             self._restore(start["state"])
-        told = False
+        told, checked = False, time.perf_counter()
         while True:
             began = time.perf_counter()
+            # A training rank that died sends nothing more: end instead of serving until torchrun's SIGKILL (its
+            # SIGTERM to the survivors arrives first, hence the closer look once a stop was requested).
+            if began - checked > (1.0 if self.stop_request.requested else PEER_CHECK_S):
+                raise_if_peer_died("the training ranks' next request")
+                checked = began
             act = broadcast_object(self._next_action() if self.leader else None)
             if act["weights"] is not None:
                 self.receiver.receive()
@@ -125,11 +130,15 @@ class RolloutWorker:
     def _wait_for_start(self) -> Any:
         """The trainer's start message, or None when it stops first."""
         timeout_s = self.cfg.trainer.collective_timeout_s
-        deadline = time.monotonic() + timeout_s
+        checked = time.monotonic()
+        deadline = checked + timeout_s
         while time.monotonic() < deadline:
             start = self.control.read("start")
             if start is not None or self.control.read("stop"):
                 return start
+            if time.monotonic() - checked > PEER_CHECK_S:
+                raise_if_peer_died("the training ranks' start")
+                checked = time.monotonic()
             time.sleep(IDLE_POLL_S)
         raise RuntimeError(f"the training ranks sent no start within trainer.collective_timeout_s={timeout_s:g}")
 

@@ -111,7 +111,7 @@ class StepCheckpoints:
     ) -> None:
         self.ckpt, self.platform, self.handoff = ckpt, platform, handoff
         self.resume_mode, self.save_optimizer = checkpoint.resume_mode, checkpoint.save_optimizer
-        self.mode, self.timeout_s = trainer.mode, trainer.collective_timeout_s
+        self.timeout_s = trainer.collective_timeout_s
         self.run_config = run_config  # the whole config as a dict, saved with each checkpoint (config.yaml)
         self.engine_released, self.is_main, self.background = engine_released, is_main, background
         self.saved_step: Optional[int] = None
@@ -124,7 +124,13 @@ class StepCheckpoints:
         return {"states": self.ckpt.component_states(), "rng": self.platform.rng_state()}
 
     def mark_boundary(self) -> None:
-        """A step completed: what a checkpoint of it (also one saved after a later failure) must hold."""
+        """A step completed: what a checkpoint of it (also one saved after a later failure) must hold. A component
+        with a ``step_completed`` method hears of it first (async mode's ``RolloutState``: the groups it took for
+        the step are trained now)."""
+        for component in self.ckpt.states.values():
+            completed = getattr(component, "step_completed", None)
+            if completed is not None:
+                completed()
         self.boundary = self.snapshot()
 
     def save(self, step: int, actor: Any, scheduler: Any, engine: Any) -> None:
@@ -170,11 +176,10 @@ class StepCheckpoints:
 
     def save_after_failure(self, exc: BaseException, step: int, update_in_progress: bool, save: Callable) -> None:
         """Keep the last completed ``step`` when the loop fails, if that is safe and not done already."""
+        # Async mode too: the save asks the rollout ranks for their snapshot and puts the failed step's groups back
+        # in front of it (training/async_phase.RolloutState.in_hand); with a rollout rank gone that request fails and
+        # nothing is written.
         why_not = why_not_save_after(exc, step, self.saved_step, update_in_progress, self.saving)
-        if why_not is None and self.mode == "async":
-            # The groups of the failed step have left the queue and are in no snapshot: resume from the last periodic
-            # checkpoint instead (docs/async.md).
-            why_not = "asynchronous mode resumes from its last periodic checkpoint (checkpoint.save_freq)"
         # A background save made before the failure is complete state: published if every rank can take part.
         pending = self.ckpt.pending_step is not None and not self.saving and not isinstance(exc, KeyboardInterrupt)
         world, timeout_s = dist_world_size(), min(60.0, self.timeout_s)
