@@ -84,10 +84,10 @@ class DAPOTrainer:
         # The frozen reference, when a KL term needs it, built once the engine sleeps (LoRA: the adapter-free actor).
         sections = (cfg.model, cfg.parallel, cfg.actor, cfg.checkpoint)
         self.ref = build_reference(*sections, self.plan, self.arch, self.actor, self.handoff)
-        self.startup.mark("reference")
         # On-policy distillation's frozen teachers (None without), built and offloaded as the reference.
         d = cfg.distillation
         self.teachers = DistillationTeachers.build(d, *sections[:3], self.plan, run.tokenizer, self.handoff)
+        self.startup.mark("reference")
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.counters = RunCounters()
