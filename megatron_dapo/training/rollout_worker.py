@@ -99,14 +99,9 @@ class RolloutWorker:
         self.start_version = int(start["version"])  # the engine holds dummy weights until the first push
         if start["state"]:
             self._restore(start["state"])
-        told, checked = False, time.perf_counter()
+        told, idle_since = False, time.perf_counter()
         while True:
             began = time.perf_counter()
-            # A training rank that died sends nothing more: end instead of serving until torchrun's SIGKILL (its
-            # SIGTERM to the survivors arrives first, hence the closer look once a stop was requested).
-            if began - checked > (1.0 if self.stop_request.requested else PEER_CHECK_S):
-                raise_if_peer_died("the training ranks' next request")
-                checked = began
             act = broadcast_object(self._next_action() if self.leader else None)
             if act["weights"] is not None:
                 self.receiver.receive()
@@ -123,7 +118,14 @@ class RolloutWorker:
             if act["generate"]:
                 self._round(act["start"])
                 self.stats["busy_s"] += time.perf_counter() - began
+                idle_since = time.perf_counter()
             else:
+                # Idle that long: a training rank that died sends nothing more, so end instead of serving until
+                # torchrun's SIGKILL (its SIGTERM to the survivors comes first, hence the closer look after a stop
+                # request). Not while generating: a check of a peer on another host takes seconds.
+                if began - idle_since > (1.0 if self.stop_request.requested else PEER_CHECK_S):
+                    raise_if_peer_died("the training ranks' next request")
+                    idle_since = time.perf_counter()
                 time.sleep(IDLE_POLL_S)
                 self.stats["idle_s"] += time.perf_counter() - began
 
