@@ -18,6 +18,10 @@ Two channels (``parallel.Placement``):
 A push is announced first (``Control`` key ``weights``); the rollout ranks take it at their next round boundary, so
 generation never drains. The training ranks announce a push only once the previous one has arrived
 (``BridgeSender.wait``): one push is in flight at most.
+
+A wait on the store for the other side (``StoreQueue.get``, ``Control.wait``) fails as soon as it finds a rank of the
+job dead (``raise_if_peer_died``), rather than after ``trainer.collective_timeout_s``: a killed rank is then named
+first and a torchrun restart (``MAX_RESTARTS``) does not wait for the timeout.
 """
 
 from __future__ import annotations
