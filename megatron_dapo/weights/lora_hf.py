@@ -7,7 +7,9 @@ exactly the per-projection adapters that **share A**:
   * ``linear_qkv``: ``q/k/v_proj.lora_A = A`` (a copy each), ``lora_B`` = B's rows split as the fused weight is
     (``weights/layout.split_qkv``: per query group ``[q heads, k, v]``);
   * ``linear_fc1``: ``gate/up_proj.lora_A = A``, ``lora_B`` = the two halves of B (``[gate; up]``);
-  * ``linear_proj`` / ``linear_fc2``: ``o_proj`` / ``down_proj``, A and B as they are.
+  * ``linear_proj`` / ``linear_fc2``: ``o_proj`` / ``down_proj``, A and B as they are;
+  * a hybrid's Gated DeltaNet ``in_proj``: Qwen3.5's ``in_proj_qkv/z/b/a`` (Qwen3-Next's ``in_proj_qkvz/ba``) share A,
+    B split as the fused weight is; ``out_proj`` as it is.
 
 Routed experts (``mlp.experts.local_experts.E.linear_fc{1,2}``) map to ``mlp.experts.E.{gate,up,down}_proj`` and
 shared experts to ``mlp.shared_expert.*`` exactly as the base weights (``models/families.param_mappings``).
@@ -24,27 +26,28 @@ from typing import Any
 import torch
 
 from megatron_dapo.models.families import ModelArch, ParamMapping, param_mappings
-from megatron_dapo.models.lora import resolve_targets
+from megatron_dapo.models.lora import LORA_TARGETS, resolve_targets
 from megatron_dapo.weights.layout import hf_to_mcore, mcore_to_hf
 
 PEFT_PREFIX = "base_model.model."  # peft's LoraModel → the HF model's own names
 _A, _B = "adapter.linear_in.weight", "adapter.linear_out.weight"
 _PEFT_A, _PEFT_B = "lora_A.weight", "lora_B.weight"
 
-# Megatron LoRA target → the HF modules it covers (peft's target_modules).
-HF_MODULES: dict[str, tuple[str, ...]] = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
-
-
 def peft_target_modules(arch: ModelArch, target_modules: Sequence[str]) -> list[str]:
-    """The HF module names peft's ``target_modules`` lists for our ``actor.lora.target_modules``
-    (``all-linear`` = all four Megatron targets; the names are the same for every supported family)."""
-    del arch  # every family maps the same projections; kept for a family with other names
-    return [hf for target in resolve_targets(target_modules) for hf in HF_MODULES[target]]
+    """The HF module names peft's ``target_modules`` lists for our ``actor.lora.target_modules`` (``all-linear`` =
+    every Megatron target the model has), read from the model's weight map: the HF projections each target's base
+    weight is made from, in target order (a target the model does not have, e.g. ``in_proj`` of a model without Gated
+    DeltaNet layers, adds nothing)."""
+    names: list[str] = []
+    for target in resolve_targets(target_modules):
+        for module, mapping in _base_mappings(arch).items():
+            if module.rsplit(".", 1)[-1] != target:
+                continue
+            for hf in mapping.hf:
+                leaf = hf[: -len(".weight")].rsplit(".", 1)[-1]
+                if leaf not in names:
+                    names.append(leaf)
+    return names
 
 
 def peft_adapter_config(arch: ModelArch, lora_cfg: Any, base_model_name_or_path: str = "") -> dict:
@@ -104,7 +107,7 @@ def mcore_adapters_to_peft(
     for name, tensor in adapters:
         module, which = _split_name(name)
         mapping = modules.get(module)
-        if mapping is None or module.rsplit(".", 1)[-1] not in HF_MODULES:
+        if mapping is None or module.rsplit(".", 1)[-1] not in LORA_TARGETS:
             raise KeyError(f"LoRA tensor {name!r}: no HF mapping for module {module!r} ({arch.family.name})")
         if tensor.dim() != 2:
             raise ValueError(f"LoRA tensor {name!r}: expected 2 dimensions, got shape {tuple(tensor.shape)}")
@@ -128,7 +131,7 @@ def peft_to_mcore_adapters(arch: ModelArch, peft: dict[str, torch.Tensor]) -> It
     }
     used: set[str] = set()
     for module, mapping in _base_mappings(arch).items():
-        if module.rsplit(".", 1)[-1] not in HF_MODULES:
+        if module.rsplit(".", 1)[-1] not in LORA_TARGETS:
             continue
         keys_a = [f"{_hf_module(hf)}.{_PEFT_A}" for hf in mapping.hf]
         keys_b = [f"{_hf_module(hf)}.{_PEFT_B}" for hf in mapping.hf]

@@ -201,3 +201,46 @@ def test_fuse_round_trip_on_kv_rows():
     peft = dict(mcore_adapters_to_peft(arch, [(names[0], a), (names[1], fused)]))
     for proj, want in zip("qkv", (bq, bk, bv)):
         assert torch.equal(peft[f"{P}self_attn.{proj}_proj.lora_B.weight"], want)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_gated_delta_net_in_proj_splits_like_its_base_weight(family):
+    """A hybrid's fused Gated DeltaNet in_proj adapter: the HF projections (Qwen3.5's in_proj_qkv/z/b/a, Qwen3-Next's
+    grouped in_proj_qkvz/ba) share A, and s·B_i·A is the i-th HF piece of the fused s·B·A as the base weight's own
+    layout map splits it (weights/layout.mcore_to_hf); out_proj as it is; and back, exactly."""
+    from megatron_dapo.models.families import param_mappings
+    from megatron_dapo.weights.layout import mcore_to_hf
+    from tests.models.qwen35_worker import tiny_hybrid_config
+
+    arch = model_arch_from_hf(tiny_hybrid_config(family).to_dict())
+    gdn = arch.gated_delta_net
+    layer = gdn.linear_layers[0]
+    prefix = f"decoder.layers.{layer}.self_attention."
+    g = torch.Generator().manual_seed(3)
+    h = arch.hidden_size
+    adapters = {
+        f"{prefix}in_proj.adapter.linear_in.weight": torch.randn(R, h, generator=g),
+        f"{prefix}in_proj.adapter.linear_out.weight": torch.randn(sum(gdn.in_proj_sections), R, generator=g),
+        f"{prefix}out_proj.adapter.linear_in.weight": torch.randn(R, gdn.v_dim, generator=g),
+        f"{prefix}out_proj.adapter.linear_out.weight": torch.randn(h, R, generator=g),
+    }
+    peft = dict(mcore_adapters_to_peft(arch, adapters.items()))
+    (in_map,) = [m for m in param_mappings(arch) if m.mcore == f"{prefix}in_proj.weight"]
+    a, b = adapters[f"{prefix}in_proj.adapter.linear_in.weight"], adapters[f"{prefix}in_proj.adapter.linear_out.weight"]
+    pieces = mcore_to_hf(in_map, 2.0 * b @ a, arch)
+    assert len(pieces) == len(in_map.hf) == (2 if family == "qwen3_next" else 4)
+    for hf, want in zip(in_map.hf, pieces):
+        module = "base_model.model." + hf[: -len(".weight")]
+        got_a, got_b = peft[f"{module}.lora_A.weight"], peft[f"{module}.lora_B.weight"]
+        assert torch.equal(got_a, a)
+        torch.testing.assert_close(2.0 * got_b @ got_a, want, rtol=0, atol=1e-5)
+    back = dict(peft_to_mcore_adapters(arch, peft))
+    assert set(back) == set(adapters) and all(torch.equal(back[n], t) for n, t in adapters.items())
+    names = peft_target_modules(arch, ["all-linear"])
+    gdn_names = ["in_proj_qkvz", "in_proj_ba"] if family == "qwen3_next" else ["in_proj_qkv", "in_proj_z", "in_proj_b"]
+    assert set(gdn_names + ["out_proj", "q_proj", "o_proj", "down_proj"]) <= set(names)
+    assert peft_target_modules(_arch(), ["all-linear"]) == ["q_proj", "k_proj", "v_proj", "o_proj"] + [
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
