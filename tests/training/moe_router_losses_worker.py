@@ -10,7 +10,9 @@ gradients by Megatron name (float64, vocabulary rows as padded for TP 1) and the
 """
 
 import argparse
+import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ from megatron_dapo.batch import TrainBatch
 from megatron_dapo.config import load_config
 from megatron_dapo.models.builder import build_gpt_chunks, wrap_for_training
 from megatron_dapo.models.families import model_arch_from_hf
-from megatron_dapo.parallel import init_distributed, init_model_parallel
+from megatron_dapo.parallel import destroy_model_parallel, init_distributed, init_model_parallel
 from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size, tp_merge, unfuse_hf_experts
 from megatron_dapo.weights.model_io import load_full_tensors, local_param_table
 from tests.distributed.loss_batch import TEMPERATURE, make_batch
@@ -36,7 +38,7 @@ def plain_weights(micro_batches, config, device):
     return [{"aux": 1.0, "z": 1.0, "aux_frac": share, "z_frac": share / tp} for _ in micro_batches]
 
 
-def main() -> None:
+def run_layout(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--micros", default="8,3")
@@ -45,7 +47,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--recompute", default="none")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     tp_overrides = (
         [
             f"parallel.tensor_model_parallel_size={args.tp}",
@@ -132,7 +134,18 @@ def main() -> None:
         torch.save(out, os.path.join(args.out, "result.pt"))
         print("WORKER_OK")
     dist.barrier()
+    destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def main() -> None:
+    """``RUNS.json``: a list of layouts (each the argument list above), run in sequence in one launch, each from a
+    fresh default group with a torchrun attempt number of its own (the store prefix, ``parallel.attempt_store``)."""
+    with open(sys.argv[1]) as f:
+        runs = json.load(f)
+    for k, argv in enumerate(runs):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(k)
+        run_layout(argv)
 
 
 if __name__ == "__main__":

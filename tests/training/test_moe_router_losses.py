@@ -11,6 +11,7 @@ per-micro-batch statistics.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -40,13 +41,23 @@ GRAD_RTOL_MAX = 1e-4  # per tensor, max|got - ref| / max|ref|
 
 
 @functools.cache
+def launch(nproc: int, root: str) -> None:
+    """Every layout of ``nproc`` processes in one torchrun launch (the worker runs them in sequence)."""
+    runs = []
+    for layout, (n, tp, _, extra) in LAYOUTS.items():
+        if n == nproc:
+            micros = ",".join(map(str, MICROS))
+            runs.append(["--out", f"{root}/{layout}", "--aux", str(AUX), "--z", str(Z), "--micros", micros])
+            runs[-1] += ["--tp", str(tp), *extra]
+    path = Path(root) / f"runs_w{nproc}.json"
+    path.write_text(json.dumps(runs))
+    port = min(port for n, _, port, _ in LAYOUTS.values() if n == nproc)
+    run_torchrun(WORKER, nproc, [str(path)], port=port, timeout=600 * len(runs))
+
+
 def worker(layout: str, root: str) -> dict:
-    nproc, tp, port, extra = LAYOUTS[layout]
-    out = f"{root}/{layout}"
-    args = ["--out", out, "--aux", str(AUX), "--z", str(Z), "--micros", ",".join(map(str, MICROS)), "--tp", str(tp)]
-    args += extra
-    run_torchrun(WORKER, nproc, args, port=port, timeout=600)
-    return torch.load(f"{out}/result.pt")
+    launch(LAYOUTS[layout][0], root)
+    return torch.load(f"{root}/{layout}/result.pt")
 
 
 def dp_size(layout: str) -> int:
