@@ -99,6 +99,11 @@ class RolloutScorer:
         self.reward_model = reward_model  # reward.reward_model: its weighted score added to every response's reward
         self.judge = judge  # reward.judge: a generative judge's weighted score added too (judge/judge_scorer.py)
 
+    def rule_based(self) -> RolloutScorer:
+        """This scorer without the model-based terms (reward model, judge): validation reports rule-based accuracy
+        only, so it skips their forwards, as verl's ``_validate`` skips model-based rewards."""
+        return RolloutScorer(self.reward, self.world_size, self.rank, self.replica)
+
     def start(self, items: list[dict], n: int) -> Optional[ScoringInFlight]:
         """The sink that scores a generation batch of ``items`` x ``n`` responses as they end; None without
         overlap (the batch is then scored by ``__call__`` after the generation)."""

@@ -200,7 +200,7 @@ def validation_metrics(
     items = [val[i] for i in range(len(val))]
     generator.metrics()  # the training rounds' counts are reported with their step, not here
     rollout = generator.generate(items, sampling, seed_offset=0)
-    batch, _ = score_to_batch(scorer, algorithm, rollout, items)
+    batch, _ = score_to_batch(scorer.rule_based(), algorithm, rollout, items)  # accuracy: no model-based term
     metrics = compute_val_metrics(batch.data_source, batch.acc.tolist(), sampling.n)
     metrics.update({f"val-aux/{k}": v for k, v in generator.metrics().items()})
     return metrics

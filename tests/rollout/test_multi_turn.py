@@ -355,3 +355,44 @@ def test_conversations_are_scored_as_they_end(tok, tmp_path):
     batch = mt.generate(its, sampling(n=2), on_step=flight)  # the sink keeps the error...
     with pytest.raises(ConfigError, match="lookup"):
         unrouted(batch, its, flight)  # ...and the collection raises it
+
+
+LAST_ANSWER = """
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    return float(solution_str.strip().endswith(ground_truth))
+"""
+
+
+class _ModelTermThatMustNotRun:
+    """A reward model / judge stand-in that fails the test if validation scores with it."""
+
+    def score(self, *args, **kwargs):
+        raise AssertionError("validation ran a model-based reward term")
+
+    def close(self) -> None:
+        pass
+
+
+def test_validation_scores_rule_based_accuracy_without_the_model_terms(tok, tmp_path):
+    """``validation_metrics`` reports accuracy only, so it scores with ``RolloutScorer.rule_based()``: the reward model
+    and the judge (their forwards: a whole model, or a second engine's generation) are not run, as verl's
+    ``_validate`` skips model-based rewards; the accuracy is the rule-based one."""
+    from megatron_dapo.config import AlgorithmConfig, CustomFunctionConfig, RewardConfig
+    from megatron_dapo.reward.manager import RewardManager
+    from megatron_dapo.training.reward_stage import RolloutScorer
+    from megatron_dapo.training.rollout_phase import validation_metrics
+
+    fn = tmp_path / "last_answer.py"
+    fn.write_text(LAST_ANSWER)
+    script = {(0, 0): ["7" + EOS_TOKEN], (1, 0): [CALL_A + EOS_TOKEN, "3" + EOS_TOKEN]}
+    its = [{**it, "data_source": "lookup", "ground_truth": "7"} for it in items(2, tok)]
+    cfg = RewardConfig(custom_function=CustomFunctionConfig(path=str(fn)), num_workers=0)
+    reward = RewardManager(tok, cfg, max_response_length=200)
+    forbidden = _ModelTermThatMustNotRun()
+    scorer = RolloutScorer(reward, 1, 0, reward_model=forbidden, judge=forbidden)
+    plain = scorer.rule_based()
+    assert (plain.reward, plain.reward_model, plain.judge) == (reward, None, None)
+    _, mt = rollout(tok, script, ThreadTools({"a": "7", "b": "8"}))
+    metrics = validation_metrics(mt, scorer, AlgorithmConfig(), its, sampling(n=1))
+    accuracy = [v for k, v in metrics.items() if k.startswith("val-core/") and "acc" in k]
+    assert accuracy == [0.5], metrics  # row 0 answers 7, row 1 answers 3 (after reading 7 from its tool)
