@@ -19,7 +19,14 @@ from typing import Any, Optional
 
 from megatron_dapo.algo.logprobs import response_log_probs
 from megatron_dapo.config.plan import HandoffPlan, RunPlan
-from megatron_dapo.config.schema import ActorConfig, ExperimentConfig, ModelConfig, ParallelConfig, RolloutConfig
+from megatron_dapo.config.schema import (
+    ActorConfig,
+    DistillationConfig,
+    ExperimentConfig,
+    ModelConfig,
+    ParallelConfig,
+    RolloutConfig,
+)
 from megatron_dapo.distill.teacher_memory import teacher_archs
 from megatron_dapo.judge.judge_memory import judge_terms, place_judge
 from megatron_dapo.models.families import ModelArch
@@ -1040,11 +1047,11 @@ def _optimizer_shards(plan: RunPlan, p: ParallelConfig) -> tuple[int, int]:
     return (plan.dp_size, plan.expert_dp_size) if p.use_distributed_optimizer else (1, 1)
 
 
-def _teacher_bytes(plan: RunPlan, cfg: ExperimentConfig, divisible: int) -> float:
+def _teacher_bytes(plan: RunPlan, distillation: DistillationConfig, divisible: int) -> float:
     """Device bytes of the distillation teachers' frozen weights on one rank: each at the actor's layout, on its
     largest pipeline stage (0 without distillation, or where no teacher's config is readable)."""
     total = 0
-    for arch in teacher_archs(cfg.distillation):
+    for arch in teacher_archs(distillation):
         own = replace(plan, padded_vocab_size=padded_vocab_size(arch.vocab_size, divisible, plan.tp))
         total += rank_params(own, arch).actor
     return float(total * plan.param_bytes)
@@ -1069,7 +1076,7 @@ def memory_model(
     state = _resident_state(plan, params, cfg.actor, cfg.parallel, arch)
     divisible = cfg.model.make_vocab_size_divisible_by
     state["reward model"] = reward_model_bytes(cfg.reward.reward_model, plan.tp, plan.param_bytes, divisible)
-    state["teachers"] = _teacher_bytes(plan, cfg, divisible)
+    state["teachers"] = _teacher_bytes(plan, cfg.distillation, divisible)
     state.update(judge_terms(cfg.reward.judge, plan, capacity))  # reward.judge: weights and KV cache
     kv, problems = _kv_cache(plan, arch, cfg.rollout, state["vLLM weights"], capacity)
     state["vLLM KV cache"] = kv.size

@@ -464,3 +464,30 @@ def test_no_folder_holds_more_than_a_dozen_modules():
     counts = {d: n for d, n in counts.items() if "__pycache__" not in d}
     crowded = {d: n for d, n in counts.items() if n > MAX_MODULES_PER_FOLDER and d != rel(PKG)}
     assert not crowded, f"folders with more than {MAX_MODULES_PER_FOLDER} modules: {crowded}"
+
+
+# The functions that assemble a run from the whole config (config/, the trainer and the rollout worker's start); every
+# other component is built from its own sections and the RunPlan.
+ASSEMBLERS = {
+    "config/rules.py": {"config_problems"},
+    "config/plan.py": {"plan_problems", "resolve", "build_plan"},
+    "config/memory.py": {"memory_model"},
+    "training/startup.py": {"start_run"},
+    "training/trainer.py": {"run_training", "__init__"},
+    "training/rollout_worker.py": {"__init__"},
+}
+
+
+def test_only_the_assemblers_take_the_whole_config():
+    """A parameter annotated ``ExperimentConfig`` outside the assemblers above is a component reaching past its own
+    config section (torchtitan builds each component from its section)."""
+    found = set()
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(parse(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                if any(a.annotation is not None and "ExperimentConfig" in ast.unparse(a.annotation) for a in args):
+                    found.add((rel(path).removeprefix("megatron_dapo/"), node.name))
+    allowed = {(path, name) for path, names in ASSEMBLERS.items() for name in names}
+    assert found - allowed == set(), f"components taking the whole ExperimentConfig: {sorted(found - allowed)}"
+    assert len(found) < 10, sorted(found)
