@@ -153,20 +153,10 @@ def summarise(name: str, rows: list[dict]) -> dict[str, float]:
     return out
 
 
-PUSH_MODEL = dict(
-    vocab_size=32000,
-    hidden_size=768,
-    num_layers=12,
-    num_heads=12,
-    num_kv_heads=2,
-    intermediate_size=2048,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
-
-
 def push_bench(args: argparse.Namespace) -> int:
     """``--push``: this script's ``--push-worker`` on 2 processes (1 training + 1 rollout rank)."""
+    from weight_sync import MODEL as PUSH_MODEL  # the colocated sync benchmark's model (this folder is on sys.path)
+
     from megatron_dapo.testing.tiny_models import tiny_hf_config
 
     with tempfile.TemporaryDirectory(prefix="push-bench-") as tmp:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import re
 from types import SimpleNamespace
 
 import torch
@@ -30,6 +29,7 @@ from tests.models.qwen35_worker import tiny_hybrid_model
 from tests.training.router_replay_worker import (
     ForcedGates,
     batch_log_probs,
+    expert_grad_norms,
     random_routing,
     recorded_fields,
     row_routings_from_fields,
@@ -37,21 +37,6 @@ from tests.training.router_replay_worker import (
 )
 
 UNUSED_EXPERT = 3
-
-
-def expert_grad_norms(chunks: list, local_experts: int) -> dict[str, float]:
-    """Each (layer, global expert)'s gradient norm on this rank."""
-    from megatron.core import parallel_state as ps
-
-    out: dict[str, float] = {}
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            m = re.search(r"layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.", name)
-            if m:
-                expert = ps.get_expert_model_parallel_rank() * local_experts + int(m.group(2))
-                key = f"layers.{m.group(1)}/e{expert}"
-                out[key] = out.get(key, 0.0) + float(param.main_grad.norm())
-    return out
 
 
 def main() -> None:

@@ -90,6 +90,22 @@ class ForcedGates:
         return out, own
 
 
+def expert_grad_norms(chunks: list, local_experts: int) -> dict[str, float]:
+    """``chunk<c>/layers.<i>/e<global expert>`` -> that expert's gradient norm on this rank, every model chunk (VPP:
+    several per rank)."""
+    from megatron.core import parallel_state as ps
+
+    out: dict[str, float] = {}
+    for c, chunk in enumerate(chunks):
+        for name, param in chunk.named_parameters():
+            m = re.search(r"layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.", name)
+            if m:
+                expert = ps.get_expert_model_parallel_rank() * local_experts + int(m.group(2))
+                key = f"chunk{c}/layers.{m.group(1)}/e{expert}"
+                out[key] = out.get(key, 0.0) + float(param.main_grad.norm())
+    return out
+
+
 def batch_log_probs(gates: ForcedGates, hf, b: TrainBatch, routing_rows=None):
     lps, own = [], []
     for row in range(len(b)):
@@ -229,8 +245,6 @@ def run_layout(layout: str, out: str) -> None:
     ep, pp, vpp, tp = re.fullmatch(r"ep(\d+)-pp(\d+)(?:-vpp(\d+))?(?:-tp(\d+)-sp)?", layout).groups()
     ep, pp, tp = int(ep), int(pp), int(tp or 1)
 
-    from megatron.core import parallel_state as ps
-
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.optimizer import build_optimizer
     from megatron_dapo.config import load_config
@@ -332,16 +346,7 @@ def run_layout(layout: str, out: str) -> None:
     actor.compute_gradients(update_batch, TEMPERATURE)
     RouterReplay.get_replay_topk = original
     result["update_actions"] = actions
-    local_experts = arch.num_experts // ep
-    grads = {}
-    for c, chunk in enumerate(chunks):  # every model chunk (VPP: several per rank)
-        for name, param in chunk.named_parameters():
-            m = re.search(r"layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.", name)
-            if m:
-                expert = ps.get_expert_model_parallel_rank() * local_experts + int(m.group(2))
-                key = (f"chunk{c}/layers.{m.group(1)}", expert)
-                grads[key] = grads.get(key, 0.0) + float(param.main_grad.norm())
-    result["expert_grads"] = {f"{k[0]}/e{k[1]}": v for k, v in grads.items()}
+    result["expert_grads"] = expert_grad_norms(chunks, arch.num_experts // ep)
     metrics = actor.update(update_batch, TEMPERATURE).metrics
     result["update_ok"] = metrics["actor/update_ok"]
     result["pg_loss"] = metrics["actor/pg_loss"]
