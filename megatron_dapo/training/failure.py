@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -110,9 +111,12 @@ class StopRequest:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, peer_death: Optional[Callable[[], Optional[str]]] = None) -> None:
         self.signal_name: Optional[str] = None
         self._previous: dict[int, object] = {}
+        # ``dead_peer_report`` for the run's checkpoints: torchrun stops the survivors with SIGTERM when a rank dies,
+        # which can reach a survivor before any collective fails, so the death is named here first.
+        self.peer_death = peer_death
 
     def install(self) -> None:
         for sig in self.SIGNALS:
@@ -128,6 +132,9 @@ class StopRequest:
 
     def _on_signal(self, signum: int, frame) -> None:  # noqa: ANN001
         self.signal_name = signal.Signals(signum).name
+        death = self.peer_death() if self.peer_death is not None else None
+        if death is not None:
+            log.error("%s", death)
         log.warning("received %s: the run saves a checkpoint at the end of this step and exits", self.signal_name)
         self.restore()
 

@@ -96,7 +96,7 @@ class DAPOTrainer:
         self.global_step = 0
         self._last_val_step: Optional[int] = None
         self._update_in_progress = False
-        self.stop_request = StopRequest()
+        self.stop_request = StopRequest(lambda: dead_peer_report(self.ckpt.save_dir))
 
     def _build_actor(self) -> None:
         """The actor (trainable, with its optimizer) and the memory hand-off between it and the engine (what is
