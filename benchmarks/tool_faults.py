@@ -22,6 +22,11 @@ injected_frac=<i> cascade=<f ÷ i> val_good=<first>-><last> val_faulty=<first>->
 
     python benchmarks/tool_faults.py --level pool
     python benchmarks/tool_faults.py --level train --steps 10
+    python benchmarks/tool_faults.py --level train --steps 10 --partial
+
+``--partial``: both runs with partial rollout, where a round does not wait for calls that outlast
+``tool_round_wait_s`` (docs/async.md); synchronous rollout waits for its slowest conversation. The partial runs also
+print the steps trained with a partial batch and the conversations left waiting for their calls per step.
 """
 
 from __future__ import annotations
@@ -141,6 +146,8 @@ def train(task: Path, tools_yaml: Path, out: Path, args: argparse.Namespace) -> 
         f"trainer.test_freq={args.steps}",
         "trainer.logger=[jsonl]",
         "trainer.progress_bar=false",
+        *(["rollout.partial_rollout.enable=true"] if args.partial else []),
+        *args.override,
     ]
     env = dict(os.environ, NPROC_PER_NODE="2", MASTER_PORT=str(args.port), OMP_NUM_THREADS="1")
     cmd = ["bash", "launch/run_local.sh", str(CONFIG), *overrides]
@@ -156,12 +163,15 @@ def train(task: Path, tools_yaml: Path, out: Path, args: argparse.Namespace) -> 
         "gen_s": statistics.mean(r.get("timing_s/gen", 0.0) for r in steady),
         "val_first": val[0],
         "val_last": val[-1],
+        "partial_batches": sum(r.get("train/partial_batch", 0.0) for r in steps),
+        "awaiting_tools": statistics.mean(r.get("rollout/partial/awaiting_tools", 0.0) for r in steps),
         **{k: sum(r.get(f"tool/{k}", 0.0) for r in steps) for k in ("calls", *FAILURES)},
     }
     print(
         f"tool={tools_yaml.stem:8s} step_s={out_row['step_s']:.2f} gen_s={out_row['gen_s']:.2f}"
         f" calls={out_row['calls']:g} error={out_row['error']:g} timeout={out_row['timeout']:g}"
         f" crashed={out_row['crashed']:g} val={val[0]:.3f}->{val[-1]:.3f}"
+        f" partial_batches={out_row['partial_batches']:g} awaiting_tools={out_row['awaiting_tools']:.1f}"
     )
     return out_row
 
@@ -190,6 +200,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="train: steps per run")
     parser.add_argument("--port", type=int, default=29531)
     parser.add_argument("--seed", type=int, default=0, help="pool: the draw of the faults")
+    parser.add_argument("--partial", action="store_true", help="train: both runs with rollout.partial_rollout")
+    parser.add_argument("--override", action="append", default=[], help="train: a config override for both runs")
     parser.add_argument("--work-dir", default="", help="train: where the task is made (kept between runs)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

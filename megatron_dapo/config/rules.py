@@ -228,6 +228,8 @@ def _rollout_ranges(r: RolloutConfig) -> list[str]:
     out.positive_int("rollout.multi_turn.max_concurrent_tool_calls", mt.max_concurrent_tool_calls)
     out.positive_int("rollout.multi_turn.tool_memory_mb", mt.tool_memory_mb, True)
     out.positive_int("rollout.multi_turn.tool_workers", mt.tool_workers)
+    wait_s = mt.tool_round_wait_s
+    out.need("rollout.multi_turn.tool_round_wait_s", wait_s, wait_s >= 0, "a value >= 0 (seconds)")
     v = r.val_kwargs
     _sampling_ranges(out, "rollout.val_kwargs", v.temperature, v.top_p, v.top_k)
     out.positive_int("rollout.val_kwargs.n", v.n)

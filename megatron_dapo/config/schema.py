@@ -251,6 +251,9 @@ class MultiTurnConfig:
     max_concurrent_tool_calls: int = 16  # per rank
     tool_memory_mb: Optional[int] = None  # address space a tool worker may add to its size at start; None = no cap
     tool_workers: int = 8  # tool worker processes per rank; a hang or crash costs one worker (docs/agent.md)
+    # partial rollout: how long a round waits for tool calls once its model turns are done; calls still running
+    # then go on into the next round, their conversation with them, so a hung call holds only its own group
+    tool_round_wait_s: float = 1.0
 
 
 @dataclass

@@ -21,8 +21,10 @@ a conversation does not depend on the replica or on when its tools answered.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import asdict
 from typing import Any, Optional, Protocol
 
 import torch
@@ -91,6 +93,7 @@ class MultiTurnRollout:
         self.budget = int(max_response_length)
         self._infos: list[dict] = []  # of every sample generated since the last metrics()
         self._live: set[str] = set()  # this rank's tool instances (created, not released yet)
+        self._in_flight: dict[str, list[Future]] = {}  # calls a round left running, by conversation (the leader's)
 
     def generate(
         self,
@@ -183,15 +186,23 @@ class MultiTurnRollout:
     ) -> dict:
         """Drive the conversations, each to its end or, when ``limits`` caps it, through one segment: engine steps,
         and tool turns as their results arrive; the conversations that ended go to ``on_step`` after each engine
-        step. Returns each conversation's routing (routing replay only)."""
+        step. A capped conversation whose calls are still running ``tool_round_wait_s`` after the engine ran out of
+        requests leaves the round with them (``_settle``); the round that takes it up again starts with its tool
+        turn and its next model turn. Returns each conversation's routing (routing replay only)."""
         leader = self.engine.tp_rank == 0
         tools = self.tools if leader else None
         self._open_tools(convs if tools is not None else [])
         pending: dict[str, Conversation] = {}  # request id → its conversation
-        waiting: dict[str, tuple[Conversation, list[Future]]] = {}  # the leader's tool calls in flight
+        waiting: dict[str, tuple[Conversation, list[Future]]] = {}  # tool calls in flight (futures: the leader's)
         routes: dict[str, tuple[Any, int]] = {}  # the last request's routing, and the tokens it covers
+        carried_in: set[str] = set()  # came waiting for calls of an earlier round: its segment goes on after them
         for c in convs:
-            self._queue(c, sampling, seed_key, pending, limits.get(c.key))
+            if c.calls_in_flight:
+                waiting[c.key] = (c, self._calls_in_flight(c) if tools is not None else [])
+                carried_in.add(c.key)
+            else:
+                self._queue(c, sampling, seed_key, pending, limits.get(c.key))
+        idle_since: Optional[float] = None  # when the engine first ran out of requests in this round
         while pending or waiting:
             ended: list[Conversation] = []
             for request_id, seg in self.engine.step() if self.engine.has_unfinished() else []:
@@ -200,21 +211,39 @@ class MultiTurnRollout:
                 if seg.routed_experts is not None:
                     routes[c.key] = (seg.routed_experts, len(c.tokens))
                 if calls:  # a TP peer waits with no futures: the leader's results arrive by broadcast
+                    c.calls_in_flight = [asdict(call) for call in calls]
                     waiting[c.key] = (c, [tools.call(c.key, call) for call in calls] if tools is not None else [])
                 elif c.done:
                     ended.append(c)
-            ready = _ready(waiting, block=not self.engine.has_unfinished()) if leader else None
-            for key, results in self.engine.broadcast_in_replica(ready) or []:
+            if idle_since is None and not self.engine.has_unfinished():
+                idle_since = time.monotonic()
+            settled = None
+            if leader:
+                deadline = None if idle_since is None else idle_since + self.cfg.tool_round_wait_s
+                settled = _settle(waiting, set(limits), deadline, block=not self.engine.has_unfinished())
+            ready, carried_out = self.engine.broadcast_in_replica(settled)
+            for key in carried_out:  # its calls go on running; the conversation waits for them in a later round
+                _, futures = waiting.pop(key)
+                if tools is not None:
+                    self._in_flight[key] = futures
+            for key, results in ready:
                 c, _ = waiting.pop(key)
                 self._tool_turn(c, results)
                 if c.done:
                     ended.append(c)
-                elif key not in limits:  # a capped segment ends after its tool turn
-                    self._queue(c, sampling, seed_key, pending, None)
+                elif key not in limits or key in carried_in:  # a capped segment ends after its own tool turn
+                    carried_in.discard(key)
+                    self._queue(c, sampling, seed_key, pending, limits.get(key))
             if on_step is not None:
                 on_step([(c.prompt_index, c.sample, list(c.tokens), c.info()) for c in ended])
         self._close_tools([c for c in convs if c.done] if tools is not None else [])
         return {c.key: self._routing(c, *routes[c.key]) for c in convs if c.key in routes}
+
+    def _calls_in_flight(self, c: Conversation) -> list[Future]:
+        """The futures of ``c``'s unanswered calls: still running from the round that left them, or, where they were
+        lost (a run resumed from a checkpoint; tool state is not checkpointed), the same calls made again."""
+        futures = self._in_flight.pop(c.key, None)
+        return futures if futures is not None else [self.tools.call(c.key, ToolCall(**d)) for d in c.calls_in_flight]
 
     def _open_tools(self, convs: Sequence[Conversation]) -> None:
         """Tool instances for the conversations that have none on this rank (a new one, or one resumed from a
@@ -278,6 +307,7 @@ class MultiTurnRollout:
         c.tool_rewards += [float(r.reward) for r in results]
         c.tool_status += [r.status for r in results]
         c.tool_latency += [float(r.latency_s) for r in results]
+        c.calls_in_flight = []
         tokens = self.turns.tokens(texts)
         room = self.budget - len(c.tokens)
         if len(tokens) >= room:  # no token left for the model's next turn
@@ -292,15 +322,24 @@ def _replica_of(c: Conversation, replicas: int) -> int:
     return (c.prompt_index * 7919 + c.sample) % replicas
 
 
-def _ready(waiting: dict[str, tuple[Conversation, list[Future]]], block: bool) -> list[tuple[str, list]]:
-    """The conversations whose tool calls are all answered, with the results; with ``block``, wait for one first."""
+def _settle(
+    waiting: dict[str, tuple[Conversation, list[Future]]], capped: set[str], deadline: Optional[float], block: bool
+) -> tuple[list[tuple[str, list]], list[str]]:
+    """The leader's decision, which its TP peers follow: the conversations whose calls are all answered, with the
+    results, and the capped ones to carry into a later round with their calls still running. With ``block`` (no
+    engine request left), wait for an answer first, but past ``deadline`` carry the capped conversations instead of
+    waiting for them; an uncapped one (a response's last segment) is always waited for."""
 
     def answered(futures: list[Future]) -> bool:
         return bool(futures) and all(f.done() for f in futures)
 
     while block and waiting and not any(answered(fs) for _, fs in waiting.values()):
-        wait([f for _, fs in waiting.values() for f in fs if not f.done()], return_when=FIRST_COMPLETED)
-    return [(key, [_result(f) for f in fs]) for key, (_, fs) in waiting.items() if answered(fs)]
+        carryable = [key for key in waiting if key in capped]
+        timeout = None if deadline is None or not carryable else deadline - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            return [], carryable
+        wait([f for _, fs in waiting.values() for f in fs if not f.done()], timeout, FIRST_COMPLETED)
+    return [(key, [_result(f) for f in fs]) for key, (_, fs) in waiting.items() if answered(fs)], []
 
 
 def _result(future: Future) -> Any:

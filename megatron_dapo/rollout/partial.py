@@ -17,7 +17,9 @@ the next segment of many responses in one call (``RolloutEngine.generate_segment
 Multi-turn (``rollout.multi_turn``): the responses are ``Conversation``s, advanced by ``MultiTurnRollout.advance``.
 A segment is the model turn under way, cut at ``segment_length`` tokens, plus its tool turn when the turn ends with
 tool calls; the ``max_segments``-th runs the conversation to its end. A conversation is thus resumable between turns
-and inside one, and still spans at most ``max_segments`` versions.
+and inside one, and still spans at most ``max_segments`` versions. Calls that outlast their round
+(``multi_turn.tool_round_wait_s``) go on running: the conversation waits for them in later rounds, which are not
+segments until it moves again, so a hung call holds back only its own group.
 
 The buffer is a checkpoint component (``state_dict``/``load_state_dict``): a resumed run continues every buffered
 response where it stopped, so no prompt is lost or drawn twice. It is pure bookkeeping over the engine's API: the
@@ -130,6 +132,10 @@ class PartialRollout:
         """Groups drawn whose first segment is still to come, oldest first."""
         return [g for g in self.groups if not g.started]
 
+    def awaiting_tools(self) -> int:
+        """Conversations whose tool calls went on running after their round ended (multi-turn)."""
+        return sum(1 for g in self.groups for r in g.responses if getattr(r, "calls_in_flight", None))
+
     def buffered_responses(self) -> int:
         """Unfinished responses that hold at least one segment (what a step carries over to the next)."""
         return sum(1 for g in self.groups for r in g.responses if not r.done and r.segments)
@@ -169,7 +175,7 @@ class PartialRollout:
         caps = [None if self._last_segment(c) else self.plan.segment_length for c in convs]
         for (g, j), c, start in zip(todo, self.conversations.advance(convs, caps, sampling, seed_offset), before):
             c.versions += [version] * (len(c.tokens) - start)  # tool turns take their model turn's version
-            c.segments += 1
+            c.segments += len(c.tokens) > start  # a round that only waited for its tool calls is not a segment
             c.last_step = step
             g.responses[j] = c
 

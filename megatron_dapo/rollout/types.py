@@ -136,6 +136,7 @@ class Conversation(Response):
     tool_rewards: list[float] = field(default_factory=list)
     tool_status: list[str] = field(default_factory=list)  # one per call: ok, or how it failed
     tool_latency: list[float] = field(default_factory=list)
+    calls_in_flight: list[dict] = field(default_factory=list)  # its last model turn's calls, not answered yet
 
     @classmethod
     def of_item(cls, item: dict, prompt_index: int, sample: int, tag: str = "") -> Conversation:

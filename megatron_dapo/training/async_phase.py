@@ -224,6 +224,7 @@ class RemoteRolloutPhase:
             "train/kept_prompt_ratio": kept / generated if generated else 0.0,
             "async/rollout_idle_frac": idle / (busy + idle) if busy + idle > 0 else 0.0,
             "rollout/partial/buffered_responses": float(stats.get("buffered_responses", 0.0)),
+            "rollout/partial/awaiting_tools": float(stats.get("awaiting_tools", 0.0)),
         }
 
     # ------------------------------------------------------------------------------------------- requests

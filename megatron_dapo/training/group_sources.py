@@ -110,13 +110,15 @@ class PartialGroups:
         return Round(rollout, items, ids)
 
     def metrics(self) -> dict[str, float]:
-        """``rollout/partial/*``: segments per response handed over since the last call, responses carried over;
+        """``rollout/partial/*``: segments per response handed over since the last call, responses carried over (of
+        them, conversations whose tool calls outlasted their round);
         ``tool/*`` of the conversations handed over in a multi-turn run."""
         segments, self._segments = self._segments, []
         turns, self._turns = self._turns, []
         return {
             "rollout/partial/segments_mean": sum(segments) / len(segments) if segments else 0.0,
             "rollout/partial/buffered_responses": float(self.buffer.buffered_responses()),
+            "rollout/partial/awaiting_tools": float(self.buffer.awaiting_tools()),
             **tool_metrics(turns),
         }
 

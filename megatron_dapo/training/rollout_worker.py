@@ -197,6 +197,7 @@ class RolloutWorker:
                     **self.stats,
                     "epoch": self.data.sampler.epoch,
                     "buffered_responses": self.buffer.buffered_responses(),
+                    "awaiting_tools": self.buffer.awaiting_tools(),
                 },
             )
 

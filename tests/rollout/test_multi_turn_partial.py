@@ -11,6 +11,7 @@ The e2e (``tests/e2e/test_agent_e2e.py``) runs the same paths on real vLLM.
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -69,8 +70,8 @@ class StreamEngine(ScriptedEngine):
         return done
 
 
-def multi_turn(tok, engine, tools, budget: int = 200) -> MultiTurnRollout:  # noqa: F811
-    mt = MultiTurnConfig(enable=True, tool_config_path="unused", max_assistant_turns=4, max_parallel_calls=2)
+def multi_turn(tok, engine, tools, budget: int = 200, **cfg) -> MultiTurnRollout:  # noqa: F811
+    mt = MultiTurnConfig(enable=True, tool_config_path="unused", max_assistant_turns=4, max_parallel_calls=2, **cfg)
     return MultiTurnRollout(engine, tools, ToolTurns(tok, mt.max_tool_response_length), tok, mt, budget)
 
 
@@ -170,3 +171,61 @@ def test_routing_of_a_conversation_covers_prompt_model_and_tool_tokens(tok):  # 
         assert prompt == list(range(p))
         assert response[:-1] == [(p + k) % 250 for k in range(n - 1)] and response[-1] == 0
     assert (batch.loss_mask == 0).logical_and(batch.response_mask.bool()).any()  # tool tokens were among them
+
+
+SLOW_S = 2.0  # box "b" answers after this: samples (1, 0) and (1, 1) call it in their first turn
+
+
+def rounds_with_a_slow_tool(tok, plan: PartialPlan, checkpoint: bool = False):  # noqa: F811
+    """The buffer's rounds with box "b" answering after ``SLOW_S`` and ``tool_round_wait_s=0.05``; each round's wall
+    seconds and the conversations that left it waiting for their calls. With ``checkpoint``, the buffer goes
+    through JSON into a new buffer with new tools after the first round that left calls running, as a resumed run's
+    does."""
+    engine = StreamEngine(tok, SCRIPT)
+    made = [ThreadTools(ANSWERS, delays={"b": SLOW_S})]
+    buf = PartialRollout(engine, plan, 200, multi_turn(tok, engine, made[-1], tool_round_wait_s=0.05))
+    rows = items(2, tok)
+    buf.add([0, 1], [r["input_ids"] for r in rows], 2, rows)
+    walls, waiting = [], []
+    while not all(g.done for g in buf.groups):
+        start = time.perf_counter()
+        step = len(walls)
+        buf.advance(buf.pending(step), step, version=step, sampling=sampling(), seed_offset=step)
+        walls.append(time.perf_counter() - start)
+        waiting.append(sorted(c.key for g in buf.groups for c in g.responses if c.calls_in_flight))
+        if checkpoint and waiting[-1] and len(made) == 1:  # the first round that left calls running
+            state = json.loads(json.dumps(buf.state_dict()))
+            made.append(ThreadTools(ANSWERS, delays={"b": SLOW_S}))
+            buf = PartialRollout(engine, plan, 200, multi_turn(tok, engine, made[-1], tool_round_wait_s=0.05))
+            buf.load_state_dict(state)
+    return buf.take_done(2), walls, waiting, made
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["in-memory", "json-checkpoint-with-calls-in-flight"])
+def test_a_slow_call_leaves_its_round_and_only_its_conversation_waits(tok, checkpoint):  # noqa: F811
+    reference = whole(tok)
+    groups, walls, waiting, made = rounds_with_a_slow_tool(tok, PartialPlan(8, 100), checkpoint)
+    assert conversation_fields(groups_to_rollout(groups, 0)) == conversation_fields(reference)
+    # No round waited for box "b": the two conversations that called it left the first rounds with their calls
+    # running, while the others went on (sample (0, 0) made its call and answered in the meantime).
+    assert max(walls) < SLOW_S / 2, walls
+    assert set().union(*waiting) == {"g1-0", "g1-1"} and sum(walls) >= SLOW_S * 0.9
+    assert all(round_waiting == [] for round_waiting in waiting[-2:]) and len(walls) > 20
+    calls = sorted((key, box) for tools in made for key, box, _ in tools.calls)
+    expected = [("g0-0", "a"), ("g1-0", "a"), ("g1-0", "b"), ("g1-1", "a"), ("g1-1", "b")]
+    # A resumed run makes again the call that was in flight (tool state is not checkpointed): once more.
+    assert calls == sorted(expected + ([("g1-0", "b")] if checkpoint else [])), calls
+    for g in groups:  # a round that only waited is not a segment: every segment generated tokens
+        for r in g.responses:
+            assert r.segments == len(set(r.versions))
+
+
+def test_a_last_segment_waits_for_its_calls(tok):  # noqa: F811
+    """max_segments=2: the second round is every conversation's last segment, which runs to the end, so it waits for
+    box "b" instead of leaving it: the staleness bound holds whatever the tools do."""
+    reference = whole(tok)
+    groups, walls, waiting, _ = rounds_with_a_slow_tool(tok, PartialPlan(200, 2))
+    assert len(walls) == 2 and waiting == [["g1-0", "g1-1"], []]
+    assert walls[0] < SLOW_S / 2 and walls[0] + walls[1] >= SLOW_S * 0.9
+    assert conversation_fields(groups_to_rollout(groups, 0)) == conversation_fields(reference)
+    assert all(len(set(r.versions)) <= 2 for g in groups for r in g.responses)
