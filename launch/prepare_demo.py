@@ -13,6 +13,10 @@ It acts only for those two configs, and only while the config (after the overrid
 layout under one directory ``D``: ``D/hf_model``, ``D/tokenizer``, ``D/mcore``, ``D/data/train.parquet``,
 ``D/data/val.parquet``. Paths overridden to anything else are the user's own, and a config that does not load is
 left for the trainer to report: this script then does nothing and exits 0.
+
+When the YAML and the overrides, read as plain YAML, already name a demo layout whose every input is there (every
+launch after the first), there is nothing to make and it exits without loading the config, whose module imports
+torch and costs every launch 1.2-1.8 s here.
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ if TYPE_CHECKING:  # the config module imports torch: only when a demo config is
 # config file name → demo family (megatron_dapo.tasks.demo --family)
 DEMO_CONFIGS = {"tiny_cpu.yaml": "qwen2", "tiny_moe_cpu.yaml": "qwen3_moe"}
 PREFIX = "[run_local]"
+# megatron_dapo.weights.dist_format.TRACKER_FILE (that module imports torch; tests/launch/test_readme_commands.py
+# holds the two equal)
+MCORE_TRACKER = "latest_checkpointed_iteration.txt"
+# The demo layout's keys: (section, key, a list of one path rather than a path)
+LAYOUT_KEYS = (
+    ("model", "hf_config_dir", False),
+    ("model", "tokenizer_dir", False),
+    ("checkpoint", "load_dir", False),
+    ("data", "train_files", True),
+    ("data", "val_files", True),
+)
 
 
 def _same(path: Optional[str], want: Path) -> bool:
@@ -58,6 +73,49 @@ def missing_inputs(root: Path) -> list[str]:
     return [str(p) for p in wanted if not p.is_file()]
 
 
+def _raw_config(config: str, overrides: list[str]) -> Optional[dict]:
+    """The config file with ``overrides`` applied, as ``megatron_dapo.config.load_config`` reads them before it
+    builds the config (YAML values, the last override of a key wins); None where it would raise."""
+    import yaml  # not the config module: it imports torch
+
+    try:
+        raw = yaml.safe_load(Path(config).read_text()) or {}
+        for item in overrides:
+            key, value = item.split("=", 1)
+            *sections, name = key.strip().split(".")
+            node = raw
+            for part in sections:
+                node = node.setdefault(part, {})
+            node[name] = yaml.safe_load(value) if value.strip() != "" else None
+    except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def nothing_to_make(config: str, overrides: list[str]) -> bool:
+    """True when the config file and ``overrides``, read as plain YAML, name the five inputs as the paths of one
+    demo layout ``D`` and every input of it is there, the converted checkpoint included: :func:`prepare_inputs`
+    would make nothing then, whether or not the config loads. False wherever that is not certain."""
+    raw = _raw_config(config, overrides)
+    if raw is None:
+        return False
+    paths = []
+    for section, key, is_list in LAYOUT_KEYS:
+        node = raw.get(section)
+        value = node.get(key) if isinstance(node, dict) else None
+        if is_list:
+            value = value[0] if isinstance(value, list) and len(value) == 1 else None
+        if not isinstance(value, str) or not value:
+            return False
+        paths.append(value)
+    root = Path(paths[0]).parent
+    want = [root / "hf_model", root / "tokenizer", root / "mcore", root / "data" / "train.parquet"]
+    want.append(root / "data" / "val.parquet")
+    if not all(_same(path, place) for path, place in zip(paths, want)):
+        return False
+    return not missing_inputs(root) and (root / "mcore" / MCORE_TRACKER).is_file()
+
+
 def prepare_inputs(config: str, overrides: list[str]) -> Optional[Path]:
     """Make the missing demo inputs of ``config`` (see the module docstring); the demo directory, or None when the
     config is not a demo config pointing at the demo layout."""
@@ -73,8 +131,6 @@ def prepare_inputs(config: str, overrides: list[str]) -> Optional[Path]:
     root = demo_root(cfg)
     if root is None:
         return None
-    from megatron_dapo.weights.dist_format import TRACKER_FILE
-
     remade = False
     missing = missing_inputs(root)
     if missing:
@@ -87,7 +143,7 @@ def prepare_inputs(config: str, overrides: list[str]) -> Optional[Path]:
         )
         prepare(root, family=family)
         remade = True
-    if remade or not (root / "mcore" / TRACKER_FILE).is_file():
+    if remade or not (root / "mcore" / MCORE_TRACKER).is_file():
         from megatron_dapo.weights.convert import convert_hf_to_mcore
 
         print(f"{PREFIX} converting {root / 'hf_model'} to Megatron layout in {root / 'mcore'}", flush=True)
@@ -100,7 +156,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not argv:
         print("usage: python launch/prepare_demo.py CONFIG [dotted.overrides ...]", file=sys.stderr)
         return 2
-    prepare_inputs(argv[0], argv[1:])
+    if Path(argv[0]).name in DEMO_CONFIGS and not nothing_to_make(argv[0], argv[1:]):
+        prepare_inputs(argv[0], argv[1:])
     return 0
 
 

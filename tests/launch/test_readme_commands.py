@@ -422,6 +422,31 @@ def test_demo_inputs_are_made_only_for_the_demo_layout(tmp_path, monkeypatch):
     assert prepare_demo.demo_root(load_config(tiny, moved)) == Path("d")  # the quickstart's QUICKSTART_DIR
     assert prepare_demo.demo_root(load_config(tiny)) == Path(DEMO)
 
+    # Every launch after the first: the inputs are all there, and it exits without loading the config (no torch).
+    from megatron_dapo.weights.dist_format import TRACKER_FILE
+
+    assert prepare_demo.MCORE_TRACKER == TRACKER_FILE
+    assert not prepare_demo.nothing_to_make(tiny, moved)  # d/ is empty: there is something to make
+    for name in ("hf_model/config.json", "tokenizer/tokenizer_config.json", "data/train.parquet", "data/val.parquet"):
+        (tmp_path / "d" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "d" / name).write_text("{}")
+    assert not prepare_demo.nothing_to_make(tiny, moved)  # no converted checkpoint yet: it would convert
+    (tmp_path / "d" / "mcore").mkdir()
+    (tmp_path / "d" / "mcore" / TRACKER_FILE).write_text("release")
+    made = sorted(tmp_path.rglob("*"))
+    assert prepare_demo.nothing_to_make(tiny, moved) and prepare_demo.prepare_inputs(tiny, moved) == Path("d")
+    assert prepare_demo.nothing_to_make(tiny, [*moved, "data.no_such_key=1"])  # makes nothing, loads or not
+    assert sorted(tmp_path.rglob("*")) == made  # the slow path made nothing either
+    for elsewhere in ("model.tokenizer_dir=e/tokenizer", "data.val_files=[d/data/val.parquet,x.parquet]", "model"):
+        assert not prepare_demo.nothing_to_make(tiny, [*moved, elsewhere]), elsewhere
+    assert not prepare_demo.nothing_to_make(str(REPO / "configs" / "no_such.yaml"), moved)
+    # main() in a fresh interpreter, as run_local.sh runs it: exits 0 with torch never imported
+    script = "import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    script += "except SystemExit as e:\n    assert e.code == 0, e.code\nprint('torch' in sys.modules)\n"
+    args = [str(REPO / "launch" / "prepare_demo.py"), tiny, *moved]
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [c for c, e in COMMANDS.items() if e.kind != "exempt"], ids=lambda c: c[:60])
