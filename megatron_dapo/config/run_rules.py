@@ -286,6 +286,19 @@ def _rollout_expert_problems(tp: int, ep: int, arch: ModelArch, platform: Platfo
     return []
 
 
+def gated_delta_net_rollout_problems(arch: ModelArch, dtype: str, platform: Platform) -> list[str]:
+    """The rollout dtype ``dtype`` (``rollout.dtype``, ``auto`` resolved) against the dtypes the platform's vLLM runs
+    Gated DeltaNet layers in (``Platform.vllm_gated_delta_net_dtypes``)."""
+    allowed = platform.vllm_gated_delta_net_dtypes
+    if arch.gated_delta_net is None or allowed is None or dtype in allowed:
+        return []
+    return [
+        f"rollout.dtype resolves to {dtype}, but vLLM on the {platform.name} platform runs the Gated DeltaNet layers "
+        f"of {arch.family.name} in {' or '.join(allowed)} only; set rollout.dtype={allowed[0]} (the actor keeps "
+        "model.params_dtype)"
+    ]
+
+
 def resolve_max_num_batched_tokens(r: RolloutConfig, max_model_len: int) -> int:
     """``rollout.max_num_batched_tokens``, or (null) ``max(max_model_len, min(8192, max_num_seqs × max_model_len))``."""
     fill = min(DEFAULT_MIN_BATCHED_TOKENS, r.max_num_seqs * max_model_len)

