@@ -5,12 +5,43 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 # The suite shares a few CPU cores with other work: one intra-op thread per process (torchrun ranks and other
 # subprocesses inherit it). Set before torch is imported by any test module.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # One vLLM cache for the whole suite, as tests/run.sh has it (launch/setup_env.sh): vLLM inspects a model class in a
 # subprocess (about 10 s here) unless its cache holds the answer, and every run's own output dir would start empty.
 os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(__file__).resolve().parents[1] / ".venv" / ".vllm_cache"))
+
+
+def _demo(root: Path, train_rows: int) -> dict:
+    # heavy: torch and transformers, for the tests that use a demo only
+    from megatron_dapo.tasks.demo import prepare
+    from megatron_dapo.weights.convert import convert_hf_to_mcore
+
+    info = prepare(root, seed=0, train_rows=train_rows)  # default format warm-start: mixed rewards from step 1
+    convert_hf_to_mcore(info["hf_model"], root / "mcore")
+    info["mcore"] = str(root / "mcore")
+    info["root"] = root
+    return info
+
+
+# The tiny demo model, tokenizer and arithmetic data (megatron_dapo.tasks.demo, seed 0), converted for the trainer:
+# made once per session and shared read-only (a test that changes a file of it copies it first).
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory) -> dict:
+    """The demo with 256 training rows (tests/e2e, tests/data)."""
+    return _demo(tmp_path_factory.mktemp("demo"), train_rows=256)
+
+
+@pytest.fixture(scope="session")
+def demo_small(tmp_path_factory) -> dict:
+    """The demo with 64 training rows (tests/check, tests/eval, tests/launch): its warm start saw 22 of the 25
+    prompts, so its model is not ``demo``'s."""
+    return _demo(tmp_path_factory.mktemp("demo_small"), train_rows=64)
 
 
 def pytest_report_header(config) -> list[str]:

@@ -24,8 +24,6 @@ from megatron_dapo.config.memory import (
 from megatron_dapo.data.rows import read_records
 from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.tasks.arithmetic import DATA_SOURCE
-from megatron_dapo.tasks.demo import prepare
-from megatron_dapo.weights.convert import convert_hf_to_mcore
 from tests.helpers.hf_configs import QWEN3_8B, QWEN3_30B_A3B, QWEN3_32B, QWEN25_32B, SMALL_QWEN2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,14 +31,9 @@ TINY = str(REPO / "configs" / "tiny_cpu.yaml")
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("check_demo")
-    info = prepare(root, seed=0, train_rows=64)
-    convert_hf_to_mcore(info["hf_model"], root / "mcore")
-    info["mcore"] = str(root / "mcore")
-    info["root"] = root
-    info["hf_config"] = json.loads((Path(info["hf_model"]) / "config.json").read_text())
-    return info
+def demo(demo_small) -> dict:
+    """tests/conftest.py's demo of 64 training rows (``prepare(root, seed=0, train_rows=64)``, converted)."""
+    return {**demo_small, "hf_config": json.loads((Path(demo_small["hf_model"]) / "config.json").read_text())}
 
 
 def demo_overrides(demo: dict, train: str | None = None, val: str | None = None) -> list[str]:

@@ -11,13 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_dapo.data import load_rows
 from megatron_dapo.tasks.arithmetic import make_table_rows
-from megatron_dapo.tasks.demo import MODEL_SHAPE, format_warm_start, prepare
+from megatron_dapo.tasks.demo import MODEL_SHAPE, format_warm_start
 from megatron_dapo.testing.tiny_models import make_tiny_hf_model
 
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> dict:
-    return prepare(tmp_path_factory.mktemp("demo"), seed=0, train_rows=256)
+# demo: tests/conftest.py's (prepare(root, seed=0, train_rows=256), the one the e2e runs train on)
 
 
 def test_files_and_tokenizer(demo: dict) -> None:

@@ -1,4 +1,5 @@
-"""The tiny demo model, tokenizer and arithmetic data, made once per test session and converted for the trainer."""
+"""The Mixture-of-Experts variant of the tiny demo, made once per test session and converted for the trainer (the
+dense demo, ``demo``, is in tests/conftest.py: tests/data reads it too)."""
 
 from __future__ import annotations
 
@@ -6,16 +7,6 @@ import pytest
 
 from megatron_dapo.tasks.demo import prepare
 from megatron_dapo.weights.convert import convert_hf_to_mcore
-
-
-@pytest.fixture(scope="session")
-def demo(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("demo")
-    info = prepare(root, seed=0, train_rows=256)  # default format warm-start: mixed rewards from step 1
-    convert_hf_to_mcore(info["hf_model"], root / "mcore")
-    info["mcore"] = str(root / "mcore")
-    info["root"] = root
-    return info
 
 
 @pytest.fixture(scope="session")

@@ -28,8 +28,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.tasks.demo import prepare
-from megatron_dapo.weights.convert import convert_hf_to_mcore
 from tests.helpers import run_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,15 +48,14 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 400, cwd: Path
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict:
+def trained(demo_small, tmp_path_factory) -> dict:
+    demo = demo_small  # tests/conftest.py: prepare(root, seed=0, train_rows=64), converted; read only
     root = tmp_path_factory.mktemp("eval")
-    demo = prepare(root / "demo", seed=0, train_rows=64)
-    convert_hf_to_mcore(demo["hf_model"], root / "mcore")
     out = root / "run"
     overrides = {
         "model.hf_config_dir": demo["hf_model"],
         "model.tokenizer_dir": demo["tokenizer"],
-        "checkpoint.load_dir": str(root / "mcore"),
+        "checkpoint.load_dir": demo["mcore"],
         "data.train_files": f"[{demo['train']}]",
         "data.val_files": f"[{demo['val']}]",
         "trainer.output_dir": str(out),

@@ -23,9 +23,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_dapo.tasks.demo import prepare
-from megatron_dapo.weights.convert import convert_hf_to_mcore
-
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "launch" / "ray_launch.py"
 CONFIG = REPO / "configs" / "tiny_cpu.yaml"
@@ -90,12 +87,9 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("raydemo")
-    info = prepare(root, seed=0, train_rows=64)
-    convert_hf_to_mcore(info["hf_model"], root / "mcore")
-    info["mcore"] = str(root / "mcore")
-    return info
+def demo(demo_small) -> dict:
+    """tests/conftest.py's demo of 64 training rows (``prepare(root, seed=0, train_rows=64)``, converted)."""
+    return demo_small
 
 
 def overrides(demo: dict, out: Path, **extra) -> list[str]:
