@@ -101,10 +101,9 @@ class BridgeSender:
         if self.group is None:
             return
         device = self.platform.device()
-        header = pickle.dumps([(name, tuple(t.shape), dtypes.config_name(t.dtype)) for name, t in weights])
-        data = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+        header, flat = pack_weights(weights, device)  # a copy, sent while training goes on
+        data = torch.frombuffer(bytearray(pickle.dumps(header)), dtype=torch.uint8).to(device)
         size = torch.tensor([data.numel()], dtype=torch.long, device=device)
-        flat = torch.cat([t.reshape(-1).to(device) for _, t in weights])  # a copy, sent while training goes on
         for tensor in (size, data, flat):
             self._in_flight.append((_broadcast(self.group, tensor), tensor))
         self.sent_bytes += flat.numel() * flat.element_size()
@@ -158,14 +157,37 @@ class BridgeReceiver:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         _broadcast(group, data).wait()
         header = pickle.loads(data.cpu().numpy().tobytes())
-        dtype = dtypes.from_config_name(header[0][2], "weight push")
-        flat = torch.empty(sum(_numel(shape) for _, shape, _ in header), dtype=dtype, device=device)
+        flat = torch.empty(packed_bytes(header), dtype=torch.uint8, device=device)
         _broadcast(group, flat).wait()
-        offset = 0
-        for name, shape, _ in header:
-            out.append((name, flat[offset : offset + _numel(shape)].view(shape)))
-            offset += _numel(shape)
-        return flat.numel() * flat.element_size()
+        out.extend(unpack_weights(header, flat))
+        return flat.numel()
+
+
+Header = list[tuple[str, tuple[int, ...], str]]  # (name, shape, dtype name) per tensor of a bridge message
+
+
+def pack_weights(weights: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[Header, torch.Tensor]:
+    """One bridge message: its header and the tensors' bytes, each tensor in its own dtype (a Gated DeltaNet's A_log
+    travels in fp32 among bf16 ones: ``weight_transfer/transport.engine_dtype``)."""
+    header = [(name, tuple(t.shape), dtypes.config_name(t.dtype)) for name, t in weights]
+    return header, torch.cat([t.reshape(-1).to(device).contiguous().view(torch.uint8) for _, t in weights])
+
+
+def packed_bytes(header: Header) -> int:
+    return sum(_numel(shape) * dtypes.from_config_name(dt, "weight push").itemsize for _, shape, dt in header)
+
+
+def unpack_weights(header: Header, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``pack_weights``' tensors back out of ``flat`` (views where aligned)."""
+    out, offset = [], 0
+    for name, shape, dt in header:
+        dtype = dtypes.from_config_name(dt, "weight push")
+        n = _numel(shape) * dtype.itemsize
+        raw = flat[offset : offset + n]
+        # A view as a wider dtype needs an aligned offset (an fp32 tensor after an odd number of bf16 values).
+        out.append((name, (raw if offset % dtype.itemsize == 0 else raw.clone()).view(dtype).view(shape)))
+        offset += n
+    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:

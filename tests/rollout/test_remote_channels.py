@@ -1,14 +1,16 @@
 """The async job's store channels (``rollout/remote.py``) on a real torch.distributed store (``HashStore``, the same
 key-value API as the job's TCPStore): the queue keeps order and its length across producer and consumer objects, a
-snapshot reads the waiting groups without taking them, a missing group or message fails with the setting to raise.
-The bridge and the whole protocol run in the multi-process tests of ``tests/e2e/test_async_e2e.py``."""
+snapshot reads the waiting groups without taking them, a missing group or message fails with the setting to raise;
+a bridge message's tensors keep their dtypes. The bridge and the whole protocol run in the multi-process tests of
+``tests/e2e/test_async_e2e.py``."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from megatron_dapo.rollout.remote import Control, StoreQueue
+from megatron_dapo.rollout.remote import Control, StoreQueue, pack_weights, packed_bytes, unpack_weights
 
 
 def test_queue_order_length_and_snapshot_view():
@@ -41,3 +43,21 @@ def test_control_messages():
     assert control.wait("snap/result/1", "a snapshot") == {"sampler": {"position": 2}, "queued": []}
     with pytest.raises(RuntimeError, match="for the validation of step 4"):
         control.wait("val/result/4", "the validation of step 4")
+
+
+def test_bridge_message_keeps_each_tensors_dtype():
+    """A push of a Gated DeltaNet hybrid carries A_log in fp32 among bf16 tensors
+    (``weight_transfer/transport.engine_dtype``): each comes back bit-exact in its own dtype, also an fp32 tensor
+    after an odd number of bf16 values (an unaligned offset)."""
+    g = torch.Generator().manual_seed(0)
+    weights = [
+        ("model.layers.0.linear_attn.in_proj_ba.weight", torch.randn(3, 5, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.linear_attn.A_log", torch.randn(4, generator=g)),
+        ("model.layers.0.linear_attn.dt_bias", torch.randn(4, generator=g).to(torch.bfloat16)),
+    ]
+    header, flat = pack_weights(weights, torch.device("cpu"))
+    assert flat.dtype == torch.uint8 and flat.numel() == packed_bytes(header) == 15 * 2 + 4 * 4 + 4 * 2
+    back = unpack_weights(header, flat.clone())
+    assert [n for n, _ in back] == [n for n, _ in weights]
+    for (_, sent), (_, got) in zip(weights, back):
+        assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
