@@ -193,10 +193,14 @@ def rollout_plan(
     max_position_embeddings: int,
     world_size: int,
     platform: Platform,
+    arch: Optional[ModelArch] = None,
 ) -> RolloutPlan:
     """The engine's settings for an engine outside a training run (``eval``, benchmarks): its own rules are checked
-    here (``ConfigError``); a training run's ``resolve`` has checked them with everything else."""
+    here (``ConfigError``); a training run's ``resolve`` has checked them with everything else. ``arch``: the
+    model's, for the rollout dtype its layers need."""
     problems = rollout_layout_problems(r, d, world_size, max_position_embeddings, platform=platform)
+    if arch is not None:
+        problems += gated_delta_net_rollout_problems(arch, rollout_dtype(m, r), platform)
     if problems:
         raise ConfigError.of(problems)
     return _rollout_plan(r, d, m, t, world_size, platform, sleep_level(a, r, t, platform))

@@ -233,7 +233,7 @@ def _resolve_plan(
     (``eval``, benchmarks), resolved here by ``rollout_plan`` (which raises ``ConfigError`` on a bad layout)."""
     if plan is None:
         positions = int(hf_config.get("max_position_embeddings", 4096))
-        return rollout_plan(r, d, m, a, t, positions, world_size, platform)
+        return rollout_plan(r, d, m, a, t, positions, world_size, platform, model_arch_from_hf(hf_config))
     if plan.rollout_world != world_size:
         raise RuntimeError(
             f"RolloutEngine: the run was resolved for {plan.rollout_world} rollout ranks, this engine's world has "

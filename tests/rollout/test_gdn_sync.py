@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from megatron_dapo.config import load_config
 from megatron_dapo.errors import ConfigError
+from megatron_dapo.models.families import model_arch_from_hf
 from megatron_dapo.platform import make_platform
 from megatron_dapo.rollout.engine import vllm_llm_kwargs
 from tests.config.test_run_plan import _in_repo, tiny_plan  # noqa: F401 - _in_repo: the autouse fixture
@@ -102,3 +103,15 @@ def test_hybrid_engine_without_chunked_prefill_has_no_prefix_caching():
     seeded = tiny_plan(["rollout.dtype=bf16", "rollout.per_request_seed=false"], hf=hf).rollout
     kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, "sync", "m", seeded, cpu, recurrent=True)
     assert kwargs["enable_chunked_prefill"] is True and "enable_prefix_caching" not in kwargs
+
+
+def test_an_engine_outside_a_run_refuses_fp32_for_a_hybrid_on_cpu():
+    """``eval`` and benchmarks resolve the engine's part alone (``config/plan.rollout_plan``): the same rule."""
+    from megatron_dapo.config.plan import rollout_plan
+
+    arch = model_arch_from_hf(tiny_hybrid_config("qwen3_next").to_dict())
+    cfg = load_config(TINY, ["model.params_dtype=fp32"])
+    sections = (cfg.rollout, cfg.data, cfg.model, cfg.actor, cfg.trainer)
+    with pytest.raises(ConfigError, match=r"rollout.dtype resolves to fp32.*set rollout.dtype=bf16"):
+        rollout_plan(*sections, 256, 2, make_platform("cpu"), arch)
+    assert rollout_plan(*sections, 256, 2, make_platform("cpu")).dtype == "fp32"  # no model given: not checked
