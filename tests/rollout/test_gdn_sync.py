@@ -25,7 +25,6 @@ from tests.config.test_run_plan import _in_repo, tiny_plan  # noqa: F401 - _in_r
 from tests.config.test_run_validation import TINY
 from tests.helpers import run_torchrun
 from tests.models.qwen35_worker import tiny_hybrid_config
-from tests.rollout.gdn_sync_worker import save_checkpoints
 
 WORKER = Path(__file__).with_name("gdn_sync_worker.py")
 LAYOUTS = {"tp1-rtp1": (1, 1), "tp2-rtp2": (2, 2)}  # (Megatron TP, rollout TP)
@@ -36,7 +35,7 @@ STALE_MIN = 0.5  # the unsynced engine against checkpoint b: measured 4.2-4.3
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("gdn_sync")
-    hf_a, hf_b = save_checkpoints(str(root))
+    hf_a, hf_b = str(root / "a"), str(root / "b")  # written by the worker
     runs = [
         {"tp": tp, "rollout_tp": rtp, "hf_a": hf_a, "hf_b": hf_b, "out": str(root / name)}
         for name, (tp, rtp) in LAYOUTS.items()
