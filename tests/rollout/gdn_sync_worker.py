@@ -102,6 +102,25 @@ def score(llm, seqs: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:
     return lp
 
 
+def greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """Greedy responses (8 tokens) and their log-probs: the decode steps, which keep the recurrent state."""
+    from vllm import SamplingParams  # heavy: vLLM
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [
+        (list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+        for o in outs
+    ]
+
+
+def decode_diff(got: list, want: list) -> float:
+    """Max log-prob difference of two greedy decodes; inf where the tokens differ."""
+    if [t for t, _ in got] != [t for t, _ in want]:
+        return float("inf")
+    return max(abs(a - b) for (_, x), (_, y) in zip(got, want) for a, b in zip(x, y))
+
+
 def run_layout(lay: dict) -> None:
     start = time.perf_counter()
     from megatron_dapo.config import load_config
@@ -173,7 +192,10 @@ def run_layout(lay: dict) -> None:
         return float((a - b).abs()[mask].max())
 
     synced_a = score(engine.llm, seqs, p_lens)
-    ref_a = score(reference(lay["hf_a"]), seqs, p_lens)
+    ref_engine = reference(lay["hf_a"])
+    ref_a = score(ref_engine, seqs, p_lens)
+    res["a_decode_max_diff"] = decode_diff(greedy(engine.llm, prompts), greedy(ref_engine, prompts))
+    del ref_engine
     res["a_max_diff"] = max_diff(synced_a, ref_a)
     # The generated log-probs (decode steps) against the prefill scores: bf16 rounding differences only.
     res["generate_vs_score_max_diff"] = max_diff(batch.rollout_log_probs.double(), synced_a)
@@ -181,10 +203,12 @@ def run_layout(lay: dict) -> None:
     # The actor's weights change in place (checkpoint b through the same HF-direct loader); the engine is stale until
     # the next sync.
     load_mcore_checkpoint(chunks, arch, lay["hf_b"])
-    ref_b = score(reference(lay["hf_b"]), seqs, p_lens)
+    ref_engine = reference(lay["hf_b"])
+    ref_b, ref_b_decode = score(ref_engine, seqs, p_lens), greedy(ref_engine, prompts)
     res["b_stale_max_diff"] = max_diff(score(engine.llm, seqs, p_lens), ref_b)
     res["second_sync"] = sync.sync(chunks)
     res["b_max_diff"] = max_diff(score(engine.llm, seqs, p_lens), ref_b)
+    res["b_decode_max_diff"] = decode_diff(greedy(engine.llm, prompts), ref_b_decode)
     res["a_vs_b_max_diff"] = max_diff(ref_a, ref_b)
 
     teardown(engine)

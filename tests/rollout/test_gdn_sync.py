@@ -66,6 +66,8 @@ def test_synced_engine_equals_vllm_loading_the_checkpoint(layout, results):
         assert r["b_stale_max_diff"] > STALE_MIN, r
         # ... and after the second sync equal to it.
         assert r["b_max_diff"] <= TOL, r
+        # Greedy decoding (the recurrent and conv state carried step to step): the reference's tokens and log-probs.
+        assert r["a_decode_max_diff"] <= TOL and r["b_decode_max_diff"] <= TOL, r
         for key in ("first_sync", "second_sync"):
             # The plan's transport for a hybrid (config/plan.weight_transport), no fallback; every tensor once.
             assert r[key]["direct"] == 0 and r[key]["direct_fallback"] == 0, r[key]
