@@ -14,9 +14,9 @@ layout under one directory ``D``: ``D/hf_model``, ``D/tokenizer``, ``D/mcore``, 
 ``D/data/val.parquet``. Paths overridden to anything else are the user's own, and a config that does not load is
 left for the trainer to report: this script then does nothing and exits 0.
 
-When the YAML and the overrides, read as plain YAML, already name a demo layout whose every input is there (every
-launch after the first), there is nothing to make and it exits without loading the config, whose module imports
-torch and costs every launch 1.2-1.8 s here.
+When the YAML and the overrides, read as plain YAML, already show that there is nothing to make (the inputs are not
+the demo layout, or every input of it is there: every launch after the first), it exits without loading the config,
+whose module imports torch and costs every launch 1.2-1.8 s here.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def _same(path: Optional[str], want: Path) -> bool:
 
 
 def demo_root(cfg: ExperimentConfig) -> Optional[Path]:
-    """The directory ``D`` when every input of ``cfg`` is at its place in the demo layout, else None."""
+    """The directory ``D`` when every input of ``cfg`` is at its place in the demo layout, else None (``cfg``: the
+    config, or the same five fields read as plain YAML, see :func:`nothing_to_make`)."""
     if not cfg.model.hf_config_dir:
         return None
     root = Path(cfg.model.hf_config_dir).parent
@@ -93,27 +94,30 @@ def _raw_config(config: str, overrides: list[str]) -> Optional[dict]:
 
 
 def nothing_to_make(config: str, overrides: list[str]) -> bool:
-    """True when the config file and ``overrides``, read as plain YAML, name the five inputs as the paths of one
-    demo layout ``D`` and every input of it is there, the converted checkpoint included: :func:`prepare_inputs`
-    would make nothing then, whether or not the config loads. False wherever that is not certain."""
+    """True when :func:`prepare_inputs` would make nothing, whether or not the config loads, as read from the config
+    file and ``overrides`` as plain YAML: the five inputs are named there (paths; lists of paths for the data) and
+    are not the demo layout (the user's own inputs), or are the layout of a demo ``D`` whose every input is there,
+    the converted checkpoint included. False wherever that is not certain."""
+    from types import SimpleNamespace
+
     raw = _raw_config(config, overrides)
     if raw is None:
         return False
-    paths = []
+    named = {}
     for section, key, is_list in LAYOUT_KEYS:
         node = raw.get(section)
-        value = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or key not in node:
+            return False  # the config's default: left to prepare_inputs
+        value = node[key]
         if is_list:
-            value = value[0] if isinstance(value, list) and len(value) == 1 else None
-        if not isinstance(value, str) or not value:
-            return False
-        paths.append(value)
-    root = Path(paths[0]).parent
-    want = [root / "hf_model", root / "tokenizer", root / "mcore", root / "data" / "train.parquet"]
-    want.append(root / "data" / "val.parquet")
-    if not all(_same(path, place) for path, place in zip(paths, want)):
-        return False
-    return not missing_inputs(root) and (root / "mcore" / MCORE_TRACKER).is_file()
+            as_loaded = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        else:
+            as_loaded = value is None or isinstance(value, str)
+        if not as_loaded:
+            return False  # coerced (or refused) by load_config: left to prepare_inputs
+        named.setdefault(section, {})[key] = value
+    root = demo_root(SimpleNamespace(**{section: SimpleNamespace(**keys) for section, keys in named.items()}))
+    return root is None or (not missing_inputs(root) and (root / "mcore" / MCORE_TRACKER).is_file())
 
 
 def prepare_inputs(config: str, overrides: list[str]) -> Optional[Path]:

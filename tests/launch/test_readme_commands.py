@@ -422,7 +422,8 @@ def test_demo_inputs_are_made_only_for_the_demo_layout(tmp_path, monkeypatch):
     assert prepare_demo.demo_root(load_config(tiny, moved)) == Path("d")  # the quickstart's QUICKSTART_DIR
     assert prepare_demo.demo_root(load_config(tiny)) == Path(DEMO)
 
-    # Every launch after the first: the inputs are all there, and it exits without loading the config (no torch).
+    # Every launch after the first (the inputs are all there) and every launch on the user's own inputs: nothing to
+    # make, seen without loading the config (no torch); whatever is not certain is left to prepare_inputs.
     from megatron_dapo.weights.dist_format import TRACKER_FILE
 
     assert prepare_demo.MCORE_TRACKER == TRACKER_FILE
@@ -434,11 +435,16 @@ def test_demo_inputs_are_made_only_for_the_demo_layout(tmp_path, monkeypatch):
     (tmp_path / "d" / "mcore").mkdir()
     (tmp_path / "d" / "mcore" / TRACKER_FILE).write_text("release")
     made = sorted(tmp_path.rglob("*"))
-    assert prepare_demo.nothing_to_make(tiny, moved) and prepare_demo.prepare_inputs(tiny, moved) == Path("d")
-    assert prepare_demo.nothing_to_make(tiny, [*moved, "data.no_such_key=1"])  # makes nothing, loads or not
-    assert sorted(tmp_path.rglob("*")) == made  # the slow path made nothing either
-    for elsewhere in ("model.tokenizer_dir=e/tokenizer", "data.val_files=[d/data/val.parquet,x.parquet]", "model"):
-        assert not prepare_demo.nothing_to_make(tiny, [*moved, elsewhere]), elsewhere
+    elsewhere = ["model.tokenizer_dir=e/tokenizer", "data.val_files=[d/data/val.parquet,x.parquet]"]
+    elsewhere += ["data.val_files=[]", "data.train_files=[bad.jsonl]", "model.hf_config_dir=null"]
+    for case in ([], ["data.no_such_key=1"], *([change] for change in elsewhere)):
+        assert prepare_demo.nothing_to_make(tiny, [*moved, *case]), case
+        assert prepare_demo.prepare_inputs(tiny, [*moved, *case]) == (None if case else Path("d")), case
+    assert sorted(tmp_path.rglob("*")) == made  # nor did prepare_inputs make anything
+    (tmp_path / "partial.yaml").write_text("model:\n  hf_config_dir: d/hf_model\n")  # the rest: the defaults
+    assert not prepare_demo.nothing_to_make(str(tmp_path / "partial.yaml"), [])
+    for uncertain in ("model", "data.val_files=d/data/val.parquet", "model.hf_config_dir=7", "data.val_files=[7]"):
+        assert not prepare_demo.nothing_to_make(tiny, [*moved, uncertain]), uncertain
     assert not prepare_demo.nothing_to_make(str(REPO / "configs" / "no_such.yaml"), moved)
     # main() in a fresh interpreter, as run_local.sh runs it: exits 0 with torch never imported
     script = "import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
