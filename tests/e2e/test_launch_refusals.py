@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from subprocess import PIPE
 
 import pytest
 
@@ -55,12 +56,24 @@ def test_rule_error_prints_its_problem_list_once_without_traceback(demo, tmp_pat
 def test_train_prints_a_config_error_on_rank_0_only(demo, tmp_path):
     # The demo's model, tokenizer and data (on a fresh clone the config's own paths do not exist yet)
     bad = [*overrides(demo, tmp_path / "run", 2), "actor.lora.rank=8", "actor.lora.target_modules=[linear_qvk]"]
+    cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", str(CONFIG), *bad]
+    started = {  # as torchrun starts the ranks: together, each its own process with RANK set
+        rank: subprocess.Popen(
+            cmd, cwd=REPO, env=dict(os.environ, RANK=rank, OMP_NUM_THREADS="1"), stdout=PIPE, stderr=PIPE, text=True
+        )
+        for rank in ("0", "1")
+    }
     said = {}
-    for rank in ("0", "1"):  # as torchrun starts each rank: its own process, RANK set
-        env = dict(os.environ, RANK=rank, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", str(CONFIG), *bad]
-        said[rank] = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-        assert said[rank].returncode == 2, said[rank].stderr[-3000:]
+    try:
+        for rank, proc in started.items():
+            stdout, stderr = proc.communicate(timeout=120)
+            said[rank] = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+            assert said[rank].returncode == 2, said[rank].stderr[-3000:]
+    finally:
+        for proc in started.values():  # none outlives a failure
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert said["1"].stdout == said["1"].stderr == ""  # the other ranks exit quietly with the same code
     err = said["0"].stderr
     assert err.startswith("error: actor.lora.target_modules=['linear_qvk']") and said["0"].stdout == ""
