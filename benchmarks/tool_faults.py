@@ -178,8 +178,9 @@ def train(task: Path, tools_yaml: Path, out: Path, args: argparse.Namespace) -> 
 
 def run_train(args: argparse.Namespace, tmp: Path) -> None:
     task = prepare_task(Path(args.work_dir) if args.work_dir else tmp)
-    good = train(task, good_tool_config(tmp / "good.yaml"), tmp / "good", args)
-    bad = train(task, faulty_tool_config(tmp / "faulty.yaml", args.rate), tmp / "faulty", args)
+    runs = Path(args.out_dir) if args.out_dir else tmp
+    good = train(task, good_tool_config(tmp / "good.yaml"), runs / "good", args)
+    bad = train(task, faulty_tool_config(tmp / "faulty.yaml", args.rate), runs / "faulty", args)
     failed = sum(bad[s] for s in FAILURES) / max(bad["calls"], 1.0)
     injected = 4 * args.rate
     print(
@@ -202,6 +203,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="pool: the draw of the faults")
     parser.add_argument("--partial", action="store_true", help="train: both runs with rollout.partial_rollout")
     parser.add_argument("--override", action="append", default=[], help="train: a config override for both runs")
+    parser.add_argument("--out-dir", default="", help="train: where the two runs write (kept; default: removed)")
     parser.add_argument("--work-dir", default="", help="train: where the task is made (kept between runs)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

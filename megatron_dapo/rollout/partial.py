@@ -77,6 +77,11 @@ class Group:
         return all(r.done for r in self.responses)
 
     @property
+    def awaiting_tools(self) -> bool:
+        """A response waits for tool calls that outlasted an earlier round (multi-turn): the group ends when they do."""
+        return any(getattr(r, "calls_in_flight", None) for r in self.responses if not r.done)
+
+    @property
     def started(self) -> bool:
         """A segment of it was generated (a group drawn but not started holds no token, so no version)."""
         return any(r.segments for r in self.responses)
@@ -134,7 +139,7 @@ class PartialRollout:
 
     def awaiting_tools(self) -> int:
         """Conversations whose tool calls went on running after their round ended (multi-turn)."""
-        return sum(1 for g in self.groups for r in g.responses if getattr(r, "calls_in_flight", None))
+        return sum(1 for g in self.groups for r in g.responses if not r.done and getattr(r, "calls_in_flight", None))
 
     def buffered_responses(self) -> int:
         """Unfinished responses that hold at least one segment (what a step carries over to the next)."""

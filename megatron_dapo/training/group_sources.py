@@ -64,7 +64,9 @@ class PartialGroups:
     """Partial rollout: rounds advance the buffer's responses a segment at a time (module docstring).
 
     A round first advances every unfinished response that has not had a segment this step, and draws a new
-    generation batch only when the done and advancing groups cannot fill what the batch still ``need``s. At most
+    generation batch only when the done and advancing groups cannot fill what the batch still ``need``s (a group
+    waiting for tool calls that outlasted their round is not counted as advancing: its calls may run until their
+    timeout). At most
     ``2 x gen_batch_size`` groups are in flight; when that many are and none can advance this step, they get another
     segment with the same weights (no version is added, so the staleness bound holds).
     """
@@ -91,7 +93,7 @@ class PartialGroups:
             todo = buf.pending(step)
             if not todo and buf.num_in_flight() >= self.max_in_flight:
                 todo = buf.pending(step, again=True)
-            advancing = len({g.key for g, _ in todo})
+            advancing = len({g.key for g, _ in todo if not g.awaiting_tools})  # a slow call's group may take long
             if buf.num_done() + advancing < need and buf.num_in_flight() < self.max_in_flight:
                 first_new = len(buf.groups)
                 rows = self.data.sampler.next_batch()

@@ -146,3 +146,18 @@ def test_in_flight_cap_gives_a_second_segment_at_the_same_version():
     assert src.buffer.next_key == 2 and [r.segments for g in src.buffer.groups for r in g.responses] == [2, 2]
     rollout, _, _, _ = src.round(1, 0, need=1, index=3)
     assert rollout.token_versions[0].tolist() == [0] * 6 and rollout.truncated.tolist() == [True]
+
+
+def test_a_group_waiting_for_tool_calls_does_not_hold_back_the_draw():
+    """Two long groups could fill a need of 2, so a round advances them and draws nothing (the test above), unless
+    they wait for tool calls that outlasted their round (multi-turn, ``Conversation.calls_in_flight``: set here by
+    hand on the single-turn responses, since only the draw is under test): such calls may run until their timeout,
+    so a new generation batch is drawn, and its short groups fill the batch in the same round."""
+    engine = ScriptedEngine()
+    src = _source(engine, [9, 9, 2, 2], gen_batch=2)
+    assert src.round(step=1, version=0, need=2, index=0) is None and src.buffer.next_key == 2
+    for g in src.buffer.groups:
+        g.responses[0].calls_in_flight = [{"name": "lookup", "arguments": {"box": "a"}}]
+    assert src.metrics()["rollout/partial/awaiting_tools"] == 2.0
+    rollout, items, _, _ = src.round(step=2, version=1, need=2, index=0)
+    assert src.buffer.next_key == 4 and [it["input_ids"][0] for it in items] == [2, 2]
