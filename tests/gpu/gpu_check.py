@@ -3,10 +3,10 @@ collects ``test_*.py``) and never run in CI, which has no GPU. ``--platform cpu 
 box as a smoke test of this script (its numbers mean nothing there).
 
 Megatron-core side only (no vLLM, no TransformerEngine needed: ``model.transformer_impl=local``), world size 1,
-bf16, Qwen2-shaped models with random weights: about 0.63B parameters (Qwen2.5-0.5B's shape, untied output layer) and
-Qwen2.5-3B's shape. Every phase runs even when an earlier one failed (a phase that raises is a failed check with its
-traceback in the JSON), every number is written to ``--out`` as soon as its phase ends, and the run ends with one
-``PASS``/``FAIL`` line per check. Phases:
+bf16, Qwen2-shaped models with random weights: about 0.63B parameters (Qwen2.5-0.5B's shape, untied output layer)
+and Qwen2.5-3B's shape; one small Qwen3.5-MoE (``gdn_fla``). Every phase runs even when an earlier one failed (a
+phase that raises is a failed check with its traceback in the JSON), every number is written to ``--out`` as soon as
+its phase ends, and the run ends with one ``PASS``/``FAIL`` line per check. Phases:
 
 1. ``init``: the platform's mixed default group (``cpu:gloo,cuda:nccl``): an all-reduce of a CUDA tensor and of a
    CPU tensor on the default group; whether ``parallel.control_group()`` was still created.
@@ -29,8 +29,16 @@ traceback in the JSON), every number is written to ``--out`` as soon as its phas
    utilisation against the H200's 989 dense bf16 TFLOP/s, and ``megatron-dapo check``'s plan for this shape
    (``config/memory.memory_model``: the ``update`` and ``old_log_prob`` phases, the engine's terms left out)
    predicted against the measured peak.
-
-9. ``trainer_standin``: the real ``DAPOTrainer`` with the stand-in rollout engine (``testing/standin_engine.py``:
+9. ``gdn_fla``: a small Qwen3.5-MoE (``GDN_SHAPE``, transformers' ``Qwen3_5MoeTextConfig`` through the project's
+   builder: Gated DeltaNet at 3 of every 4 layers, gated attention, MoE with a shared expert), bf16, one DAPO-loss
+   ``compute_gradients`` on 4 rows of prompt 512 + response 1536, the same weights and batch twice: with fla's Triton
+   kernels (``chunk_gated_delta_rule``, ``l2norm``) and with megatron-core's torch fallback
+   (``torch_chunk_gated_delta_rule``), bound into megatron-core's module in turn and counted. Per parameter group
+   the max |Δgrad| / max |grad| against the fallback, row 0's logits the same way, within ``GDN_RTOL`` (5e-2); each
+   path's tokens/s; a negative control (the fallback with half the decay) must exceed the tolerance. On the CPU
+   (``--platform cpu``; Triton needs a GPU) the first path is transformers' own torch rule instead (the output
+   names the comparison that ran).
+10. ``trainer_standin``: the real ``DAPOTrainer`` with the stand-in rollout engine (``testing/standin_engine.py``:
    vLLM's wheel cannot travel to the lent machine) on the demo's task, made locally in a temporary directory (its
    tokenizer and data; a Qwen2 model of 12 layers at Qwen2.5-0.5B's width, the demo's own with ``--tiny``): 2 steps
    with validation and a save, then a resume to step 3. The run's end and resume step, the last weight sync complete,
@@ -651,6 +659,239 @@ def phase_trainer_standin(res, check, ctx) -> None:
     check("trainer_standin_peaks_within_plan", ctx["tiny"] or (bool(table) and not over), str(over or table))
 
 
+# ------------------------------------------------------------------------------------------------ gdn_fla
+
+# A small Qwen3.5-MoE (transformers' Qwen3_5MoeTextConfig): Gated DeltaNet at 3 of every 4 layers, gated attention,
+# MoE FFNs (top-4 of 32 experts) with a gated shared expert; the GDN's head sizes are the real model's (128).
+GDN_SHAPE = dict(
+    vocab_size=32768,
+    hidden_size=1024,
+    num_hidden_layers=8,
+    full_attention_interval=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=8,
+    linear_num_value_heads=16,
+    num_experts=32,
+    num_experts_per_tok=4,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=512,
+    router_aux_loss_coef=0.0,
+    max_position_embeddings=8192,
+)
+GDN_ROWS = 4
+# Max |a - b| over max |b| per parameter group (b: megatron-core's torch rule), and the same for row 0's logits.
+# The torch rule computes in fp32 and rounds its output to bf16 once; fla keeps its chunk intermediates (w, u, the
+# states h) in bf16 (unit roundoff 2^-9, about 2e-3), so each GDN output differs by a few roundoffs, and 6 such layers
+# and the bf16 backward compound that to about 1e-2 on the largest entries. 5e-2 (25 roundoffs) leaves room for it; a
+# wrong kernel (scale, decay, beta, the L2 norm, a chunk boundary) moves them by O(1).
+GDN_RTOL = 5e-2
+
+
+def gdn_group(arch, name: str) -> str:
+    """A parameter's group for the comparison, from its megatron-core name."""
+    import re
+
+    layer = re.search(r"layers\.(\d+)\.", name)
+    if "shared_experts" in name:
+        return "shared_expert"
+    if "experts" in name:
+        return "experts"
+    if "router" in name:
+        return "router"
+    if ".self_attention." in name and "layernorm" not in name:
+        return "gated_deltanet" if layer and arch.is_linear_layer(int(layer.group(1))) else "gated_attention"
+    if "embedding" in name:
+        return "embedding"
+    return "output_layer" if "output_layer" in name else "norms"
+
+
+def gdn_kernel_paths(platform_name: str) -> tuple[str, dict]:
+    """The two implementations of the chunked gated delta rule (and q/k L2 norm) that megatron-core's ``GatedDeltaNet``
+    looks up in its module at every forward (``chunk_gated_delta_rule``, ``l2norm``): on CUDA fla's Triton kernels
+    against megatron-core's torch fallback (``torch_chunk_gated_delta_rule``, the project's torch L2 norm); on the
+    CPU, where Triton cannot run, transformers' own torch rule against the same fallback. The last path is the
+    reference."""
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    from megatron_dapo.platform.cpu_shims import _l2norm
+
+    fallback = {"rule": gdn.torch_chunk_gated_delta_rule, "l2norm": _l2norm}
+    if platform_name == "cuda":
+        from fla.modules.l2norm import l2norm
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        return "fla_vs_megatron_torch", {"fla": {"rule": chunk_gated_delta_rule, "l2norm": l2norm}, "torch": fallback}
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+
+    # Both paths share the torch L2 norm here: the rule is what differs.
+    paths = {"transformers": {"rule": hf.torch_chunk_gated_delta_rule, "l2norm": _l2norm}, "torch": fallback}
+    return "transformers_torch_vs_megatron_torch", paths
+
+
+def gdn_run_path(actor, batch, kernels: dict, platform) -> dict:
+    """With ``kernels`` bound into megatron-core's GDN module: the DAPO loss's gradients (``compute_gradients``, after
+    a warm-up for Triton's autotuning and the norm's compile), row 0's logits (``compute_log_probs``), the timed
+    forward/backward's tokens/s, and how often each kernel was called (wrapped with counters)."""
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    calls = {"rule": 0, "l2norm": 0}
+
+    def counted(key):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return kernels[key](*args, **kwargs)
+
+        return wrapper
+
+    saved = gdn.chunk_gated_delta_rule, gdn.l2norm
+    gdn.chunk_gated_delta_rule, gdn.l2norm = counted("rule"), counted("l2norm")
+    logits: list = []
+    try:
+        actor.compute_gradients(batch, temperature=1.0)
+        warm = calls["rule"]
+        _, seconds, peak = phase_peak(platform, lambda: actor.compute_gradients(batch, temperature=1.0))
+        rule_calls = calls["rule"] - warm
+        grads = gdn_grads(actor)
+        head = next(m for n, m in actor.chunks[-1].named_modules() if n.endswith("output_layer"))
+        n_valid = int(batch.sequence_lengths[0])  # row 0 is the longest: no padding
+
+        def keep_first(_module, _inputs, out):
+            if not logits:
+                logits.append(out[0][:n_valid, 0].detach().to("cpu", torch.float32, copy=True))
+
+        hook = head.register_forward_hook(keep_first)
+        try:
+            actor.compute_log_probs(batch, temperature=1.0)
+        finally:
+            hook.remove()
+    finally:
+        gdn.chunk_gated_delta_rule, gdn.l2norm = saved
+    tokens = int(batch.sequence_lengths.sum())
+    return {
+        "grads": grads,
+        "logits": logits[0],
+        "tokens_per_s": round(tokens / seconds, 1),
+        "peak_gb": peak,
+        "rule_calls_per_update": rule_calls,
+        "calls": dict(calls),
+    }
+
+
+def gdn_control_grads(actor, batch, rule) -> dict:
+    """The negative control: gradients with ``rule`` given half the decay (``g``), a plausible mapping bug. Its
+    difference from the reference must exceed the tolerance, or the comparison could not see a wrong kernel."""
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    saved = gdn.chunk_gated_delta_rule
+    gdn.chunk_gated_delta_rule = lambda *args, g, **kwargs: rule(*args, g=0.5 * g, **kwargs)
+    try:
+        actor.compute_gradients(batch, temperature=1.0)
+    finally:
+        gdn.chunk_gated_delta_rule = saved
+    return gdn_grads(actor)
+
+
+def gdn_grads(actor) -> dict:
+    """Copies of the grad buffers (on the CPU ``.float().cpu()`` of an fp32 buffer is the buffer itself, which the
+    next ``compute_gradients`` zeroes)."""
+    return {n: p.main_grad.to("cpu", torch.float32, copy=True) for c in actor.chunks for n, p in c.named_parameters()}
+
+
+def gdn_compare(arch, got: dict, ref: dict) -> dict:
+    """Per parameter group: ``max_rel`` = max |Δ| / max |ref| over the group's tensors together (the checked number:
+    a small tensor such as A_log, a sum over every token of one head, is measured against its group's scale rather
+    than its own), ‖Δ‖ / ‖ref‖ over the group, and the tensor whose own max |Δ| / max |ref| is largest."""
+    groups: dict = {}
+    for name, g_ref in ref.items():
+        row = groups.setdefault(gdn_group(arch, name), {"delta": 0.0, "ref": 0.0, "d2": 0.0, "r2": 0.0, "worst": {}})
+        delta = (got[name] - g_ref).abs()
+        own = float(delta.max()) / max(float(g_ref.abs().max()), 1e-30)
+        if own >= row["worst"].get("rel", -1.0):
+            row["worst"] = {"tensor": name.replace("module.", ""), "rel": own}
+        row["delta"] = max(row["delta"], float(delta.max()))
+        row["ref"] = max(row["ref"], float(g_ref.abs().max()))
+        row["d2"] += float(delta.pow(2).sum())
+        row["r2"] += float(g_ref.pow(2).sum())
+    return {
+        k: {
+            "max_rel": v["delta"] / max(v["ref"], 1e-30),
+            "frobenius_rel": (v["d2"] / max(v["r2"], 1e-30)) ** 0.5,
+            "ref_max_abs": v["ref"],
+            "worst_tensor": v["worst"],
+        }
+        for k, v in sorted(groups.items())
+    }
+
+
+def phase_gdn_fla(res, check, ctx) -> None:
+    """One Qwen3.5-MoE-shaped update's gradients and logits with the two GDN kernel paths on the same weights and
+    batch (``gdn_kernel_paths``), within ``GDN_RTOL``; each path's kernels actually called."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.models.families import model_arch_from_hf
+
+    platform = ctx["platform"]
+    arch = model_arch_from_hf(Qwen3_5MoeTextConfig(**ctx["gdn_shape"]).to_dict())
+    comparison, paths = gdn_kernel_paths(platform.name)
+    log("gdn_fla", comparison=comparison, linear_layers=list(arch.gated_delta_net.linear_layers))
+    cfg = load_config(None, ctx["base"] + ["actor.recompute=none"])
+    actor = build(cfg, arch, platform)
+    # Routers at std 0.5 (megatron's init: 0.02), as the repo's tiny MoE models have them: a token's top-k is then
+    # not decided by the last bit, so bf16 differences between the paths do not reroute tokens between experts.
+    with torch.no_grad():
+        for c in actor.chunks:
+            for n, p in c.named_parameters():
+                if n.endswith("router.weight"):
+                    p.normal_(0.0, 0.5)
+    batch = make_batch(arch, GDN_ROWS, ctx["gdn_prompt"], ctx["gdn_response"], seed=5)
+    micro = -(-GDN_ROWS // cfg.actor.ppo_micro_batch_size_per_gpu)
+    expected_calls = len(arch.gated_delta_net.linear_layers) * micro
+    runs = {name: gdn_run_path(actor, batch, kernels, platform) for name, kernels in paths.items()}
+    got_name, ref_name = list(paths)
+    got, ref = runs[got_name], runs[ref_name]
+    control = gdn_compare(arch, gdn_control_grads(actor, batch, paths[ref_name]["rule"]), ref["grads"])
+    del actor
+    release(ctx)
+    groups = gdn_compare(arch, got["grads"], ref["grads"])
+    control_rel = max(v["max_rel"] for v in control.values())
+    logit_delta = float((got["logits"] - ref["logits"]).abs().max()) / float(ref["logits"].abs().max())
+    out = {
+        "comparison": comparison,
+        "tolerance_rel": GDN_RTOL,
+        "tokens": int(batch.sequence_lengths.sum()),
+        "grad_groups": groups,
+        "logits_max_rel": logit_delta,
+        "control_half_decay_max_rel": control_rel,
+        "expected_rule_calls_per_update": expected_calls,
+        "paths": {k: {m: v for m, v in r.items() if m not in ("grads", "logits")} for k, r in runs.items()},
+    }
+    res["gdn_fla"] = out
+    for name, r in out["paths"].items():
+        log(f"gdn:{name}", tokens_per_s=r["tokens_per_s"], peak_gb=r["peak_gb"], rule_calls=r["rule_calls_per_update"])
+    for name, row in groups.items():
+        nums = {k: f"{v:.3e}" for k, v in row.items() if k != "worst_tensor"}
+        log(f"gdn:{name}", **nums, worst=f"{row['worst_tensor']['tensor']}:{row['worst_tensor']['rel']:.3e}")
+    log("gdn:logits", comparison=comparison, max_rel=f"{logit_delta:.3e}", tolerance=GDN_RTOL)
+    log(
+        "gdn:control",
+        half_decay_max_rel=f"{control_rel:.3e}",
+        per_group={k: f"{v['max_rel']:.2e}" for k, v in control.items()},
+    )
+    check("gdn_control_exceeds_tolerance", control_rel > GDN_RTOL, f"half the decay moved grads by {control_rel}")
+    for name, r in out["paths"].items():
+        ok = r["rule_calls_per_update"] == expected_calls and r["calls"]["l2norm"] > 0
+        check(f"gdn_{name}_kernels_called", ok, f"{r['calls']}, rule per update {r['rule_calls_per_update']}")
+    bad = {k: v for k, v in groups.items() if not v["max_rel"] <= GDN_RTOL}
+    check(f"gdn_{comparison}_grads", not bad and "gated_deltanet" in groups, str(bad or groups))
+    check(f"gdn_{comparison}_logits", logit_delta <= GDN_RTOL, f"max rel {logit_delta}")
+
+
 PHASES = (
     ("init", phase_init),
     ("recompute", phase_recompute),
@@ -661,6 +902,7 @@ PHASES = (
     ("logprob_graph", phase_logprob_graph),
     ("logprobs_8k", phase_logprobs_8k),
     ("dense_3b", phase_dense_3b),
+    ("gdn_fla", phase_gdn_fla),
     ("trainer_standin", phase_trainer_standin),
 )
 
@@ -674,8 +916,24 @@ def main() -> int:
     ap.add_argument("--phases", default=",".join(name for name, _ in PHASES), help="comma-separated subset")
     args = ap.parse_args()
     global PROMPT, RESPONSE, BATCH, LONG_RESPONSE
-    shape_3b = dict(SHAPE_3B)
+    shape_3b, gdn_shape, gdn_prompt, gdn_response = dict(SHAPE_3B), dict(GDN_SHAPE), PROMPT, RESPONSE
     if args.tiny:
+        gdn_shape.update(
+            vocab_size=512,
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            head_dim=16,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        )
+        gdn_prompt, gdn_response = 32, 112  # rows of up to 144 tokens: three of the rule's 64-token chunks
         SHAPE.update(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96)
         shape_3b.update(vocab_size=512, hidden_size=128, num_layers=3, num_heads=4, intermediate_size=256)
         PROMPT, RESPONSE, BATCH, LONG_RESPONSE = 16, 24, 4, 64
@@ -712,6 +970,9 @@ def main() -> int:
         "tokens": int(batch.sequence_lengths.sum()),
         "tiny": args.tiny,
         "shape_3b": shape_3b,
+        "gdn_shape": gdn_shape,
+        "gdn_prompt": gdn_prompt,
+        "gdn_response": gdn_response,
     }
     wanted = set(args.phases.split(","))
     for name, fn in PHASES:
