@@ -30,7 +30,11 @@ if TYPE_CHECKING:  # the config module imports torch: only when a demo config is
     from megatron_dapo.config import ExperimentConfig
 
 # config file name → demo family (megatron_dapo.tasks.demo --family)
-DEMO_CONFIGS = {"tiny_cpu.yaml": "qwen2", "tiny_moe_cpu.yaml": "qwen3_moe"}
+DEMO_CONFIGS = {
+    "tiny_cpu.yaml": "qwen2",
+    "tiny_moe_cpu.yaml": "qwen3_moe",
+    "tiny_qwen3_next_moe_cpu.yaml": "qwen3_next_moe",
+}
 PREFIX = "[run_local]"
 # megatron_dapo.weights.dist_format.TRACKER_FILE (that module imports torch; tests/launch/test_readme_commands.py
 # holds the two equal)

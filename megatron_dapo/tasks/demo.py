@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -165,6 +166,9 @@ def prepare(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     prompts = [r["prompt"][0]["content"] for r in train]
     answers = [r["reward_model"]["ground_truth"] for r in train]
+    # A hybrid's warm start runs transformers' torch Gated DeltaNet on purpose (fla's kernels need a GPU): its console
+    # advice to install flash-linear-attention does not apply here.
+    logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
     loss = format_warm_start(model, tokenizer, prompts, answers, warm_start_steps, seed)
     hf_dir = out / "hf_model"
     # No tokenizer files in hf_dir: next to a config.json with model_type qwen2, transformers 5 AutoTokenizer always
