@@ -30,11 +30,12 @@ its phase ends, and the run ends with one ``PASS``/``FAIL`` line per check. Phas
    (``config/memory.memory_model``: the ``update`` and ``old_log_prob`` phases, the engine's terms left out)
    predicted against the measured peak.
 9. ``gdn_fla``: a small Qwen3.5-MoE (``GDN_SHAPE``, transformers' ``Qwen3_5MoeTextConfig`` through the project's
-   builder: Gated DeltaNet at 3 of every 4 layers, gated attention, MoE with a shared expert), bf16, one DAPO-loss
+   builder: Gated DeltaNet at 3 of every 4 layers, gated attention, MoE with a shared expert, every token to all 8
+   experts so that no top-k choice flips), bf16, one DAPO-loss
    ``compute_gradients`` on 4 rows of prompt 512 + response 1536, the same weights and batch twice: with fla's Triton
    kernels (``chunk_gated_delta_rule``, ``l2norm``) and with megatron-core's torch fallback
    (``torch_chunk_gated_delta_rule``), bound into megatron-core's module in turn and counted. Per parameter group
-   the max |Δgrad| / max |grad| against the fallback, row 0's logits the same way, within ``GDN_RTOL`` (5e-2); each
+   the max |Δgrad| / max |grad| against the fallback, row 0's logits the same way, within ``GDN_RTOL`` (1e-1); each
    path's tokens/s; a negative control (the fallback with half the decay) must exceed the tolerance. On the CPU
    (``--platform cpu``; Triton needs a GPU) the first path is transformers' own torch rule instead (the output
    names the comparison that ran).
@@ -662,7 +663,9 @@ def phase_trainer_standin(res, check, ctx) -> None:
 # ------------------------------------------------------------------------------------------------ gdn_fla
 
 # A small Qwen3.5-MoE (transformers' Qwen3_5MoeTextConfig): Gated DeltaNet at 3 of every 4 layers, gated attention,
-# MoE FFNs (top-4 of 32 experts) with a gated shared expert; the GDN's head sizes are the real model's (128).
+# MoE FFNs with a gated shared expert; the GDN's head sizes are the real model's (128). Every token goes to all 8
+# experts: a top-k choice is a discontinuity that turns a bf16 difference into another expert (on the CPU, with top-2
+# of 8, a bf16 rule moved the router and embedding gradients by 0.25; with all 8 by 0.044), hiding the kernel's own.
 GDN_SHAPE = dict(
     vocab_size=32768,
     hidden_size=1024,
@@ -676,8 +679,8 @@ GDN_SHAPE = dict(
     linear_value_head_dim=128,
     linear_num_key_heads=8,
     linear_num_value_heads=16,
-    num_experts=32,
-    num_experts_per_tok=4,
+    num_experts=8,
+    num_experts_per_tok=8,
     moe_intermediate_size=256,
     shared_expert_intermediate_size=512,
     router_aux_loss_coef=0.0,
@@ -685,11 +688,12 @@ GDN_SHAPE = dict(
 )
 GDN_ROWS = 4
 # Max |a - b| over max |b| per parameter group (b: megatron-core's torch rule), and the same for row 0's logits.
-# The torch rule computes in fp32 and rounds its output to bf16 once; fla keeps its chunk intermediates (w, u, the
-# states h) in bf16 (unit roundoff 2^-9, about 2e-3), so each GDN output differs by a few roundoffs, and 6 such layers
-# and the bf16 backward compound that to about 1e-2 on the largest entries. 5e-2 (25 roundoffs) leaves room for it; a
-# wrong kernel (scale, decay, beta, the L2 norm, a chunk boundary) moves them by O(1).
-GDN_RTOL = 5e-2
+# The torch rule computes in fp32 and rounds its output to bf16 once; fla stores its chunk intermediates (A, w, u,
+# v_new, the states h) in bf16 (unit roundoff 2^-9), with fp32 accumulators. A torch rule rounding the same tensors
+# to bf16 moved a model of this kind (8 layers, GDN heads of 128, 512 tokens, all experts) by at most 4.4e-2 per group
+# and 1.9e-2 on the logits (CPU, once); 1e-1 is about twice that. A wrong kernel moves them by O(1), and the
+# negative control (half the decay) must exceed it.
+GDN_RTOL = 1e-1
 
 
 def gdn_group(arch, name: str) -> str:
@@ -842,13 +846,6 @@ def phase_gdn_fla(res, check, ctx) -> None:
     log("gdn_fla", comparison=comparison, linear_layers=list(arch.gated_delta_net.linear_layers))
     cfg = load_config(None, ctx["base"] + ["actor.recompute=none"])
     actor = build(cfg, arch, platform)
-    # Routers at std 0.5 (megatron's init: 0.02), as the repo's tiny MoE models have them: a token's top-k is then
-    # not decided by the last bit, so bf16 differences between the paths do not reroute tokens between experts.
-    with torch.no_grad():
-        for c in actor.chunks:
-            for n, p in c.named_parameters():
-                if n.endswith("router.weight"):
-                    p.normal_(0.0, 0.5)
     batch = make_batch(arch, GDN_ROWS, ctx["gdn_prompt"], ctx["gdn_response"], seed=5)
     micro = -(-GDN_ROWS // cfg.actor.ppo_micro_batch_size_per_gpu)
     expected_calls = len(arch.gated_delta_net.linear_layers) * micro
@@ -867,6 +864,8 @@ def phase_gdn_fla(res, check, ctx) -> None:
         "tokens": int(batch.sequence_lengths.sum()),
         "grad_groups": groups,
         "logits_max_rel": logit_delta,
+        "logits_shape": list(ref["logits"].shape),  # [row 0's tokens, vocab]
+        "speed_vs_reference": round(got["tokens_per_s"] / ref["tokens_per_s"], 3),
         "control_half_decay_max_rel": control_rel,
         "expected_rule_calls_per_update": expected_calls,
         "paths": {k: {m: v for m, v in r.items() if m not in ("grads", "logits")} for k, r in runs.items()},
@@ -877,7 +876,8 @@ def phase_gdn_fla(res, check, ctx) -> None:
     for name, row in groups.items():
         nums = {k: f"{v:.3e}" for k, v in row.items() if k != "worst_tensor"}
         log(f"gdn:{name}", **nums, worst=f"{row['worst_tensor']['tensor']}:{row['worst_tensor']['rel']:.3e}")
-    log("gdn:logits", comparison=comparison, max_rel=f"{logit_delta:.3e}", tolerance=GDN_RTOL)
+    log("gdn:logits", comparison=comparison, max_rel=f"{logit_delta:.3e}", shape=out["logits_shape"], tol=GDN_RTOL)
+    log("gdn:speed", **{f"{got_name}_vs_{ref_name}": out["speed_vs_reference"]})
     log(
         "gdn:control",
         half_decay_max_rel=f"{control_rel:.3e}",
@@ -929,7 +929,7 @@ def main() -> int:
             linear_num_key_heads=2,
             linear_num_value_heads=4,
             num_experts=4,
-            num_experts_per_tok=2,
+            num_experts_per_tok=4,
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
         )
