@@ -186,6 +186,9 @@ PARTIAL = [
     "algorithm.filter_groups.enable=false",
     "algorithm.filter_groups.max_num_gen_batches=4",  # the rounds a step may run: 3 segments need 3
     "trainer.test_freq=-1",
+    # Every round waits for its calls (none is carried into a later round), so the run does not depend on how fast
+    # the tool answers on a loaded box and the resumed run can be compared with the straight one.
+    "rollout.multi_turn.tool_round_wait_s=600",
 ]
 
 
