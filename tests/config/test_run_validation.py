@@ -14,6 +14,7 @@ from megatron_dapo.config import ConfigError, ExperimentConfig, load_config
 from megatron_dapo.config.plan import RunPlan, resolve
 from megatron_dapo.config.run_rules import config_platform
 from megatron_dapo.models.families import ModelArch, model_arch_from_hf
+from megatron_dapo.testing.tiny_models import TINY_VISION
 from tests.helpers.engines import engine_sections
 from tests.helpers.hf_configs import QWEN3_8B, QWEN3_30B_A3B, QWEN3_32B, QWEN25_32B
 
@@ -79,7 +80,7 @@ TINY_QWEN35_MOE_HF = {
     "model_type": "qwen3_5_moe",
     "tie_word_embeddings": False,
     "text_config": {k: v for k, v in TINY_QWEN3_NEXT_MOE_HF.items() if k not in _QWEN3_NEXT_ONLY},
-    "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64},
+    "vision_config": dict(TINY_VISION, out_hidden_size=TINY_QWEN3_NEXT_MOE_HF["hidden_size"]),
 }
 
 

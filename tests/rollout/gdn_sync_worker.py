@@ -50,6 +50,8 @@ def tiny_hybrid(family: str, seed: int, scale: float = 0.0):
     # heavy: transformers
     import transformers
 
+    from megatron_dapo.testing.tiny_models import TINY_VISION
+
     text = dict(
         vocab_size=VOCAB,
         hidden_size=128,
@@ -76,6 +78,7 @@ def tiny_hybrid(family: str, seed: int, scale: float = 0.0):
         eos_token_id=1,
         pad_token_id=0,
     )
+    vision = dict(TINY_VISION, out_hidden_size=text["hidden_size"])  # the VLMs' one-block tower
     if family == "qwen3_next":
         config = transformers.Qwen3NextConfig(
             **text, intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0]
@@ -83,13 +86,11 @@ def tiny_hybrid(family: str, seed: int, scale: float = 0.0):
         cls = transformers.Qwen3NextForCausalLM
     elif family == "qwen3_5":
         dense = {k: v for k, v in text.items() if "expert" not in k and k != "router_aux_loss_coef"}
-        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 128}
         config = transformers.Qwen3_5Config(
             text_config=dict(dense, intermediate_size=96), vision_config=vision, tie_word_embeddings=False
         )
         cls = transformers.Qwen3_5ForConditionalGeneration
     elif family == "qwen3_5_moe":
-        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 128}
         config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
         cls = transformers.Qwen3_5MoeForConditionalGeneration
     else:
