@@ -54,7 +54,7 @@ from megatron_dapo.config import load_config  # noqa: E402
 
 FAULTY = REPO / "tests" / "agent" / "faulty_tool.py"
 CONFIG = REPO / "configs" / "tiny_agent_cpu.yaml"
-FAILURES = ("error", "timeout", "crashed")
+FAILURES = ("error", "timeout", "crashed", "abandoned")
 FAULTS = ("raise", "hang", "huge", "exit", "memory")
 VAL_ACC = "val-core/lookup/acc/mean@1"
 

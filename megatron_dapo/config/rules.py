@@ -230,6 +230,13 @@ def _rollout_ranges(r: RolloutConfig) -> list[str]:
     out.positive_int("rollout.multi_turn.tool_workers", mt.tool_workers)
     wait_s = mt.tool_round_wait_s
     out.need("rollout.multi_turn.tool_round_wait_s", wait_s, wait_s >= 0, "a value >= 0 (seconds)")
+    abandon_s = mt.tool_abandon_after_s
+    out.need(
+        "rollout.multi_turn.tool_abandon_after_s",
+        abandon_s,
+        abandon_s is None or 0 < abandon_s < mt.tool_timeout_s,
+        f"null or a value > 0 and below tool_timeout_s ({mt.tool_timeout_s:g} s)",
+    )
     v = r.val_kwargs
     _sampling_ranges(out, "rollout.val_kwargs", v.temperature, v.top_p, v.top_k)
     out.positive_int("rollout.val_kwargs.n", v.n)

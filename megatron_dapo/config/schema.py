@@ -254,6 +254,11 @@ class MultiTurnConfig:
     # partial rollout: how long a round waits for tool calls once its model turns are done; calls still running
     # then go on into the next round, their conversation with them, so a hung call holds only its own group
     tool_round_wait_s: float = 1.0
+    # once the engine has no model turn left to run, a conversation whose tool calls have run this long stops waiting
+    # for them: they are answered "error: ... abandoned" (tool/abandoned) and the conversation goes on, while the calls
+    # run on to tool_timeout_s in their worker. So a hung call holds its generation batch this long, not
+    # tool_timeout_s. None = wait for every call (synchronous rollout, and a partial response's last segment)
+    tool_abandon_after_s: Optional[float] = None
 
 
 @dataclass

@@ -48,7 +48,7 @@ from megatron_dapo.rollout.types import (
 
 __all__ = ["Conversation", "MultiTurnRollout", "SingleTurn", "build_generator", "tool_metrics", "tool_schemas"]
 
-TOOL_STATUSES = ("error", "timeout", "unknown_tool", "bad_call", "crashed")
+TOOL_STATUSES = ("error", "timeout", "unknown_tool", "bad_call", "crashed", "abandoned")
 
 
 class RequestEngine(Protocol):
@@ -196,10 +196,12 @@ class MultiTurnRollout:
         waiting: dict[str, tuple[Conversation, list[Future]]] = {}  # tool calls in flight (futures: the leader's)
         routes: dict[str, tuple[Any, int]] = {}  # the last request's routing, and the tokens it covers
         carried_in: set[str] = set()  # came waiting for calls of an earlier round: its segment goes on after them
+        called_at: dict[str, float] = {}  # when each waiting conversation's calls were made (or carried in)
         for c in convs:
             if c.calls_in_flight:
                 waiting[c.key] = (c, self._calls_in_flight(c) if tools is not None else [])
                 carried_in.add(c.key)
+                called_at[c.key] = time.monotonic()
             else:
                 self._queue(c, sampling, seed_key, pending, limits.get(c.key))
         idle_since: Optional[float] = None  # when the engine first ran out of requests in this round
@@ -213,6 +215,7 @@ class MultiTurnRollout:
                 if calls:  # a TP peer waits with no futures: the leader's results arrive by broadcast
                     c.calls_in_flight = [asdict(call) for call in calls]
                     waiting[c.key] = (c, [tools.call(c.key, call) for call in calls] if tools is not None else [])
+                    called_at[c.key] = time.monotonic()
                 elif c.done:
                     ended.append(c)
             if idle_since is None and not self.engine.has_unfinished():
@@ -220,7 +223,8 @@ class MultiTurnRollout:
             settled = None
             if leader:
                 deadline = None if idle_since is None else idle_since + self.cfg.tool_round_wait_s
-                settled = _settle(waiting, set(limits), deadline, block=not self.engine.has_unfinished())
+                abandon_at = _abandon_times(waiting, set(limits), called_at, self.cfg.tool_abandon_after_s)
+                settled = _settle(waiting, set(limits), deadline, not self.engine.has_unfinished(), abandon_at)
             ready, carried_out = self.engine.broadcast_in_replica(settled)
             for key in carried_out:  # its calls go on running; the conversation waits for them in a later round
                 _, futures = waiting.pop(key)
@@ -322,24 +326,58 @@ def _replica_of(c: Conversation, replicas: int) -> int:
     return (c.prompt_index * 7919 + c.sample) % replicas
 
 
+def _abandon_times(
+    waiting: dict[str, tuple[Conversation, list[Future]]], capped: set[str], called_at: dict, after_s: Optional[float]
+) -> dict[str, tuple[float, float]]:
+    """When each uncapped waiting conversation's calls were made and when it stops waiting for them
+    (``tool_abandon_after_s`` later); none without that setting. A capped one is carried into a later round
+    instead (``_settle``)."""
+    if after_s is None:
+        return {}
+    return {key: (called_at[key], called_at[key] + after_s) for key in waiting if key not in capped}
+
+
 def _settle(
-    waiting: dict[str, tuple[Conversation, list[Future]]], capped: set[str], deadline: Optional[float], block: bool
+    waiting: dict[str, tuple[Conversation, list[Future]]],
+    capped: set[str],
+    deadline: Optional[float],
+    block: bool,
+    abandon_at: Optional[dict[str, tuple[float, float]]] = None,
 ) -> tuple[list[tuple[str, list]], list[str]]:
     """The leader's decision, which its TP peers follow: the conversations whose calls are all answered, with the
     results, and the capped ones to carry into a later round with their calls still running. With ``block`` (no
     engine request left), wait for an answer first, but past ``deadline`` carry the capped conversations instead of
-    waiting for them; an uncapped one (a response's last segment) is always waited for."""
+    waiting for them. An uncapped one (synchronous rollout, or a response's last segment) is waited for until its
+    ``abandon_at`` time (``tool_abandon_after_s``; without one, always): its unanswered calls are then answered as
+    ``abandoned`` and it goes on, while the calls themselves run on to their timeout in their worker."""
+    abandon_at = abandon_at or {}
 
     def answered(futures: list[Future]) -> bool:
         return bool(futures) and all(f.done() for f in futures)
 
     while block and waiting and not any(answered(fs) for _, fs in waiting.values()):
+        now = time.monotonic()
         carryable = [key for key in waiting if key in capped]
-        timeout = None if deadline is None or not carryable else deadline - time.monotonic()
-        if timeout is not None and timeout <= 0:
+        if deadline is not None and carryable and deadline <= now:
             return [], carryable
+        late = [key for key in waiting if key in abandon_at and abandon_at[key][1] <= now]
+        if late:
+            return [
+                (key, [_result(f) if f.done() else _abandoned(now - abandon_at[key][0]) for f in waiting[key][1]])
+                for key in late
+            ], []
+        times = [abandon_at[key][1] for key in waiting if key in abandon_at]
+        if deadline is not None and carryable:
+            times.append(deadline)
+        timeout = max(0.0, min(times) - now) if times else None
         wait([f for _, fs in waiting.values() for f in fs if not f.done()], timeout, FIRST_COMPLETED)
     return [(key, [_result(f) for f in fs]) for key, (_, fs) in waiting.items() if answered(fs)], []
+
+
+def _abandoned(waited_s: float) -> ToolResult:
+    """What the model reads for a call its conversation stopped waiting for (``tool_abandon_after_s``)."""
+    text = "error: the tool did not answer in time; the call was abandoned"
+    return ToolResult(text, status="abandoned", latency_s=waited_s)
 
 
 def _result(future: Future) -> Any:

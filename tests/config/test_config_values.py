@@ -55,6 +55,10 @@ def load_and_gate(path: Path, overrides: list[str]) -> RunPlan:
         ("model.hidden_dropout=1.0", "model.hidden_dropout=1.0: expected a value in [0, 1)"),
         ("rollout.multi_turn.max_assistant_turns=0", "rollout.multi_turn.max_assistant_turns=0: expected an integer"),
         ("rollout.multi_turn.tool_timeout_s=0", "rollout.multi_turn.tool_timeout_s=0.0: expected a value > 0"),
+        (
+            "rollout.multi_turn.tool_abandon_after_s=30",
+            "rollout.multi_turn.tool_abandon_after_s=30.0: expected null or a value > 0 and below tool_timeout_s",
+        ),
         ("rollout.multi_turn.enable=true", "rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path"),
     ],
 )

@@ -257,6 +257,38 @@ def test_other_samples_decode_while_a_tool_runs(tok):
     assert metrics["tool/turns_per_sample"] == 2.5 and metrics["tool/error"] == 0.0
 
 
+def test_a_hung_call_is_abandoned_and_only_its_conversation_reads_it(tok):
+    """``tool_abandon_after_s``: once the engine has nothing left to run, a conversation whose call has run that long
+    reads an ``abandoned`` error and answers; the batch does not wait for the call. Without it, the batch waits."""
+    script = {
+        (0, 0): [CALL_A + EOS_TOKEN, "1" + EOS_TOKEN],
+        (1, 0): [CALL_B + EOS_TOKEN, "2" + EOS_TOKEN],
+    }
+    hang_s = 1.5
+    walls, batches = {}, {}
+    for after_s in (0.2, None):
+        tools = ThreadTools({"a": "1", "b": "2"}, delays={"b": hang_s})
+        _, mt = rollout(tok, script, tools, tool_abandon_after_s=after_s)
+        start = time.perf_counter()
+        batches[after_s] = mt.generate(items(2, tok), sampling())
+        walls[after_s] = time.perf_counter() - start
+        tools.close()
+    assert walls[0.2] < hang_s / 2 and walls[None] >= hang_s, walls
+    quick, waited = batches[0.2], batches[None]
+    assert [info["tool_status"] for info in quick.turns] == [["ok"], ["abandoned"]]
+    assert [info["tool_status"] for info in waited.turns] == [["ok"], ["ok"]]
+
+    def response(batch, row):
+        return batch.responses[row][batch.response_mask[row].bool()].tolist()
+
+    abandoned = tok.decode(response(quick, 1))
+    assert "the call was abandoned" in abandoned and abandoned.rstrip().endswith("2" + EOS_TOKEN), abandoned
+    assert response(quick, 0) == response(waited, 0)  # the other conversation is untouched
+    assert quick.loss_mask[1].sum() == waited.loss_mask[1].sum()  # the error is a tool turn: not trained
+    metrics = tool_metrics(quick.turns)
+    assert metrics["tool/abandoned"] == 1.0 and metrics["tool/timeout"] == 0.0 and metrics["tool/calls"] == 2.0
+
+
 def test_tool_tokens_get_no_advantage_and_the_reward_sees_the_conversation(tok):
     """The multi-turn batch downstream: ``score_to_batch``'s inputs carry the conversation, the loss mask starts from
     the sampled tokens and the advantages are zero on tool turns (float64 by hand: GRPO over two samples)."""

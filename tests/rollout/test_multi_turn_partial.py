@@ -176,14 +176,14 @@ def test_routing_of_a_conversation_covers_prompt_model_and_tool_tokens(tok):  # 
 SLOW_S = 2.0  # box "b" answers after this: samples (1, 0) and (1, 1) call it in their first turn
 
 
-def rounds_with_a_slow_tool(tok, plan: PartialPlan, checkpoint: bool = False):  # noqa: F811
+def rounds_with_a_slow_tool(tok, plan: PartialPlan, checkpoint: bool = False, **cfg):  # noqa: F811
     """The buffer's rounds with box "b" answering after ``SLOW_S`` and ``tool_round_wait_s=0.05``; each round's wall
     seconds and the conversations that left it waiting for their calls. With ``checkpoint``, the buffer goes
     through JSON into a new buffer with new tools after the first round that left calls running, as a resumed run's
     does."""
     engine = StreamEngine(tok, SCRIPT)
     made = [ThreadTools(ANSWERS, delays={"b": SLOW_S})]
-    buf = PartialRollout(engine, plan, 200, multi_turn(tok, engine, made[-1], tool_round_wait_s=0.05))
+    buf = PartialRollout(engine, plan, 200, multi_turn(tok, engine, made[-1], tool_round_wait_s=0.05, **cfg))
     rows = items(2, tok)
     buf.add([0, 1], [r["input_ids"] for r in rows], 2, rows)
     walls, waiting = [], []
@@ -196,7 +196,7 @@ def rounds_with_a_slow_tool(tok, plan: PartialPlan, checkpoint: bool = False):  
         if checkpoint and waiting[-1] and len(made) == 1:  # the first round that left calls running
             state = json.loads(json.dumps(buf.state_dict()))
             made.append(ThreadTools(ANSWERS, delays={"b": SLOW_S}))
-            buf = PartialRollout(engine, plan, 200, multi_turn(tok, engine, made[-1], tool_round_wait_s=0.05))
+            buf = PartialRollout(engine, plan, 200, multi_turn(tok, engine, made[-1], tool_round_wait_s=0.05, **cfg))
             buf.load_state_dict(state)
     return buf.take_done(2), walls, waiting, made
 
@@ -229,3 +229,13 @@ def test_a_last_segment_waits_for_its_calls(tok):  # noqa: F811
     assert walls[0] < SLOW_S / 2 and walls[0] + walls[1] >= SLOW_S * 0.9
     assert conversation_fields(groups_to_rollout(groups, 0)) == conversation_fields(reference)
     assert all(len(set(r.versions)) <= 2 for g in groups for r in g.responses)
+
+
+def test_a_last_segment_stops_waiting_after_tool_abandon_after_s(tok):  # noqa: F811
+    """The same with ``tool_abandon_after_s``: the last segment reads box "b"'s calls as abandoned and the
+    conversations go on (to the response budget, here), so the round does not wait for them."""
+    groups, walls, waiting, _ = rounds_with_a_slow_tool(tok, PartialPlan(200, 2), tool_abandon_after_s=0.1)
+    assert len(walls) == 2 and waiting == [["g1-0", "g1-1"], []]
+    assert walls[1] < SLOW_S / 2, walls
+    turns = groups_to_rollout(groups, 0).turns
+    assert [t["tool_status"] for t in turns] == [["ok"], [], ["abandoned"], ["ok", "abandoned"]]
