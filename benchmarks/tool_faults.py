@@ -24,6 +24,10 @@ injected_frac=<i> cascade=<f ÷ i> val_good=<first>-><last> val_faulty=<first>->
     python benchmarks/tool_faults.py --level train --steps 10
     python benchmarks/tool_faults.py --level train --steps 10 --partial
 
+``--override rollout.multi_turn.tool_abandon_after_s=1.5``: once no model turn is left, a conversation stops waiting
+for a call that has run that long (``tool/abandoned``, counted as failed); synchronous rollout then waits that long
+for a hung call instead of ``tool_timeout_s`` + grace (docs/agent.md).
+
 ``--partial``: both runs with partial rollout, where a round does not wait for calls that outlast
 ``tool_round_wait_s`` (docs/async.md); synchronous rollout waits for its slowest conversation. The partial runs also
 print the steps trained with a partial batch and the conversations left waiting for their calls per step.
@@ -170,7 +174,7 @@ def train(task: Path, tools_yaml: Path, out: Path, args: argparse.Namespace) -> 
     print(
         f"tool={tools_yaml.stem:8s} step_s={out_row['step_s']:.2f} gen_s={out_row['gen_s']:.2f}"
         f" calls={out_row['calls']:g} error={out_row['error']:g} timeout={out_row['timeout']:g}"
-        f" crashed={out_row['crashed']:g} val={val[0]:.3f}->{val[-1]:.3f}"
+        f" crashed={out_row['crashed']:g} abandoned={out_row['abandoned']:g} val={val[0]:.3f}->{val[-1]:.3f}"
         f" partial_batches={out_row['partial_batches']:g} awaiting_tools={out_row['awaiting_tools']:.1f}"
     )
     return out_row

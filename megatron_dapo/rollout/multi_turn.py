@@ -21,6 +21,7 @@ a conversation does not depend on the replica or on when its tools answered.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -47,6 +48,8 @@ from megatron_dapo.rollout.types import (
 )
 
 __all__ = ["Conversation", "MultiTurnRollout", "SingleTurn", "build_generator", "tool_metrics", "tool_schemas"]
+
+logger = logging.getLogger(__name__)
 
 TOOL_STATUSES = ("error", "timeout", "unknown_tool", "bad_call", "crashed", "abandoned")
 
@@ -94,6 +97,7 @@ class MultiTurnRollout:
         self._infos: list[dict] = []  # of every sample generated since the last metrics()
         self._live: set[str] = set()  # this rank's tool instances (created, not released yet)
         self._in_flight: dict[str, list[Future]] = {}  # calls a round left running, by conversation (the leader's)
+        self._hinted = False  # the console was told once that a timed-out call held a batch
 
     def generate(
         self,
@@ -232,6 +236,8 @@ class MultiTurnRollout:
                     self._in_flight[key] = futures
             for key, results in ready:
                 c, _ = waiting.pop(key)
+                if leader and key not in limits and not self.engine.has_unfinished():
+                    self._hint_if_held(results)
                 self._tool_turn(c, results)
                 if c.done:
                     ended.append(c)
@@ -242,6 +248,20 @@ class MultiTurnRollout:
                 on_step([(c.prompt_index, c.sample, list(c.tokens), c.info()) for c in ended])
         self._close_tools([c for c in convs if c.done] if tools is not None else [])
         return {c.key: self._routing(c, *routes[c.key]) for c in convs if c.key in routes}
+
+    def _hint_if_held(self, results: Sequence[Any]) -> None:
+        """Once per run: a timed-out call that the batch waited for (nothing else was left to run) is the user's to
+        act on, since ``tool_abandon_after_s`` would have cut that wait."""
+        if self._hinted or self.cfg.tool_abandon_after_s is not None:
+            return
+        if any(getattr(r, "status", None) == "timeout" for r in results):
+            self._hinted = True
+            logger.warning(
+                "a tool call timed out (rollout.multi_turn.tool_timeout_s=%gs) and its generation batch waited for it"
+                " with nothing else to run; rollout.multi_turn.tool_abandon_after_s stops waiting for such calls"
+                " sooner (docs/agent.md)",
+                self.cfg.tool_timeout_s,
+            )
 
     def _calls_in_flight(self, c: Conversation) -> list[Future]:
         """The futures of ``c``'s unanswered calls: still running from the round that left them, or, where they were

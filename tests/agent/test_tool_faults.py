@@ -14,6 +14,8 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
+import pytest
+
 from megatron_dapo.agent.chat import ToolTurns
 from megatron_dapo.agent.hermes import ToolCall
 from megatron_dapo.agent.host import ToolHost
@@ -106,11 +108,15 @@ def test_mixed_faults_fail_only_their_own_calls(tmp_path):
     )
 
 
-def test_a_rollout_with_the_faulty_tool_holds_back_only_the_faulty_conversation(tmp_path):
+@pytest.mark.parametrize(("timeout_s", "abandon_after_s"), [(1.0, None), (2.0, 1.0)], ids=["waits", "abandons"])
+def test_a_rollout_with_the_faulty_tool_holds_back_only_the_faulty_conversation(
+    tmp_path, caplog, timeout_s, abandon_after_s
+):
     """The real multi-turn loop (``rollout/multi_turn.MultiTurnRollout``, on the scripted engine of
     ``tests/rollout/test_multi_turn.py``) with the faulty tool in a real ``ToolHost``: one conversation per fault.
     Each conversation reads its own call's outcome only, and every other conversation's next turn is queued before
-    the hung call is answered, at ``timeout_s + grace_s``."""
+    the hung call is answered, at ``timeout_s + grace_s`` — or, with ``tool_abandon_after_s``, before its own
+    timeout: its conversation reads the call as abandoned and answers, while the call runs on in its worker."""
     tok = build_tiny_tokenizer(tmp_path / "tok", extra_texts=[])
     faults = ["hang", "exit", "raise", "memory", "huge", None]
     call = '<tool_call>{{"name": "lookup", "arguments": {{"box": "a", "fault": {}}}}}</tool_call>'
@@ -122,19 +128,28 @@ def test_a_rollout_with_the_faulty_tool_holds_back_only_the_faulty_conversation(
         kwargs = {"lookup": {"create_kwargs": {"boxes": {"a": i}}}}
         extra = {"tools_kwargs": kwargs}
         rows.append({"input_ids": tok.encode(prompt), "prompt_messages": messages, "extra_info": extra})
-    timeout_s, grace_s = 1.0, 0.5
+    grace_s = 0.5
     specs = read_tool_config(tool_yaml(tmp_path))
     with ToolHost(specs, timeout_s=timeout_s, grace_s=grace_s, memory_mb=1024, workers=2) as host:
         engine = ScriptedEngine(tok, script)
-        cfg = MultiTurnConfig(enable=True, tool_config_path="unused", max_tool_response_length=64)
+        cfg = MultiTurnConfig(
+            enable=True, tool_config_path="unused", max_tool_response_length=64, tool_abandon_after_s=abandon_after_s
+        )
         rollout = MultiTurnRollout(engine, host, ToolTurns(tok, 64), tok, cfg, 200)
         started = time.perf_counter()
         batch = rollout.generate(rows, sampling(n=1))
-    assert [info["tool_status"] for info in batch.turns] == [[EXPECTED[f]] for f in faults]
+    expected = {**EXPECTED, "hang": "timeout" if abandon_after_s is None else "abandoned"}
+    assert [info["tool_status"] for info in batch.turns] == [[expected[f]] for f in faults]
     tool_texts = [info["messages"][2]["content"] for info in batch.turns]
     assert tool_texts[5] == "5" and tool_texts[4] == "4" * 32 + "..." + "4" * 32  # the huge answer, cut by the chat
     assert all(text.startswith("error: ") for text in tool_texts[:4])
     assert all(info["num_turns"] == 2 for info in batch.turns)  # every conversation went on to its answer
     second = {rid.split("-")[0]: t - started for t, what, rid in engine.events if what == "add" and rid.endswith("-1")}
     assert max(second[str(i)] for i in range(1, 6)) < second["0"]  # nobody waited for the hung call
-    assert second["0"] / (timeout_s + grace_s) >= 1.0  # which was answered at its bound
+    hints = [r for r in caplog.records if "tool_abandon_after_s" in r.getMessage()]
+    if abandon_after_s is None:
+        assert second["0"] / (timeout_s + grace_s) >= 1.0  # which was answered at its bound
+        assert len(hints) == 1 and hints[0].levelname == "WARNING"  # the console says what would cut that wait
+    else:  # which its conversation stopped waiting for before the call's own timeout
+        assert abandon_after_s <= second["0"] < timeout_s, second
+        assert hints == []
