@@ -227,8 +227,8 @@ class MultiTurnRollout:
             settled = None
             if leader:
                 deadline = None if idle_since is None else idle_since + self.cfg.tool_round_wait_s
-                abandon_at = _abandon_times(waiting, set(limits), called_at, self.cfg.tool_abandon_after_s)
-                settled = _settle(waiting, set(limits), deadline, not self.engine.has_unfinished(), abandon_at)
+                block = not self.engine.has_unfinished()
+                settled = _settle(waiting, set(limits), deadline, block, called_at, self.cfg.tool_abandon_after_s)
             ready, carried_out = self.engine.broadcast_in_replica(settled)
             for key in carried_out:  # its calls go on running; the conversation waits for them in a later round
                 _, futures = waiting.pop(key)
@@ -254,7 +254,7 @@ class MultiTurnRollout:
         act on, since ``tool_abandon_after_s`` would have cut that wait."""
         if self._hinted or self.cfg.tool_abandon_after_s is not None:
             return
-        if any(getattr(r, "status", None) == "timeout" for r in results):
+        if any(r.status == "timeout" for r in results):
             self._hinted = True
             logger.warning(
                 "a tool call timed out (rollout.multi_turn.tool_timeout_s=%gs) and its generation batch waited for it"
@@ -346,31 +346,24 @@ def _replica_of(c: Conversation, replicas: int) -> int:
     return (c.prompt_index * 7919 + c.sample) % replicas
 
 
-def _abandon_times(
-    waiting: dict[str, tuple[Conversation, list[Future]]], capped: set[str], called_at: dict, after_s: Optional[float]
-) -> dict[str, tuple[float, float]]:
-    """When each uncapped waiting conversation's calls were made and when it stops waiting for them
-    (``tool_abandon_after_s`` later); none without that setting. A capped one is carried into a later round
-    instead (``_settle``)."""
-    if after_s is None:
-        return {}
-    return {key: (called_at[key], called_at[key] + after_s) for key in waiting if key not in capped}
-
-
 def _settle(
     waiting: dict[str, tuple[Conversation, list[Future]]],
     capped: set[str],
     deadline: Optional[float],
     block: bool,
-    abandon_at: Optional[dict[str, tuple[float, float]]] = None,
+    called_at: Optional[dict[str, float]] = None,
+    abandon_after_s: Optional[float] = None,
 ) -> tuple[list[tuple[str, list]], list[str]]:
     """The leader's decision, which its TP peers follow: the conversations whose calls are all answered, with the
     results, and the capped ones to carry into a later round with their calls still running. With ``block`` (no
     engine request left), wait for an answer first, but past ``deadline`` carry the capped conversations instead of
     waiting for them. An uncapped one (synchronous rollout, or a response's last segment) is waited for until its
-    ``abandon_at`` time (``tool_abandon_after_s``; without one, always): its unanswered calls are then answered as
-    ``abandoned`` and it goes on, while the calls themselves run on to their timeout in their worker."""
-    abandon_at = abandon_at or {}
+    calls, made at ``called_at[key]``, have waited ``abandon_after_s`` (``tool_abandon_after_s``; without it,
+    always): its unanswered calls are then answered as ``abandoned`` and it goes on, while the calls themselves run on
+    to their timeout in their worker."""
+    give_up: dict[str, float] = {}  # the uncapped conversations' times to stop waiting
+    if abandon_after_s is not None and called_at is not None:
+        give_up = {key: called_at[key] + abandon_after_s for key in waiting if key not in capped}
 
     def answered(futures: list[Future]) -> bool:
         return bool(futures) and all(f.done() for f in futures)
@@ -380,13 +373,13 @@ def _settle(
         carryable = [key for key in waiting if key in capped]
         if deadline is not None and carryable and deadline <= now:
             return [], carryable
-        late = [key for key in waiting if key in abandon_at and abandon_at[key][1] <= now]
+        late = [key for key, at in give_up.items() if at <= now]
         if late:
             return [
-                (key, [_result(f) if f.done() else _abandoned(now - abandon_at[key][0]) for f in waiting[key][1]])
+                (key, [_result(f) if f.done() else _abandoned(now - called_at[key]) for f in waiting[key][1]])
                 for key in late
             ], []
-        times = [abandon_at[key][1] for key in waiting if key in abandon_at]
+        times = list(give_up.values())
         if deadline is not None and carryable:
             times.append(deadline)
         timeout = max(0.0, min(times) - now) if times else None
